@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make run` (set up, train the default experiment)
+# and `make test` (set up, run the test suite). Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.trainlab-installed
+
+# Without a GPU, take the CPU build of torch (a few hundred MB) instead of the default
+# CUDA build (several GB). Elsewhere set PIP_EXTRA_INDEX_URL to a CPU wheel index, or
+# override TORCH_SPEC.
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAS_GPU),yes)
+TORCH_SPEC ?= torch==2.13.0
+else
+TORCH_SPEC ?= torch==2.13.0+cpu
+endif
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	# DeepSpeed is an sdist whose setup.py imports torch: build it against the torch above.
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -e ".[deepspeed]"
+	touch $(STAMP)
+
+run: setup
+	$(PY) -m framework.train $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun checkpoints mlruns.db mlruns .cache

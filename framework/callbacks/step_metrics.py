@@ -1,0 +1,167 @@
+"""Per-optimizer-step metrics: loss, LR, grad norm, step time, tokens/s and MFU, plus a progress bar.
+
+An optimizer step ends at the ``on_train_batch_end`` in which ``trainer.global_step`` has
+advanced (Lightning increments it inside the optimizer step of the last micro-batch).
+``perf/step_time_s`` is the wall time between consecutive step ends, so it contains data
+wait, forward/backward, communication and the optimizer. On CUDA the device is synchronised
+only at logging steps, so the window average is exact without stalling every step.
+
+The first ``trainer.warmup_steps_excluded`` steps after every (re)start are left out of the
+throughput and MFU figures (allocator warm-up, first-touch of data, lazy initialisation).
+
+MFU follows PaLM §4.1: ``tokens_per_sec * flops_per_token / (num_devices * peak_flops)``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytorch_lightning as pl
+import torch
+
+from framework.metrics.flops import mfu
+
+MetricSink = Callable[[dict[str, float], int], None]
+
+
+class StepMetrics(pl.Callback):
+    """Computes step metrics on every rank (the loss reduction is collective) and logs on rank 0.
+
+    Args:
+        tokens_per_step: ``global_batch_size * seq_len`` (tokens).
+        flops_per_token: model FLOPs per token (6N + 12·L·h·s, PaLM App. B).
+        peak_flops: peak FLOP/s of one device.
+        num_devices: devices the run uses (world size).
+        log_every_n_steps: optimizer steps between logged points.
+        warmup_steps_excluded: steps after a (re)start left out of throughput.
+        sinks: callables ``(metrics, step)`` called on rank 0 (MLflow, JSONL file).
+        progress_bar: show a tqdm bar on rank 0.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: float,
+        num_devices: int,
+        log_every_n_steps: int,
+        warmup_steps_excluded: int,
+        sinks: list[MetricSink],
+        progress_bar: bool = True,
+    ) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.num_devices = num_devices
+        self.log_every = log_every_n_steps
+        self.warmup = warmup_steps_excluded
+        self.sinks = sinks
+        self.show_bar = progress_bar
+        self._bar = None
+        self._seen_step = 0
+        self._start_step = 0
+        self._window_t0: float | None = None
+        self._window_steps = 0
+        self._timed_t0: float | None = None  # start of the post-warm-up period
+        self._timed_steps = 0
+        self.last_loss = float("nan")
+        self.summary: dict[str, float] = {}
+
+    # -- helpers -------------------------------------------------------------------------
+    def _sync(self, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def _emit(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        if trainer.is_global_zero:
+            for sink in self.sinks:
+                sink(metrics, step)
+
+    def exclude_time(self, seconds: float) -> None:
+        """Keep ``seconds`` spent outside training (validation, checkpoint saves) out of throughput."""
+        if self._window_t0 is not None:
+            self._window_t0 += seconds
+        if self._timed_t0 is not None:
+            self._timed_t0 += seconds
+
+    # -- hooks ---------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._seen_step = self._start_step = trainer.global_step
+        if self.warmup == 0:
+            self._sync(pl_module)
+            self._timed_t0 = self._window_t0 = time.perf_counter()
+        if self.show_bar and trainer.is_global_zero:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=trainer.max_steps, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True
+            )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._seen_step:
+            return  # inside gradient accumulation
+        self._seen_step = step
+        local_loss = pl_module.take_step_loss()
+        steps_since_start = step - self._start_step
+        if self.warmup > 0 and steps_since_start == self.warmup:
+            self._sync(pl_module)
+            self._timed_t0 = self._window_t0 = time.perf_counter()
+            self._timed_steps = self._window_steps = 0
+        elif steps_since_start > self.warmup:
+            self._timed_steps += 1
+            self._window_steps += 1
+        is_log_step = step % self.log_every == 0 or step == trainer.max_steps
+        if not is_log_step:
+            if self._bar is not None:
+                self._bar.update(1)
+            return
+        loss = trainer.strategy.reduce(local_loss, reduce_op="mean")
+        self.last_loss = float(loss)
+        self._sync(pl_module)
+        now = time.perf_counter()
+        metrics = {"train/loss": self.last_loss, "train/lr": pl_module.last_lr, "train/grad_norm": pl_module.last_grad_norm}
+        if self._window_t0 is not None and self._window_steps > 0:
+            step_time = (now - self._window_t0) / self._window_steps
+            tps = self.tokens_per_step / step_time
+            metrics.update(
+                {
+                    "perf/step_time_s": step_time,
+                    "perf/tokens_per_sec": tps,
+                    "perf/tokens_per_sec_per_rank": tps / self.num_devices,
+                    "perf/mfu": mfu(
+                        tokens_per_sec=tps,
+                        flops_per_token=self.flops_per_token,
+                        num_devices=self.num_devices,
+                        peak_flops_per_device=self.peak_flops,
+                    ),
+                }
+            )
+            self._window_t0, self._window_steps = now, 0
+        self._emit(trainer, metrics, step)
+        if self._bar is not None:
+            self._bar.set_postfix(
+                loss=f"{self.last_loss:.3f}", tok_s=f"{metrics.get('perf/tokens_per_sec', float('nan')):,.0f}", refresh=False
+            )
+            self._bar.update(1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._sync(pl_module)
+        summary = {"train/loss_final": self.last_loss, "train/steps": float(trainer.global_step)}
+        if self._timed_t0 is not None and self._timed_steps > 0:
+            elapsed = time.perf_counter() - self._timed_t0
+            tps = self.tokens_per_step * self._timed_steps / elapsed
+            summary["perf/tokens_per_sec_mean"] = tps
+            summary["perf/step_time_s_mean"] = elapsed / self._timed_steps
+            summary["perf/mfu_mean"] = mfu(
+                tokens_per_sec=tps,
+                flops_per_token=self.flops_per_token,
+                num_devices=self.num_devices,
+                peak_flops_per_device=self.peak_flops,
+            )
+        self.summary = summary
+        self._emit(trainer, summary, trainer.global_step)

@@ -1,0 +1,232 @@
+"""Typed schema of a trainlab run.
+
+Every Hydra config group has a dataclass here; YAML files under ``conf/`` only hold values.
+Single-field checks live in ``__post_init__`` (they run when ``OmegaConf.to_object`` builds
+the dataclasses); cross-field rules and derived values live in
+:func:`framework.config.validate.validate`. Every failure is a :class:`ConfigError` whose
+message names the key and what is allowed.
+
+The ``parallelism`` node is special: each plugin brings its own config dataclass (a subclass
+of :class:`ParallelConfig`), so the schema types it loosely and ``validate`` converts it with
+the plugin's class once the plugin is known by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. The message is one line naming the key(s) and what is allowed."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class ModelConfig:
+    """GPT decoder shape (pre-norm, causal attention, GELU MLP, tied embeddings)."""
+
+    name: str = "gpt_tiny"  # preset name, logged as a param
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads; must divide d_model
+    d_model: int = 128  # hidden size h
+    d_ff: Optional[int] = None  # MLP inner size; None = 4 * d_model
+    max_seq_len: int = 256  # longest sequence the position embedding covers (tokens)
+    vocab_size: Optional[int] = None  # None = the tokenizer's vocabulary size
+    dropout: float = 0.0  # 0 keeps runs bitwise reproducible across batch splits
+    bias: bool = True  # biases in Linear and LayerNorm
+    init_std: float = 0.02  # std of the normal init (GPT-2)
+
+    def __post_init__(self) -> None:
+        for key in ("n_layer", "n_head", "d_model", "max_seq_len"):
+            _require(getattr(self, key) > 0, f"model.{key}={getattr(self, key)} must be > 0")
+        _require(
+            self.d_model % self.n_head == 0,
+            f"model.n_head={self.n_head} must divide model.d_model={self.d_model}",
+        )
+        _require(self.d_ff is None or self.d_ff > 0, f"model.d_ff={self.d_ff} must be > 0 or null")
+        _require(
+            self.vocab_size is None or self.vocab_size > 0,
+            f"model.vocab_size={self.vocab_size} must be > 0 or null (= tokenizer size)",
+        )
+        _require(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
+
+
+DATA_SOURCES = ("stdlib_code", "text_files", "jsonl")
+
+
+@dataclass
+class DataConfig:
+    """Corpus, tokenizer and loader settings."""
+
+    name: str = "stdlib_code"  # one of DATA_SOURCES
+    paths: list[str] = field(default_factory=list)  # globs of files (text_files, jsonl)
+    text_field: str = "text"  # JSONL field holding the document text
+    seq_len: int = 128  # tokens per training window (a window holds seq_len + 1 tokens)
+    vocab_size: int = 4096  # byte-level BPE vocabulary size
+    val_fraction: float = 0.02  # fraction of files (documents for jsonl) held out for validation
+    max_bytes: Optional[int] = None  # cap on corpus bytes read (None = all)
+    cache_dir: str = ".cache/trainlab"  # tokenizer and token caches (relative to the working dir)
+    num_workers: int = 0  # DataLoader worker processes per rank
+    seed: int = 1234  # shuffling seed (same on every rank)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.name in DATA_SOURCES,
+            f"data.name={self.name!r} is not a data source; allowed: {', '.join(DATA_SOURCES)}",
+        )
+        _require(self.seq_len > 0, f"data.seq_len={self.seq_len} must be > 0")
+        _require(self.vocab_size >= 260, f"data.vocab_size={self.vocab_size} must be >= 260 (256 bytes + specials)")
+        _require(0.0 < self.val_fraction < 0.5, f"data.val_fraction={self.val_fraction} must be in (0, 0.5)")
+        _require(self.num_workers >= 0, f"data.num_workers={self.num_workers} must be >= 0")
+        _require(self.max_bytes is None or self.max_bytes > 0, f"data.max_bytes={self.max_bytes} must be > 0 or null")
+        if self.name in ("text_files", "jsonl"):
+            _require(len(self.paths) > 0, f"data.paths is empty; data.name={self.name} needs at least one file or glob")
+
+
+@dataclass
+class ParallelConfig:
+    """Fields every parallelism plugin shares. Plugins subclass this with their own options.
+
+    ``world_size = dp_degree * tp_degree * pp_degree``; ``dp_degree = -1`` derives it.
+    """
+
+    name: str = "single"  # registry name of the plugin (== conf/parallelism/<name>.yaml)
+    world_size: int = 1  # total ranks (nnodes * ranks per node)
+    nnodes: int = 1  # nodes; ranks per node = world_size / nnodes
+    dp_degree: int = -1  # data-parallel degree; -1 = world_size / (tp_degree * pp_degree)
+    tp_degree: int = 1  # tensor-parallel degree
+    pp_degree: int = 1  # pipeline-parallel degree
+    backend: str = "auto"  # process-group backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+
+    def __post_init__(self) -> None:
+        _require(self.world_size > 0, f"parallelism.world_size={self.world_size} must be > 0")
+        _require(self.nnodes > 0, f"parallelism.nnodes={self.nnodes} must be > 0")
+        _require(self.dp_degree == -1 or self.dp_degree > 0, f"parallelism.dp_degree={self.dp_degree} must be > 0 or -1 (derive)")
+        _require(self.tp_degree > 0, f"parallelism.tp_degree={self.tp_degree} must be > 0")
+        _require(self.pp_degree > 0, f"parallelism.pp_degree={self.pp_degree} must be > 0")
+        _require(
+            self.backend in ("auto", "gloo", "nccl"),
+            f"parallelism.backend={self.backend!r} is not allowed; allowed: auto, gloo, nccl",
+        )
+
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+
+
+@dataclass
+class TrainerConfig:
+    """Loop length, batch arithmetic and Lightning Trainer options.
+
+    Give any two of ``global_batch_size``, ``micro_batch_size`` and ``grad_accum_steps``
+    (in sequences; dp_degree comes from parallelism); the third is derived.
+    """
+
+    max_steps: int = 300  # optimizer steps
+    micro_batch_size: Optional[int] = 8  # sequences per rank per forward/backward
+    global_batch_size: Optional[int] = 16  # sequences per optimizer step, all ranks
+    grad_accum_steps: Optional[int] = None  # micro-batches per optimizer step per rank
+    seed: int = 1234  # model init and every RNG (same on all ranks)
+    precision: str = "32-true"  # one of PRECISIONS
+    accelerator: str = "auto"  # auto | cpu | cuda
+    log_every_n_steps: int = 10  # optimizer steps between MLflow metric writes
+    val_every_n_steps: int = 100  # optimizer steps between validation passes (also at start and end)
+    val_sequences: int = 128  # validation windows per pass, over all ranks (same set for every layout)
+    warmup_steps_excluded: int = 3  # first steps left out of throughput / MFU (warm-up)
+    threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores // local ranks
+    max_restarts: int = 0  # elastic agent restarts of failed ranks
+    progress_bar: bool = True  # tqdm bar on rank 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps > 0, f"trainer.max_steps={self.max_steps} must be > 0")
+        for key in ("micro_batch_size", "global_batch_size", "grad_accum_steps"):
+            v = getattr(self, key)
+            _require(v is None or v > 0, f"trainer.{key}={v} must be > 0 or null (derived)")
+        _require(
+            self.precision in PRECISIONS,
+            f"trainer.precision={self.precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}",
+        )
+        _require(
+            self.accelerator in ("auto", "cpu", "cuda"),
+            f"trainer.accelerator={self.accelerator!r} is not allowed; allowed: auto, cpu, cuda",
+        )
+        _require(self.log_every_n_steps > 0, f"trainer.log_every_n_steps={self.log_every_n_steps} must be > 0")
+        _require(self.val_every_n_steps > 0, f"trainer.val_every_n_steps={self.val_every_n_steps} must be > 0")
+        _require(self.val_sequences >= 0, f"trainer.val_sequences={self.val_sequences} must be >= 0")
+        _require(self.warmup_steps_excluded >= 0, f"trainer.warmup_steps_excluded={self.warmup_steps_excluded} must be >= 0")
+        _require(
+            self.threads_per_rank is None or self.threads_per_rank > 0,
+            f"trainer.threads_per_rank={self.threads_per_rank} must be > 0 or null",
+        )
+        _require(self.max_restarts >= 0, f"trainer.max_restarts={self.max_restarts} must be >= 0")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay, counted in optimizer steps."""
+
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    warmup_steps: int = 20  # optimizer steps of linear warm-up from 0
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad L2 norm; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        _require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        _require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"optim.beta1/beta2=({self.beta1}, {self.beta2}) must be in [0, 1)")
+        _require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and how often full training state is saved."""
+
+    dir: Optional[str] = None  # None = checkpoints/<experiment_name>/<run_name> (stable per run)
+    every_n_steps: int = 100  # optimizer steps between saves; 0 disables periodic saves
+    keep_last_k: int = 2  # newest checkpoints kept; older ones are deleted
+    save_last: bool = True  # also save when training ends
+
+    def __post_init__(self) -> None:
+        _require(self.every_n_steps >= 0, f"checkpoint.every_n_steps={self.every_n_steps} must be >= 0")
+        _require(self.keep_last_k > 0, f"checkpoint.keep_last_k={self.keep_last_k} must be > 0")
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking."""
+
+    uri: str = "sqlite:///mlruns.db"  # any MLflow tracking URI (sqlite file, file store, http server)
+    enabled: bool = True  # False: no MLflow at all (metrics still printed)
+
+
+RESUME_MODES = ("auto", "never")
+
+
+@dataclass
+class RunConfig:
+    """The whole run, as composed by Hydra from ``conf/``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallelism: Any = field(default_factory=lambda: {"name": "single"})  # converted by validate()
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    experiment_name: str = "default"  # MLflow experiment; experiment presets set it
+    run_name: str = "default"  # MLflow run name and checkpoint sub-folder (from the overrides)
+    resume: str = "auto"  # auto (newest valid checkpoint in checkpoint.dir) | never | <path to a checkpoint>
+
+    def __post_init__(self) -> None:
+        _require(bool(self.experiment_name), "experiment_name must not be empty")
+        _require(bool(self.run_name), "run_name must not be empty")

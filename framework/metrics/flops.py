@@ -1,0 +1,234 @@
+"""FLOPs per token, peak FLOP/s per device, MFU and HFU.
+
+Conventions (see /work/shared/REFERENCES.md, section 2.1):
+
+- ``flops_per_token = 6N + 12 * L * h * s`` (PaLM, Chowdhery et al. 2022, Appendix B; also
+  nanoGPT's ``estimate_mfu``). 6N is the forward (2N) and backward (4N) matmuls over the
+  parameters; ``12 * L * h * s`` is the attention score and value matmuls, forward and
+  backward. N is the non-embedding parameters plus the output projection V * h; for a tied
+  head that is all parameters except the position embedding (:data:`FLOPS_CONVENTION`).
+- MFU (PaLM section 4.1): observed tokens/s times model FLOPs per token, over the devices'
+  summed peak FLOP/s. Model FLOPs exclude rematerialization; HFU counts it.
+- On CUDA the peak is the dense BF16 tensor-core figure of :data:`PEAK_FLOPS_BF16` whatever the
+  run's precision (the usual way MFU is reported). On CPU, and on a GPU not in the table, it is
+  measured by a timed GEMM and cached on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import tempfile
+import time
+from typing import Callable, Optional
+
+import torch
+
+FLOPS_CONVENTION = "palm_appB:6N+12*L*h*s;N=params-wpe(tied head once)"
+"""Log as an MLflow param next to ``perf/mfu`` so the N convention is on record."""
+
+PEAK_FLOPS_BF16: dict[str, float] = {
+    # Dense (no sparsity) BF16 tensor-core FLOP/s per GPU.
+    "A100": 312e12,  # NVIDIA A100 datasheet; nanoGPT estimate_mfu; Megatron-LM gpu_peak_flops.py
+    "H100-SXM": 989.4e12,  # NVIDIA H100 datasheet: 1,979 "with sparsity", half without
+    "H100-PCIe": 756e12,  # Megatron-LM megatron/training/gpu_peak_flops.py ("H100-PCIe": 756)
+    "H200": 989e12,  # same GH100 compute as H100 SXM; Megatron-LM gpu_peak_flops.py ("H200": 989)
+    "B200": 2250e12,  # Megatron-LM gpu_peak_flops.py ("B200": 2250, dense)
+}
+"""Sources as collected in /work/shared/REFERENCES.md ("Hardware peaks")."""
+
+# (pattern on the CUDA device name, table key); the first match wins, so PCIe precedes SXM.
+# "H100 NVL" (a different clock and power budget) is left out on purpose: it is measured.
+_GPU_PATTERNS: list[tuple[str, str]] = [
+    (r"\bH100\b.*\bPCIE\b", "H100-PCIe"),
+    (r"\bH100\b(?!.*\bNVL\b)", "H100-SXM"),
+    (r"\bH200\b", "H200"),
+    (r"\bB200\b", "B200"),
+    (r"\bA100\b", "A100"),
+]
+
+_CACHE_FILE = "peak_flops.json"
+_DTYPES = {
+    "fp32": torch.float32, "32-true": torch.float32, "32": torch.float32,
+    "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+    "fp16": torch.float16, "16-mixed": torch.float16, "16-true": torch.float16,
+}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def flops_per_token(*, n_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
+    """Training (forward + backward) FLOPs per token: ``6 * n_params + 12 * n_layer * d_model * seq_len``.
+
+    PaLM (Chowdhery et al., 2022), Appendix B. ``n_params`` is N as in :data:`FLOPS_CONVENTION`
+    (e.g. ``GPT.num_flops_params()``). The attention term counts the full s x s score matrix
+    (no discount for causal masking), as PaLM does.
+    """
+    return 6 * int(n_params) + 12 * int(n_layer) * int(d_model) * int(seq_len)
+
+
+def _gpu_key(device_name: str) -> Optional[str]:
+    name = device_name.upper()
+    for pattern, key in _GPU_PATTERNS:
+        if re.search(pattern, name):
+            return key
+    return None
+
+
+def match_gpu_peak(device_name: str) -> Optional[float]:
+    """Dense BF16 peak FLOP/s for a CUDA device name (``torch.cuda.get_device_name()``), e.g.
+    ``"NVIDIA H100 80GB HBM3"`` -> 989.4e12; None when the GPU is not in the table."""
+    key = _gpu_key(device_name)
+    return PEAK_FLOPS_BF16[key] if key else None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _measure_gemm_flops(
+    device: torch.device, dtype: torch.dtype, *, n: int, repeat_s: float = 0.2, repeats: int = 3,
+    timer: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Best-of-``repeats`` FLOP/s of ``n x n`` matmuls (2 * n^3 FLOPs each), each repeat ~``repeat_s``."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run(k: int) -> float:
+        sync()
+        t0 = timer()
+        for _ in range(k):
+            torch.mm(a, b, out=out)
+        sync()
+        return max(timer() - t0, 1e-9)
+
+    one = run(1)  # warm-up (allocations, kernel selection)
+    one = min(one, run(1))
+    k = max(1, int(repeat_s / one))
+    best = min(run(k) for _ in range(repeats))
+    return 2.0 * n**3 * k / best
+
+
+def _read_cache(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache_entry(path: str, key: str, entry: dict) -> None:
+    """Merge one entry into the JSON cache atomically (temp file + os.replace); concurrent
+    writers may drop each other's new entries, which only costs a re-measurement."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    data = _read_cache(path)
+    data[key] = entry
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".peak_flops.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def peak_flops(
+    device: torch.device, *, dtype: str, threads: Optional[int] = None, cache_dir: str
+) -> tuple[float, str]:
+    """Peak FLOP/s of one device and how it was obtained (log the string as a param).
+
+    Args:
+        device: the device a rank trains on.
+        dtype: ``fp32`` | ``bf16`` | ``fp16``, or a trainer precision (``32-true``, ``bf16-mixed``,
+            ``16-mixed``); on CPU (and unknown GPUs) the GEMM is timed in this dtype.
+        threads: torch CPU threads to measure with; None = the current ``torch.get_num_threads()``.
+        cache_dir: folder of ``peak_flops.json``, the measurement cache.
+
+    Returns:
+        ``(flop_per_s, method)``, method e.g. ``"table:H100-SXM:bf16"`` or
+        ``"measured:cpu-fp32-gemm:threads=1"``.
+
+    CUDA GPUs in :data:`PEAK_FLOPS_BF16` use the table (dense BF16, whatever ``dtype``). Anything
+    else is measured once (< 2 s) and cached under a key of (CPU model or GPU name, threads,
+    dtype, torch version), so later runs and other ranks read the file.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not known; allowed: {', '.join(_DTYPES)}")
+    tdtype = _DTYPES[dtype]
+    dname = _DTYPE_NAMES[tdtype]
+    device = torch.device(device)
+
+    if device.type == "cuda":
+        gpu_name = torch.cuda.get_device_name(device)
+        key = _gpu_key(gpu_name)
+        if key is not None:
+            return PEAK_FLOPS_BF16[key], f"table:{key}:bf16"
+        hw, n, tag = gpu_name, 4096, f"cuda-{dname}-gemm"
+    elif device.type == "cpu":
+        hw, n, tag = _cpu_model(), 1024, f"cpu-{dname}-gemm"
+    else:
+        raise ValueError(f"peak_flops: device type {device.type!r} is not supported (cpu, cuda)")
+
+    prev_threads = torch.get_num_threads()
+    n_threads = threads or prev_threads
+    method = f"measured:{tag}:threads={n_threads}" if device.type == "cpu" else f"measured:{tag}"
+    cache_key = f"{hw}|{tag}|threads={n_threads}|torch={torch.__version__}"
+    path = os.path.join(cache_dir, _CACHE_FILE)
+    entry = _read_cache(path).get(cache_key)
+    if isinstance(entry, dict) and float(entry.get("flops", 0)) > 0:
+        return float(entry["flops"]), method
+
+    if n_threads != prev_threads:
+        torch.set_num_threads(n_threads)
+    try:
+        flops = _measure_gemm_flops(device, tdtype, n=n)
+    finally:
+        if n_threads != prev_threads:
+            torch.set_num_threads(prev_threads)
+    _write_cache_entry(path, cache_key, {"flops": flops, "method": method, "n": n, "measured_at": time.time()})
+    return flops, method
+
+
+def _ratio(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:
+    if num_devices <= 0 or peak_flops_per_device <= 0:
+        raise ValueError(
+            f"num_devices={num_devices} and peak_flops_per_device={peak_flops_per_device} must be > 0"
+        )
+    return tokens_per_sec * flops_per_token / (num_devices * peak_flops_per_device)
+
+
+def mfu(*, tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:
+    """Model FLOPs utilization, a fraction (PaLM section 4.1).
+
+    ``tokens_per_sec * flops_per_token / (num_devices * peak_flops_per_device)``, with
+    ``tokens_per_sec`` the whole job's throughput and ``flops_per_token`` the model FLOPs
+    (:func:`flops_per_token`; no rematerialization).
+    """
+    return _ratio(tokens_per_sec, flops_per_token, num_devices, peak_flops_per_device)
+
+
+def hfu(
+    *, tokens_per_sec: float, hardware_flops_per_token: float, num_devices: int, peak_flops_per_device: float
+) -> float:
+    """Hardware FLOPs utilization, a fraction (PaLM section 4.1): the MFU formula with the FLOPs
+    the hardware actually runs, recomputation included.
+
+    With full activation recompute the forward runs twice, so hardware FLOPs per token are
+    ``8N + 16 * L * h * s`` instead of ``6N + 12 * L * h * s`` (HFU/MFU = 4/3); selective
+    recompute lands in between (PaLM: 57.8% HFU vs 46.2% MFU).
+    """
+    return _ratio(tokens_per_sec, hardware_flops_per_token, num_devices, peak_flops_per_device)

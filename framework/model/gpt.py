@@ -1,0 +1,208 @@
+"""A GPT-style decoder: pre-norm blocks, causal attention, GELU MLP, tied embeddings.
+
+Shapes use b = micro-batch, s = sequence length, h = ``d_model``, V = vocabulary size,
+H = heads, d = head_dim = h / n_head, f = d_ff.
+
+Module names are part of the API: tensor-parallel plans refer to ``blocks.N.attn.qkv``,
+``blocks.N.attn.proj``, ``blocks.N.mlp.fc`` and ``blocks.N.mlp.proj``.
+
+Tensor-parallel friendliness:
+- the fused ``qkv`` output is laid out per head, ``[H, 3, d]`` (Megatron's layout), not
+  GPT-2's ``[3, H, d]``; a contiguous column shard of ``qkv`` therefore holds whole heads,
+  each with its own q, k and v;
+- the number of heads is read at forward time from the local output width
+  (``width // (3 * head_dim)``) with ``head_dim`` fixed, so a sharded ``qkv`` simply runs
+  fewer heads.
+
+Parameter counts are taken once, at construction, so they describe the whole model even
+after a plugin shards or replaces its weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.config.schema import ModelConfig
+from framework.metrics.flops import flops_per_token as _flops_per_token
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: ``[b, s, h] -> [b, s, h]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.d_model
+        self.n_head = cfg.n_head  # heads of the whole model; the local count comes from qkv
+        self.head_dim = h // cfg.n_head  # fixed; sharding changes the head count, never this
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(h, 3 * h, bias=cfg.bias)  # out features laid out [H, 3, d]
+        self.proj = nn.Linear(h, h, bias=cfg.bias)  # residual projection
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[b, s, h]`` -> ``[b, s, h]``."""
+        b, s, _ = x.shape
+        qkv = self.qkv(x)  # [b, s, 3 * H_local * d]
+        n_local = qkv.size(-1) // (3 * self.head_dim)  # H_local (== n_head unless sharded)
+        qkv = qkv.view(b, s, n_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)  # [3, b, H, s, d]
+        q, k, v = qkv.unbind(0)  # each [b, H, s, d]
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # [b, H, s, d]
+        y = y.transpose(1, 2).reshape(b, s, n_local * self.head_dim)  # [b, s, H_local * d]
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``[b, s, h] -> fc -> [b, s, f] -> GELU -> proj -> [b, s, h]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d_ff = cfg.d_ff or 4 * cfg.d_model
+        self.fc = nn.Linear(cfg.d_model, d_ff, bias=cfg.bias)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(d_ff, cfg.d_model, bias=cfg.bias)  # residual projection
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[b, s, h]`` -> ``[b, s, h]``."""
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; ``[b, s, h]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[b, s, h]`` -> ``[b, s, h]``."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT decoder with learned positions and an output head tied to the token embedding.
+
+    Args:
+        cfg: the model shape.
+        vocab_size: the tokenizer's vocabulary size. The embedding has
+            ``cfg.vocab_size`` rows when that is set (it may pad the tokenizer's size, never
+            be smaller), else ``vocab_size`` rows.
+
+    The output head has no weight of its own: logits are ``ln_f(x) @ wte.weight.T``, so
+    the state dict holds the matrix once (as ``wte.weight``) and so do the counts.
+    """
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
+            raise ValueError(
+                f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"({vocab_size}); set model.vocab_size to null or >= {vocab_size}"
+            )
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size or vocab_size
+        self.max_seq_len = cfg.max_seq_len
+        self.n_layer = cfg.n_layer
+        self.d_model = cfg.d_model
+
+        self.wte = nn.Embedding(self.vocab_size, cfg.d_model)  # [V, h]; also the output head
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)  # [max_seq_len, h]
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self._init_weights()
+
+        # Counted now, before any plugin shards the weights (see the module docstring).
+        self._n_params = sum(p.numel() for p in self.parameters())  # tied head counted once
+        self._n_wpe = self.wpe.weight.numel()
+
+    def _init_weights(self) -> None:
+        """GPT-2 init: every weight ~ N(0, init_std); the residual projections (``attn.proj``,
+        ``mlp.proj``) ~ N(0, init_std / sqrt(2 * n_layer)) so the residual stream's variance does
+        not grow with depth; biases 0; LayerNorm weights 1. Deterministic given
+        ``torch.manual_seed`` (modules are visited in a fixed order)."""
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_resid = name.endswith("attn.proj") or name.endswith("mlp.proj")
+                nn.init.normal_(module.weight, mean=0.0, std=resid_std if is_resid else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection ``[V, h]``: the token embedding itself (tied)."""
+        return self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the decoder.
+
+        Args:
+            idx: token ids ``[b, s]`` (int64), ``s <= max_seq_len``.
+            targets: next-token ids ``[b, s]`` or None.
+
+        Returns:
+            logits ``[b, s, V]`` when ``targets`` is None; otherwise the mean cross-entropy over
+            all ``b * s`` tokens, a 0-dim fp32 tensor (also under autocast).
+        """
+        b, s = idx.shape
+        if s > self.max_seq_len:
+            raise ValueError(
+                f"seq_len={s} is longer than model.max_seq_len={self.max_seq_len}; "
+                "raise model.max_seq_len or shorten the sequences"
+            )
+        pos = torch.arange(s, device=idx.device)  # [s]
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # [b, s, h]
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)  # [b, s, h]
+        logits = F.linear(x, self.wte.weight)  # [b, s, V], tied head
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(b * s, -1), targets.reshape(b * s))
+
+    def num_params(self, *, exclude_position_embedding: bool = True) -> int:
+        """Parameters of the whole model, the tied head counted once (it *is* ``wte``).
+
+        With ``exclude_position_embedding`` (the default, nanoGPT's convention) ``wpe`` is left
+        out; since the head is tied this equals :meth:`num_flops_params`. GPT-2 small
+        (L=12, h=768, V=50257, max_seq_len=1024): 124,439,808 in all, 123,653,376 without wpe.
+        """
+        return self._n_params - (self._n_wpe if exclude_position_embedding else 0)
+
+    def num_flops_params(self) -> int:
+        """N in ``6N``: the non-embedding parameters plus the output projection (V * h).
+
+        The position embedding is a lookup, not a matmul, so it is left out; the token
+        embedding lookup is also free, but the output head multiplies by the same V * h
+        matrix, so it counts once. With tied embeddings this is total params minus ``wpe``.
+        Log this convention next to the metric (``framework.metrics.flops.FLOPS_CONVENTION``).
+        """
+        return self._n_params - self._n_wpe
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), ``6N + 12 * L * h * seq_len``.
+
+        PaLM (Chowdhery et al., 2022), Appendix B; see :func:`framework.metrics.flops.flops_per_token`.
+        """
+        return _flops_per_token(
+            n_params=self.num_flops_params(), n_layer=self.n_layer, d_model=self.d_model, seq_len=seq_len
+        )

@@ -1,0 +1,125 @@
+"""The LightningModule: a GPT, its loss, AdamW and a warm-up + cosine LR schedule.
+
+Gradient accumulation is Lightning's: with ``accumulate_grad_batches = grad_accum_steps`` it
+divides each micro-batch loss by ``grad_accum_steps`` and (under DDP) skips the gradient
+all-reduce on every micro-batch but the last. Each micro-batch loss is the mean over its
+``micro_batch_size * seq_len`` tokens, and every micro-batch holds the same number of tokens, so
+the optimizer step's loss is exactly the mean over the global batch however it is split.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from framework.config.validate import ResolvedRun
+from framework.model import GPT
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier at optimizer step ``step`` (0-based): linear warm-up, then cosine to ``min_lr_ratio``.
+
+    Counted in optimizer steps, never micro-batches (Lightning steps an ``interval="step"``
+    scheduler once per optimizer step).
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, max_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LMModule(pl.LightningModule):
+    """Causal language modelling on windows of ``seq_len + 1`` tokens.
+
+    Batches are ``(x, y)``, both ``LongTensor[micro_batch_size, seq_len]``.
+    """
+
+    def __init__(self, resolved: ResolvedRun, vocab_size: int, plugin: Any) -> None:
+        super().__init__()
+        self.resolved = resolved
+        self.vocab_size = vocab_size
+        self.plugin = plugin
+        self.model: torch.nn.Module | None = None
+        # Sum of this rank's micro-batch losses in the current optimizer step (for logging).
+        self.step_loss_sum = torch.zeros(())
+        self.step_micro_batches = 0
+        self.last_grad_norm = float("nan")
+        self.last_lr = float("nan")
+
+    def configure_model(self) -> None:
+        """Build the GPT (seeded, identical on every rank) and let the plugin apply itself.
+
+        Idempotent, as Lightning requires: a second call does nothing.
+        """
+        if self.model is not None:
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.resolved.run.trainer.seed)
+            model = GPT(self.resolved.run.model, vocab_size=self.vocab_size)
+        apply = getattr(self.plugin, "configure_model", None)
+        self.model = apply(model, self) if apply is not None else model
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.model(x, y)
+        self.step_loss_sum = self.step_loss_sum.to(loss.device) + loss.detach().float()
+        self.step_micro_batches += 1
+        return loss
+
+    def take_step_loss(self) -> torch.Tensor:
+        """This rank's mean micro-batch loss over the optimizer step just finished; resets the sum."""
+        mean = self.step_loss_sum / max(1, self.step_micro_batches)
+        self.step_loss_sum = torch.zeros((), device=mean.device)
+        self.step_micro_batches = 0
+        return mean
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batches) -> torch.Tensor:
+        """``[sum of per-window mean losses, windows]`` of this rank over ``batches`` of ``(x, y)``.
+
+        Summed (not averaged) so that shards of different sizes combine exactly across ranks.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        acc = torch.zeros(2, device=self.device)
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
+            with self.trainer.precision_plugin.forward_context():
+                loss = self.model(x, y).float()
+            acc[0] += loss * x.shape[0]
+            acc[1] += x.shape[0]
+        self.model.train(was_training)
+        return acc
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Gradients here are complete (after DDP's all-reduce) and not yet clipped.
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.last_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        self.last_lr = float(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        o = self.resolved.run.optim
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+        )
+        schedule = partial(
+            warmup_cosine,
+            warmup_steps=o.warmup_steps,
+            max_steps=self.resolved.run.trainer.max_steps,
+            min_lr_ratio=o.min_lr_ratio,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

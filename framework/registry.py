@@ -1,0 +1,103 @@
+"""Parallelism plugin protocol and registry.
+
+A plugin is a class with a registry ``name``, a ``config_cls`` (a subclass of
+:class:`~framework.config.schema.ParallelConfig`) and methods that validate a run, build the
+Lightning strategy and describe its layout. Plugins are found through the Python entry-point
+group ``trainlab.parallelism`` (``pyproject.toml``: ``[project.entry-points."trainlab.parallelism"]``),
+so a package outside this repository adds a backend the same way the built-in ones do.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from framework.config.schema import ConfigError, ParallelConfig
+
+if TYPE_CHECKING:
+    from framework.config.validate import ResolvedRun
+
+ENTRY_POINT_GROUP = "trainlab.parallelism"
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Degrees of one layout: ``world_size = dp * tp * pp``."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@runtime_checkable
+class ParallelPlugin(Protocol):
+    """What every parallelism backend provides.
+
+    Attributes:
+        name: registry name == ``conf/parallelism/<name>.yaml`` == MLflow tag ``plugin``.
+        config_cls: the plugin's config dataclass (subclass of ``ParallelConfig``).
+        multi_process: False for plugins that always run exactly one rank.
+    """
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type[ParallelConfig]]
+
+    def __init__(self, cfg: ParallelConfig) -> None: ...
+
+    def validate(self, run: Any) -> None:
+        """Raise ConfigError (naming the keys) for settings this plugin cannot run."""
+
+    def layout(self) -> ParallelLayout:
+        """The dp/tp/pp degrees this plugin will use for ``cfg.world_size`` ranks."""
+
+    def build_strategy(self, run: "ResolvedRun") -> Any:
+        """A ``pytorch_lightning`` Strategy (object or registered name) for this layout."""
+
+
+_PLUGINS: dict[str, type] = {}
+
+
+def register_plugin(cls: type) -> type:
+    """Class decorator: register ``cls`` under ``cls.name``.
+
+    Raises:
+        ValueError: another class is already registered under that name.
+    """
+    name = cls.name
+    if name in _PLUGINS and _PLUGINS[name] is not cls:
+        raise ValueError(f"parallelism plugin {name!r} is registered twice: {_PLUGINS[name]} and {cls}")
+    _PLUGINS[name] = cls
+    return cls
+
+
+def _load_entry_points() -> None:
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _PLUGINS:
+            continue
+        cls = ep.load()
+        if getattr(cls, "name", None) != ep.name:
+            raise ValueError(f"entry point {ep.name!r} in {ENTRY_POINT_GROUP} loads {cls} whose name is {getattr(cls, 'name', None)!r}")
+        register_plugin(cls)
+
+
+def available_plugins() -> list[str]:
+    """Sorted names of every registered plugin (built-in and from entry points)."""
+    _load_entry_points()
+    return sorted(_PLUGINS)
+
+
+def get_plugin_class(name: str) -> type:
+    """Look a plugin class up by name.
+
+    Raises:
+        ConfigError: no plugin has that name; the message lists the available names.
+    """
+    _load_entry_points()
+    if name not in _PLUGINS:
+        raise ConfigError(f"parallelism.name={name!r} is not a known plugin; available: {', '.join(sorted(_PLUGINS))}")
+    return _PLUGINS[name]

@@ -1,0 +1,180 @@
+"""MLflow tracking: the driver owns the run, rank 0 writes metrics into it.
+
+The driver (which outlives every rank) creates or re-opens the run, logs params (the flattened
+resolved config), tags and the resolved config artifact, and sets the final status, so a run
+that fails ends FAILED (or KILLED on Ctrl-C), never stuck RUNNING. Rank 0 only appends metrics
+with :class:`MLflowMetricSink`. Every MLflow call during training is best-effort: a tracking
+error is warned about once and never stops training.
+
+A run is identified by ``experiment_name/run_name`` (tag ``trainlab.run_key``): running the same
+command again resumes the checkpoint *and* continues the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+RUN_KEY_TAG = "trainlab.run_key"
+_BAD_KEY_CHARS = re.compile(r"[^\w/.\- ]")
+
+
+def sanitize_key(key: str) -> str:
+    """MLflow keys allow only letters, digits, ``_ - . /`` and space; replace anything else with ``_``."""
+    return _BAD_KEY_CHARS.sub("_", key)
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``; lists become their JSON text."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+    return out
+
+
+def git_commit(path: str | Path = ".") -> str:
+    """The current git commit of ``path`` (with ``-dirty`` when there are uncommitted changes), or ``unknown``."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class DriverRun:
+    """The driver's handle on one MLflow run (create or resume, params, tags, artifacts, status)."""
+
+    def __init__(self, uri: str, experiment_name: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment_name)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment_name)
+        self.run_id: str | None = None
+
+    def find(self, run_key: str) -> str | None:
+        """Id of the newest run tagged ``trainlab.run_key == run_key`` in this experiment, or None."""
+        runs = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", order_by=["attributes.start_time DESC"], max_results=1
+        )
+        return runs[0].info.run_id if runs else None
+
+    def start(self, *, run_name: str, run_key: str, resume_run_id: str | None) -> str:
+        """Re-open ``resume_run_id`` (status back to RUNNING) or create a new run; returns its id."""
+        if resume_run_id is not None:
+            self.client.update_run(resume_run_id, status="RUNNING")
+            self.run_id = resume_run_id
+        else:
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags={RUN_KEY_TAG: run_key})
+            self.run_id = run.info.run_id
+        return self.run_id
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        """Log params (values cut to MLflow's limit); a value that changed on resume is logged as a tag instead."""
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        fresh = {k: v[:6000] for k, v in params.items() if k not in existing}
+        changed = {f"changed.{k}": v[:5000] for k, v in params.items() if k in existing and existing[k] != v[:6000]}
+        items = [Param(sanitize_key(k), v) for k, v in fresh.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        if changed:
+            self.set_tags(changed)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, sanitize_key(k), str(v))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(sanitize_key(k), float(v), ts, step) for k, v in metrics.items()])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / artifact_file
+            path.write_text(text)
+            self.client.log_artifact(self.run_id, str(path))
+
+    def log_artifact(self, path: str | Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def end(self, status: str) -> None:
+        """Set the terminal status: FINISHED, FAILED or KILLED."""
+        self.client.set_terminated(self.run_id, status=status)
+
+    def metric_history(self, key: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)]
+
+
+class MLflowMetricSink:
+    """Rank 0's best-effort metric writer: ``sink(metrics, step)``. Warns once, never raises."""
+
+    def __init__(self, uri: str, run_id: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        self.run_id = run_id
+        self._warned = False
+
+    def __call__(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        try:
+            ts = int(time.time() * 1000)
+            batch = [Metric(sanitize_key(k), float(v), ts, int(step)) for k, v in metrics.items()]
+            self.client.log_batch(self.run_id, metrics=batch)
+        except Exception as err:  # tracking must never stop training
+            if not self._warned:
+                log.warning("MLflow logging failed (training goes on; further errors are silent): %s", err)
+                self._warned = True
+
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        """Best-effort params from rank 0 (e.g. how the peak FLOP/s was obtained); existing keys are kept."""
+        for k, v in params.items():
+            try:
+                self.client.log_param(self.run_id, sanitize_key(k), str(v))
+            except Exception:  # an existing param with another value (resumed run): keep the first
+                pass
+
+
+class JsonlMetricSink:
+    """Appends ``{"step": ..., **metrics}`` lines to a file (works without MLflow; read by tests and the summary)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, metrics: Mapping[str, float], step: int) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": int(step), **{k: float(v) for k, v in metrics.items()}}) + "\n")
+
+
+def read_jsonl_metrics(path: str | Path) -> list[dict[str, float]]:
+    """All records of a :class:`JsonlMetricSink` file, in write order."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

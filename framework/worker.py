@@ -1,0 +1,164 @@
+"""One rank: build data, model, plugin strategy and a Lightning Trainer, resume, and fit.
+
+Started by the elastic agent (see :mod:`framework.launcher`) as
+``python -m framework.worker <launch.json>``; the launch file holds the resolved config and
+the MLflow run id. Rank and world size come from the environment the agent sets (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), which Lightning reads too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+def _quiet_libraries() -> None:
+    # Lightning explains its own choices at length on every rank; keep warnings and errors only.
+    # (Called after importing Lightning, which sets its loggers to INFO at import time.)
+    import pytorch_lightning  # noqa: F401
+
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*PossibleUserWarning.*")
+    warnings.filterwarnings("ignore", message=".*Consider setting `persistent_workers=True`.*")
+    warnings.filterwarnings("ignore", message=".*gloo.*")
+    # Our data module restores the sample position itself (consumed samples in its state).
+    warnings.filterwarnings("ignore", message=".*is not resumable.*")
+    # Validation is ValidationLoss's job (fixed windows at fixed steps), not Lightning's val loop.
+    warnings.filterwarnings("ignore", message=".*`val_dataloader` but have no `validation_step`.*")
+    warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+
+
+def build_trainer_and_fit(launch: dict[str, Any]) -> None:
+    """Run training for this rank as described by a launch file's contents."""
+    import pytorch_lightning as pl
+    import torch
+
+    from framework.callbacks.step_metrics import StepMetrics
+    from framework.callbacks.validation import ValidationLoss
+    from framework.checkpoint.periodic import PeriodicCheckpoint
+    from framework.config.validate import load_run_config, validate
+    from framework.data import TextDataModule, TokenCache
+    from framework.distributed import cap_threads, resolve_accelerator, threads_per_rank
+    from framework.metrics.flops import FLOPS_CONVENTION, peak_flops
+    from framework.module import LMModule
+    from framework.registry import get_plugin_class
+    from framework.tracking import JsonlMetricSink, MLflowMetricSink
+
+    run = load_run_config(launch["config"])
+    resolved = validate(run)
+    rank = int(os.environ.get("RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # ranks x threads <= cores, or CPU ranks thrash (see framework.distributed).
+    cap_threads(threads_per_rank(local_world, run.trainer.threads_per_rank))
+    accelerator = resolve_accelerator(run.trainer.accelerator)
+    torch.manual_seed(run.trainer.seed)
+
+    plugin = get_plugin_class(run.parallelism.name)(run.parallelism)
+    cache = TokenCache.open(launch["token_cache_dir"])  # built by the driver before any rank started
+    vocab_size = run.model.vocab_size or cache.vocab_size
+    dp_rank = getattr(plugin, "dp_rank", lambda r: r)(rank)
+    datamodule = TextDataModule(
+        run.data,
+        global_batch_size=resolved.global_batch_size,
+        micro_batch_size=resolved.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=resolved.layout.dp,
+        max_steps=run.trainer.max_steps,
+        val_sequences=run.trainer.val_sequences,
+        cache_dir=launch["token_cache_dir"],
+    )
+    module = LMModule(resolved, vocab_size=vocab_size, plugin=plugin)
+
+    run_dir = Path(launch["run_dir"])
+    sinks: list = [JsonlMetricSink(run_dir / "metrics.jsonl")]
+    mlflow_sink = None
+    if launch.get("mlflow_run_id") and rank == 0:
+        mlflow_sink = MLflowMetricSink(launch["tracking_uri"], launch["mlflow_run_id"])
+        sinks.append(mlflow_sink)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if accelerator == "cuda" else torch.device("cpu")
+    dtype = "bf16" if run.trainer.precision.startswith("bf16") else ("fp16" if run.trainer.precision.startswith("16") else "fp32")
+    peak, peak_method = peak_flops(device, dtype=dtype, threads=torch.get_num_threads(), cache_dir=run.data.cache_dir)
+    from framework.model import GPT  # only for the FLOPs count of the configured shape
+
+    with torch.device("meta"):
+        flops_per_token = GPT(run.model, vocab_size=vocab_size).flops_per_token(run.data.seq_len)
+    if mlflow_sink is not None:
+        mlflow_sink.log_params(
+            {"mfu.peak_flops_per_device": f"{peak:.4g}", "mfu.peak_flops_method": peak_method,
+             "mfu.flops_convention": FLOPS_CONVENTION, "mfu.flops_per_token": str(flops_per_token)}
+        )
+    step_metrics = StepMetrics(
+        tokens_per_step=resolved.tokens_per_step,
+        flops_per_token=flops_per_token,
+        peak_flops=peak,
+        num_devices=resolved.world_size,
+        log_every_n_steps=run.trainer.log_every_n_steps,
+        warmup_steps_excluded=run.trainer.warmup_steps_excluded,
+        sinks=sinks,
+        progress_bar=run.trainer.progress_bar,
+    )
+    callbacks = [
+        step_metrics,
+        ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=step_metrics.exclude_time),
+    ]
+    if run.checkpoint.every_n_steps > 0 or run.checkpoint.save_last:
+        callbacks.append(
+            PeriodicCheckpoint(
+                dirpath=resolved.checkpoint_dir,
+                every_n_steps=run.checkpoint.every_n_steps,
+                keep_last_k=run.checkpoint.keep_last_k,
+                save_last=run.checkpoint.save_last,
+                sinks=sinks,
+                on_time_spent=step_metrics.exclude_time,
+            )
+        )
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=resolved.nproc_per_node,
+        num_nodes=run.parallelism.nnodes,
+        strategy=plugin.build_strategy(resolved),
+        precision=run.trainer.precision,
+        max_steps=run.trainer.max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=resolved.grad_accum_steps,
+        gradient_clip_val=run.optim.grad_clip or None,
+        gradient_clip_algorithm="norm",
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        default_root_dir=str(run_dir),
+    )
+    ckpt_path = launch.get("resume_from")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if trainer.is_global_zero:
+        summary = {**step_metrics.summary, "flops_per_token": float(flops_per_token), "peak_flops": peak}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of one rank: ``python -m framework.worker LAUNCH_JSON``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m framework.worker LAUNCH_JSON")
+    _quiet_libraries()
+    launch = json.loads(Path(argv[0]).read_text())
+    build_trainer_and_fit(launch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Shared test fixtures.
+
+Multi-rank tests start real gloo process groups on CPU; each rank gets
+``cores // ranks`` threads (framework.distributed), so 2 ranks on 2 cores use 1 thread each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+
+
+@pytest.fixture()
+def compose():
+    """Compose ``conf/config.yaml`` with overrides, as the driver would (run_name pinned)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import framework.train  # noqa: F401  (registers the run-name resolver)
+
+    def _compose(*overrides: str):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=["run_name=test", *overrides])
+
+    return _compose

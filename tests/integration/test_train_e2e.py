@@ -1,0 +1,102 @@
+"""End to end through the driver, elastic agent, Lightning and MLflow on CPU ranks (gloo)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.integration.conftest import kill_group, losses, wait_for
+
+pytestmark = pytest.mark.slow
+
+# Per-step losses of different batch splits agree to float32 rounding: the same windows form
+# each global batch, only the order of the sums differs. 1e-5 relative is ~100x that noise.
+PARITY_RTOL = 1e-5
+
+
+def test_batch_splits_and_ddp_give_the_same_losses(runner):
+    common = ["trainer.max_steps=20", "trainer.log_every_n_steps=1", "checkpoint=none", "tracking=none",
+              "trainer.global_batch_size=8", "trainer.grad_accum_steps=null"]
+    runner.run("parallelism=single", "trainer.micro_batch_size=8", *common)
+    runner.run("parallelism=single", "trainer.micro_batch_size=2", *common)
+    runner.run("parallelism=ddp", "trainer.micro_batch_size=2", *common)
+    ref = losses(runner.metrics("parallelism=single,trainer.global_batch_size=8,trainer.grad_accum_steps=null,trainer.micro_batch_size=8"))
+    accum = losses(runner.metrics("parallelism=single,trainer.global_batch_size=8,trainer.grad_accum_steps=null,trainer.micro_batch_size=2"))
+    ddp = losses(runner.metrics("parallelism=ddp,trainer.global_batch_size=8,trainer.grad_accum_steps=null,trainer.micro_batch_size=2"))
+    assert sorted(ref) == list(range(1, 21))
+    assert ref[20] < ref[1] - 0.5, "the reference run must actually learn for the comparison to mean anything"
+    for step in ref:
+        assert accum[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"single mbs2 x accum4, step {step}"
+        assert ddp[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"ddp 2 ranks mbs2 x accum2, step {step}"
+
+
+def test_multirun_records_two_finished_runs(runner):
+    runner.run("-m", "parallelism=single,ddp", "trainer.max_steps=30", "trainer.global_batch_size=8")
+    client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
+    exp = client.get_experiment_by_name("default")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 2
+    by_plugin = {r.data.tags["plugin"]: r for r in runs}
+    assert set(by_plugin) == {"single", "ddp"}
+    for plugin, r in by_plugin.items():
+        assert r.info.status == "FINISHED"
+        assert r.data.tags["world_size"] == ("1" if plugin == "single" else "2")
+        assert r.data.tags["git_commit"]
+        assert r.data.params["parallelism.name"] == plugin
+        assert r.data.params["derived.global_batch_size"] == "8"
+        assert r.data.params["mfu.peak_flops_method"]
+        for key in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu", "perf/step_time_s", "val/loss"):
+            assert key in r.data.metrics, (plugin, key)
+        assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")][-1] == 30
+        arts = [a.path for a in client.list_artifacts(r.info.run_id)]
+        assert "resolved_config.yaml" in arts
+    # no stray folders: one output folder per job, nothing from other ranks
+    out = sorted(p.name for p in (runner.workdir / "outputs" / "default").iterdir() if p.is_dir())
+    assert out == ["parallelism=ddp,trainer.global_batch_size=8", "parallelism=single,trainer.global_batch_size=8"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_stopped_run_resumes_to_the_same_losses(runner, sig):
+    common = ["parallelism=ddp", "trainer.max_steps=30", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=10",
+              "trainer.global_batch_size=8", "trainer.micro_batch_size=2"]
+    name = "parallelism=ddp,trainer.global_batch_size=8,trainer.micro_batch_size=2"
+    # The uninterrupted reference, in its own checkpoint folder and experiment.
+    runner.run(*common, "experiment_name=ref")
+    ref = losses(runner.metrics(name, experiment="ref"))
+
+    proc = runner.start(*common)
+    ckpt_dir = runner.workdir / "checkpoints" / "default" / name
+    wait_for(lambda: (ckpt_dir / "step00000010.ckpt").exists(), timeout=300, proc=proc)
+    kill_group(proc, sig)
+    assert proc.returncode != 0
+
+    again = runner.run(*common)
+    assert "resuming from" in again.stdout
+    records = runner.metrics(name)
+    got = losses(records)
+    assert max(got) == 30
+    assert [r["train/steps"] for r in records if "train/steps" in r][-1] == 30
+    for step in range(11, 31):
+        assert got[step] == pytest.approx(ref[step], rel=1e-6), f"step {step} after resume"
+    client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
+    runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    assert len(runs) == 1, "the resumed run continues the same MLflow run"
+    assert runs[0].info.status == "FINISHED"
+
+
+def test_bad_input_fails_before_any_rank_with_one_line(runner):
+    proc = runner.run("parallelism.name=nope", check=False)
+    assert proc.returncode == 2
+    err_lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert err_lines == ["trainlab: error: parallelism.name='nope' is not a known plugin; available: ddp, single"]
+    assert not (runner.workdir / "outputs" / "default" / "parallelism.name=nope" / "launch.json").exists()
+    db = runner.workdir / "mlruns.db"
+    if db.exists():
+        client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+        assert not [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+
+    missing = runner.run("data=text_files", "data.paths=[/nonexistent/*.txt]", check=False)
+    assert missing.returncode == 2
+    assert "data.paths" in missing.stderr and "/nonexistent/*.txt" in missing.stderr

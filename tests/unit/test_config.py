@@ -1,0 +1,100 @@
+"""Config schema, batch arithmetic and validation: bad input gives one clear line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from framework.config.schema import ConfigError
+from framework.config.validate import derive_batch, load_run_config, validate
+from tests.conftest import CONF_DIR
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        (dict(micro_batch_size=8, global_batch_size=16, grad_accum_steps=None, dp_degree=2), (8, 1, 16)),
+        (dict(micro_batch_size=2, global_batch_size=16, grad_accum_steps=None, dp_degree=2), (2, 4, 16)),
+        (dict(micro_batch_size=None, global_batch_size=32, grad_accum_steps=4, dp_degree=2), (4, 4, 32)),
+        (dict(micro_batch_size=3, global_batch_size=None, grad_accum_steps=5, dp_degree=4), (3, 5, 60)),
+        (dict(micro_batch_size=2, global_batch_size=8, grad_accum_steps=2, dp_degree=2), (2, 2, 8)),
+    ],
+)
+def test_derive_batch_fills_the_third(given, expected):
+    mbs, acc, gbs = derive_batch(**given)
+    assert (mbs, acc, gbs) == expected
+    assert gbs == mbs * acc * given["dp_degree"]
+
+
+@pytest.mark.parametrize(
+    "given, fragment",
+    [
+        (dict(micro_batch_size=3, global_batch_size=16, grad_accum_steps=None, dp_degree=2), "not divisible"),
+        (dict(micro_batch_size=None, global_batch_size=10, grad_accum_steps=4, dp_degree=2), "not divisible"),
+        (dict(micro_batch_size=2, global_batch_size=16, grad_accum_steps=2, dp_degree=2), "!= micro_batch_size 2"),
+        (dict(micro_batch_size=2, global_batch_size=None, grad_accum_steps=None, dp_degree=2), "at least two"),
+    ],
+)
+def test_derive_batch_rejects_inconsistent(given, fragment):
+    with pytest.raises(ConfigError, match=fragment) as info:
+        derive_batch(**given)
+    assert "\n" not in str(info.value)
+
+
+def test_default_config_composes_and_validates(compose):
+    resolved = validate(load_run_config(compose()))
+    assert resolved.plugin_name == "ddp"
+    assert (resolved.layout.dp, resolved.layout.tp, resolved.layout.pp) == (2, 1, 1)
+    assert resolved.global_batch_size == 16 and resolved.micro_batch_size == 8 and resolved.grad_accum_steps == 1
+    assert resolved.tokens_per_step == 16 * 128
+    assert resolved.checkpoint_dir == "checkpoints/default/test"
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "group, option",
+    [(g, o) for g in ("model", "data", "parallelism", "checkpoint", "trainer", "tracking", "experiment") for o in _options(g)],
+)
+def test_every_conf_option_composes_and_validates(compose, group, option, tmp_path):
+    overrides = [f"{group}={option}"]
+    if group == "data" and option in ("text_files", "jsonl"):
+        overrides.append(f"data.paths=[{tmp_path}/*.txt]")
+    if group == "parallelism" and option == "single":
+        overrides.append("trainer.global_batch_size=8")
+    run = load_run_config(compose(*overrides))
+    validate(run)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["parallelism.name=nope"], "parallelism.name='nope' is not a known plugin; available: ddp, single"),
+        (["trainer.global_batch_size=15"], "trainer.global_batch_size=15 is not divisible"),
+        (["data.seq_len=512"], "data.seq_len=512 is longer than model.max_seq_len=256"),
+        (["optim.lr=0"], "optim.lr=0.0 must be > 0"),
+        (["optim.lr=-1e-3"], "optim.lr=-0.001 must be > 0"),
+        (["parallelism.world_size=3", "parallelism.dp_degree=2"], "parallelism.world_size=3 != dp_degree(2) x tp_degree(1) x pp_degree(1) = 2"),
+        (["parallelism.tp_degree=2"], "plugin 'ddp' is data parallel only"),
+        (["parallelism=single", "parallelism.world_size=2"], "must be 1 for plugin 'single'"),
+        (["trainer.precision=fp8"], "trainer.precision='fp8' is not allowed; allowed: 32-true, bf16-mixed, 16-mixed"),
+        (["trainer.max_steps=abc"], "trainer.max_steps"),
+        (["+parallelism.bogus=1"], "parallelism.bogus is not an option of plugin 'ddp'"),
+        (["data=text_files"], "data.paths"),
+        (["model.n_head=5"], "model.n_head=5 must divide model.d_model=128"),
+        (["data.name=web"], "data.name='web' is not a data source; allowed: stdlib_code, text_files, jsonl"),
+    ],
+)
+def test_bad_input_is_one_clear_line(compose, overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        validate(load_run_config(compose(*overrides)))
+    msg = str(info.value)
+    assert fragment in msg
+    assert "\n" not in msg
+
+
+def test_all_errors_are_reported_together(compose):
+    with pytest.raises(ConfigError) as info:
+        validate(load_run_config(compose("data.seq_len=512", "trainer.global_batch_size=15")))
+    assert "data.seq_len=512" in str(info.value) and "trainer.global_batch_size=15" in str(info.value)
