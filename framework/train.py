@@ -26,8 +26,8 @@ def run_name_from_overrides(override_dirname: str) -> str:
     if not override_dirname:
         return "default"
     name = re.sub(r"[^\w.,=+\-]", "_", override_dirname)
-    if len(name) > 80:
-        name = name[:60] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
+    if len(name) > 140:  # keep folder names well under the 255-byte limit, still unique
+        name = name[:120] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
     return name
 
 
@@ -91,6 +91,18 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         cache = prepare_data(run.data)
         if run.model.vocab_size is not None and run.model.vocab_size < cache.vocab_size:
             raise ConfigError(f"model.vocab_size={run.model.vocab_size} < tokenizer vocabulary {cache.vocab_size}")
+        from framework.model import GPT
+
+        import torch
+
+        with torch.device("meta"):
+            model = GPT(run.model, vocab_size=run.model.vocab_size or cache.vocab_size)
+        print(
+            f"trainlab: model {run.model.name}: {model.num_params(exclude_position_embedding=False):,} parameters"
+            f" ({model.num_flops_params():,} in 6N; vocab {model.vocab_size}, {run.model.n_layer} layers,"
+            f" d_model {run.model.d_model})",
+            flush=True,
+        )
     except ConfigError as err:
         _fail(str(err))
 
@@ -113,16 +125,11 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     tracker = None
     run_id = None
     if run.tracking.enabled:
-        from framework.model import GPT
         from framework.tracking import DriverRun, flatten, git_commit
-
-        import torch
 
         tracker = DriverRun(run.tracking.uri, run.experiment_name)
         run_key = f"{run.experiment_name}/{run.run_name}"
         run_id = tracker.start(run_name=run.run_name, run_key=run_key, resume_run_id=tracker.find(run_key) if resume_from else None)
-        with torch.device("meta"):
-            model = GPT(run.model, vocab_size=run.model.vocab_size or cache.vocab_size)
         derived = {
             "derived.dp_degree": resolved.layout.dp, "derived.tp_degree": resolved.layout.tp,
             "derived.pp_degree": resolved.layout.pp, "derived.world_size": resolved.world_size,
@@ -180,10 +187,37 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     _print_summary(run_dir, run_id, run.tracking.uri, run.experiment_name)
 
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
+    """Reject ``group=option`` overrides naming a missing option, in one line (exit code 2).
+
+    Hydra would report these too, but over several lines with a hint about stack traces;
+    this check runs first so every bad input reads the same way.
+    """
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if not key or "." in key or "/" in key or "(" in value or not (conf_dir / key).is_dir():
+            continue
+        options = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
+        for choice in (v.strip() for v in value.split(",")):
+            if choice and choice != "null" and choice not in options:
+                _fail(f"{key}={choice!r} is not an option of config group {key!r}; available: {', '.join(options)}")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point: one call per job (``-m`` runs one per sweep point)."""
+def _hydra_main(cfg: DictConfig) -> None:
     run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def main() -> None:
+    """Console entry point: one Hydra job per call (``-m`` runs one per sweep point)."""
+    check_group_choices(sys.argv[1:])
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,25 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
+def _die_with_parent() -> None:
+    """Make this rank die when the elastic agent dies (Linux).
+
+    The agent starts each rank in a session of its own, so a SIGKILL of the driver (which hosts
+    the agent) would otherwise leave orphaned ranks training on, writing checkpoints and
+    metrics next to the run that replaces them.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _quiet_libraries() -> None:
     # Lightning explains its own choices at length on every rank; keep warnings and errors only.
     # (Called after importing Lightning, which sets its loggers to INFO at import time.)
@@ -155,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m framework.worker LAUNCH_JSON")
+    _die_with_parent()
     _quiet_libraries()
     launch = json.loads(Path(argv[0]).read_text())
     build_trainer_and_fit(launch)

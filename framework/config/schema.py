@@ -126,7 +126,7 @@ class TrainerConfig:
     (in sequences; dp_degree comes from parallelism); the third is derived.
     """
 
-    max_steps: int = 300  # optimizer steps
+    max_steps: int = 800  # optimizer steps
     micro_batch_size: Optional[int] = 8  # sequences per rank per forward/backward
     global_batch_size: Optional[int] = 16  # sequences per optimizer step, all ranks
     grad_accum_steps: Optional[int] = None  # micro-batches per optimizer step per rank

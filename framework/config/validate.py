@@ -201,6 +201,11 @@ def validate(run: RunConfig) -> ResolvedRun:
             f"model.vocab_size={run.model.vocab_size} is smaller than data.vocab_size={run.data.vocab_size}"
             " (the tokenizer's); set it >= that or null"
         )
+    if run.trainer.accelerator == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            errors.append("trainer.accelerator='cuda' but no CUDA device is visible; allowed here: auto, cpu")
     plugin = get_plugin_class(run.parallelism.name)(run.parallelism)
     check(lambda: plugin.validate(run))
     if errors:

@@ -34,8 +34,10 @@ class Runner:
         self.cache = cache
 
     def args(self, *overrides: str) -> list[str]:
-        return [sys.executable, "-m", "framework.train", *SMALL_DATA, f"data.cache_dir={self.cache}",
-                "trainer.progress_bar=false", *overrides]
+        flags = [o for o in overrides if o.startswith("-")]  # e.g. -m must precede the overrides
+        rest = [o for o in overrides if not o.startswith("-")]
+        return [sys.executable, "-m", "framework.train", *flags, *SMALL_DATA, f"data.cache_dir={self.cache}",
+                "trainer.progress_bar=false", *rest]
 
     def run(self, *overrides: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(self.args(*overrides), cwd=self.workdir, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,49 @@
+"""Plugin registry: entry-point discovery, duplicates, unknown names, the protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from framework.config.schema import ConfigError, ParallelConfig
+from framework.registry import ParallelPlugin, available_plugins, get_plugin_class, register_plugin
+from framework.train import check_group_choices
+from tests.conftest import CONF_DIR
+
+
+@pytest.mark.parametrize("name", ["single", "ddp"])
+def test_builtin_plugins_come_from_entry_points_and_conf(name):
+    assert name in available_plugins()
+    cls = get_plugin_class(name)
+    assert cls.name == name
+    assert issubclass(cls.config_cls, ParallelConfig)
+    assert isinstance(cls(cls.config_cls()), ParallelPlugin)
+    assert (CONF_DIR / "parallelism" / f"{name}.yaml").exists(), "every plugin has conf/parallelism/<name>.yaml"
+
+
+def test_unknown_plugin_lists_available_names():
+    with pytest.raises(ConfigError, match=r"parallelism.name='zero9' is not a known plugin; available: .*ddp.*single"):
+        get_plugin_class("zero9")
+
+
+def test_registering_a_second_class_under_a_taken_name_fails():
+    @dataclass
+    class Cfg(ParallelConfig):
+        name: str = "ddp"
+
+    class Impostor:
+        name = "ddp"
+        config_cls = Cfg
+
+    with pytest.raises(ValueError, match="registered twice"):
+        register_plugin(Impostor)
+
+
+def test_unknown_group_option_is_one_line_before_hydra(capsys):
+    with pytest.raises(SystemExit) as info:
+        check_group_choices(["parallelism=single,zero9", "trainer.max_steps=3"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, single"
+    check_group_choices(["parallelism=single,ddp", "model=gpt2_124m", "experiment=null", "data.paths=[a,b]"])  # fine
