@@ -1,5 +1,7 @@
 # Two commands on a fresh machine: `make run` (set up, train the default experiment)
 # and `make test` (set up, run the test suite). Both create .venv when it is missing.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,13 +21,17 @@ endif
 
 setup: $(STAMP)
 
+# pip's notes about local index folders it skips are noise; real errors still fail the build.
+QUIET := 2>&1 | { grep -v -e 'is ignored: it is neither a file nor a directory' -e 'BuildBackendWarning' || true; }
+
 $(STAMP): pyproject.toml
+	@echo "setting up $(VENV) ($(TORCH_SPEC)); this takes a minute or two the first time"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
-	# DeepSpeed is an sdist whose setup.py imports torch: build it against the torch above.
-	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -e ".[deepspeed]"
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --upgrade pip setuptools wheel $(QUIET)
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q "$(TORCH_SPEC)" $(QUIET)
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[dev]" $(QUIET)
+	@# DeepSpeed ships as an sdist whose setup.py imports torch: build it against the torch above.
+	DS_BUILD_OPS=0 PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-build-isolation -e ".[deepspeed]" $(QUIET)
 	touch $(STAMP)
 
 run: setup
