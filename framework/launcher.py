@@ -50,8 +50,6 @@ def launch_ranks(resolved: ResolvedRun, launch_file: Path, log_dir: Path) -> Non
     run = resolved.run
     nproc = resolved.nproc_per_node
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc, run.trainer.threads_per_rank))
-    if run.parallelism.nnodes != 1:
-        raise NotImplementedError("parallelism.nnodes > 1 needs a shared rendezvous endpoint; only 1 node is supported yet")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -162,8 +162,8 @@ def _layout(par: ParallelConfig) -> ParallelLayout:
         raise ConfigError(
             f"parallelism.world_size={par.world_size} != dp_degree({dp}) x tp_degree({tp}) x pp_degree({pp}) = {dp * tp * pp}"
         )
-    if par.world_size % par.nnodes:
-        raise ConfigError(f"parallelism.world_size={par.world_size} is not divisible by parallelism.nnodes={par.nnodes}")
+    if par.nnodes != 1:
+        raise ConfigError(f"parallelism.nnodes={par.nnodes}: only 1 node is supported yet (allowed: 1)")
     return ParallelLayout(dp=dp, tp=tp, pp=pp)
 
 

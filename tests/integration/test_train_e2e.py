@@ -7,6 +7,7 @@ import signal
 import pytest
 from mlflow.tracking import MlflowClient
 
+from framework.module import warmup_cosine
 from tests.integration.conftest import kill_group, losses, wait_for
 
 pytestmark = pytest.mark.slow
@@ -23,6 +24,11 @@ def test_batch_splits_and_ddp_give_the_same_losses(runner):
     runner.run("parallelism=single", "trainer.micro_batch_size=2", "run_name=accum", *common)
     runner.run("parallelism=ddp", "trainer.micro_batch_size=2", "run_name=ddp", *common)
     ref, accum, ddp = (losses(runner.metrics(name)) for name in ("ref", "accum", "ddp"))
+    # The LR schedule counts optimizer steps, not micro-batches: same lr at every step for all splits.
+    lrs = [{int(r["step"]): r["train/lr"] for r in runner.metrics(n) if "train/lr" in r} for n in ("ref", "accum", "ddp")]
+    expected = {k: 3e-3 * warmup_cosine(k - 1, warmup_steps=20, max_steps=20, min_lr_ratio=0.1) for k in range(1, 21)}
+    for got_lr in lrs:
+        assert got_lr == pytest.approx(expected, rel=1e-9)
     assert sorted(ref) == list(range(1, 21))
     assert min(ref.values()) < ref[1] - 0.5, "the reference run must actually learn for the comparison to mean anything"
     for step in ref:

@@ -83,6 +83,7 @@ def test_every_conf_option_composes_and_validates(compose, group, option, tmp_pa
         (["+parallelism.bogus=1"], "parallelism.bogus is not an option of plugin 'ddp'"),
         (["data=text_files"], "data.paths"),
         (["model.n_head=5"], "model.n_head=5 must divide model.d_model=128"),
+        (["parallelism.nnodes=2"], "parallelism.nnodes=2: only 1 node is supported yet (allowed: 1)"),
         (["data.name=web"], "data.name='web' is not a data source; allowed: stdlib_code, text_files, jsonl"),
     ],
 )
@@ -98,3 +99,13 @@ def test_all_errors_are_reported_together(compose):
     with pytest.raises(ConfigError) as info:
         validate(load_run_config(compose("data.seq_len=512", "trainer.global_batch_size=15")))
     assert "data.seq_len=512" in str(info.value) and "trainer.global_batch_size=15" in str(info.value)
+
+
+def test_warmup_cosine_schedule():
+    from framework.module import warmup_cosine
+
+    f = lambda k: warmup_cosine(k, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)  # noqa: E731
+    assert [f(k) for k in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])  # linear warm-up to the peak
+    assert f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the cosine
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)  # floor at min_lr_ratio
