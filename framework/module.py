@@ -101,8 +101,10 @@ class LMModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Gradients here are complete (after DDP's all-reduce) and not yet clipped.
+        # Sharded plugins hold DTensor gradients: their norm is a DTensor to gather.
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.last_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        self.last_grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.last_lr = float(optimizer.param_groups[0]["lr"])
 
     def configure_optimizers(self) -> dict[str, Any]:

@@ -17,15 +17,16 @@ pytestmark = pytest.mark.slow
 PARITY_RTOL = 1e-5
 
 
-def test_batch_splits_and_ddp_give_the_same_losses(runner):
+def test_batch_splits_ddp_and_fsdp_give_the_same_losses(runner):
     common = ["trainer.max_steps=20", "trainer.log_every_n_steps=1", "checkpoint=none", "tracking=none",
               "trainer.global_batch_size=8", "trainer.grad_accum_steps=null"]
     runner.run("parallelism=single", "trainer.micro_batch_size=8", "run_name=ref", *common)
     runner.run("parallelism=single", "trainer.micro_batch_size=2", "run_name=accum", *common)
     runner.run("parallelism=ddp", "trainer.micro_batch_size=2", "run_name=ddp", *common)
-    ref, accum, ddp = (losses(runner.metrics(name)) for name in ("ref", "accum", "ddp"))
+    runner.run("parallelism=fsdp", "trainer.micro_batch_size=2", "run_name=fsdp", *common)
+    ref, accum, ddp, fsdp = (losses(runner.metrics(name)) for name in ("ref", "accum", "ddp", "fsdp"))
     # The LR schedule counts optimizer steps, not micro-batches: same lr at every step for all splits.
-    lrs = [{int(r["step"]): r["train/lr"] for r in runner.metrics(n) if "train/lr" in r} for n in ("ref", "accum", "ddp")]
+    lrs = [{int(r["step"]): r["train/lr"] for r in runner.metrics(n) if "train/lr" in r} for n in ("ref", "accum", "ddp", "fsdp")]
     expected = {k: 3e-3 * warmup_cosine(k - 1, warmup_steps=20, max_steps=20, min_lr_ratio=0.1) for k in range(1, 21)}
     for got_lr in lrs:
         assert got_lr == pytest.approx(expected, rel=1e-9)
@@ -34,6 +35,7 @@ def test_batch_splits_and_ddp_give_the_same_losses(runner):
     for step in ref:
         assert accum[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"single mbs2 x accum4, step {step}"
         assert ddp[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"ddp 2 ranks mbs2 x accum2, step {step}"
+        assert fsdp[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"fsdp 2 ranks mbs2 x accum2, step {step}"
 
 
 def test_multirun_records_two_finished_runs(runner):
@@ -96,7 +98,7 @@ def test_bad_input_fails_before_any_rank_with_one_line(runner):
     proc = runner.run("parallelism.name=nope", check=False)
     assert proc.returncode == 2
     err_lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert err_lines == ["trainlab: error: parallelism.name='nope' is not a known plugin; available: ddp, single"]
+    assert err_lines == ["trainlab: error: parallelism.name='nope' is not a known plugin; available: ddp, fsdp, single"]
     assert not list(runner.workdir.glob("outputs/**/launch.json"))
     db = runner.workdir / "mlruns.db"
     if db.exists():

@@ -12,7 +12,7 @@ from framework.train import check_group_choices
 from tests.conftest import CONF_DIR
 
 
-@pytest.mark.parametrize("name", ["single", "ddp"])
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp"])
 def test_builtin_plugins_come_from_entry_points_and_conf(name):
     assert name in available_plugins()
     cls = get_plugin_class(name)
@@ -45,5 +45,5 @@ def test_unknown_group_option_is_one_line_before_hydra(capsys):
         check_group_choices(["parallelism=single,zero9", "trainer.max_steps=3"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, single"
+    assert err == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, fsdp, single"
     check_group_choices(["parallelism=single,ddp", "model=gpt2_124m", "experiment=null", "data.paths=[a,b]"])  # fine
