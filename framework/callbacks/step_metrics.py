@@ -95,8 +95,12 @@ class StepMetrics(pl.Callback):
         if self.show_bar and trainer.is_global_zero:
             from tqdm.auto import tqdm
 
+            import sys
+
+            # In a log file (not a terminal) redraw rarely instead of on every step.
             self._bar = tqdm(
-                total=trainer.max_steps, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True
+                total=trainer.max_steps, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True,
+                mininterval=0.1 if sys.stderr.isatty() else 30.0,
             )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
