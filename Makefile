@@ -26,13 +26,14 @@ QUIET := 2>&1 | { grep -v -e 'is ignored: it is neither a file nor a directory' 
 
 $(STAMP): pyproject.toml
 	@echo "setting up $(VENV) ($(TORCH_SPEC)); this takes a minute or two the first time"
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	PYTHONWARNINGS=ignore $(PY) -m pip install -q --upgrade pip setuptools wheel $(QUIET)
-	PYTHONWARNINGS=ignore $(PY) -m pip install -q "$(TORCH_SPEC)" $(QUIET)
-	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[dev]" $(QUIET)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@PYTHONWARNINGS=ignore $(PY) -m pip install -q --upgrade pip setuptools wheel $(QUIET)
+	@PYTHONWARNINGS=ignore $(PY) -m pip install -q "$(TORCH_SPEC)" $(QUIET)
+	@PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[dev]" $(QUIET)
 	@# DeepSpeed ships as an sdist whose setup.py imports torch: build it against the torch above.
-	DS_BUILD_OPS=0 PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-build-isolation -e ".[deepspeed]" $(QUIET)
-	touch $(STAMP)
+	@DS_BUILD_OPS=0 PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-build-isolation -e ".[deepspeed]" $(QUIET)
+	@touch $(STAMP)
+	@echo "setup done"
 
 run: setup
 	$(PY) -m framework.train $(ARGS)

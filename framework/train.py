@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import re
 import sys
 import time
@@ -32,6 +34,36 @@ def run_name_from_overrides(override_dirname: str) -> str:
 
 
 OmegaConf.register_new_resolver("tl_run_name", run_name_from_overrides, replace=True)
+logging.getLogger("mlflow").setLevel(logging.WARNING)  # no "Creating initial MLflow database tables" chatter
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _steps_done(run_dir: Path) -> int:
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        return int(json.loads(summary.read_text()).get("train/steps", 0))
+    return 0
+
+
+_LOCKS: list = []  # open lock files, held until the process exits
+
+
+def _hold_run_lock(*dirs: Path) -> None:
+    """Refuse to run two drivers on the same run folder or checkpoint folder at once (exit code 2)."""
+    import fcntl
+
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        f = open(d / ".trainlab.lock", "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            _fail(f"another trainlab process is running in {d} (the same run); wait for it, or set another run_name")
+        _LOCKS.append(f)
 
 
 def _fail(msg: str) -> None:
@@ -65,7 +97,11 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
         f"  metrics file       {run_dir / 'metrics.jsonl'}",
     ]
     if run_id:
-        lines += [f"  MLflow run         {run_id} (experiment {experiment!r})", f"  see it with        mlflow ui --backend-store-uri {uri}"]
+        mlflow_bin = Path(sys.executable).parent / "mlflow"
+        lines += [
+            f"  MLflow run         {run_id} (experiment {experiment!r})",
+            f"  see it with        {mlflow_bin if mlflow_bin.exists() else 'mlflow'} ui --backend-store-uri {uri}",
+        ]
     print("\n".join(lines), flush=True)
 
 
@@ -106,6 +142,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     except ConfigError as err:
         _fail(str(err))
 
+    _hold_run_lock(run_dir, Path(resolved.checkpoint_dir))
     resume_from = None
     if run.resume == "auto":
         latest = find_latest_checkpoint(resolved.checkpoint_dir)
@@ -114,6 +151,9 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         resume_from = run.resume
     if resume_from:
         print(f"trainlab: resuming from {resume_from}", flush=True)
+    else:  # a fresh start: metrics of an earlier attempt without checkpoints must not mix in
+        for stale in ("metrics.jsonl", "summary.json"):
+            (run_dir / stale).unlink(missing_ok=True)
     if existing and existing[-1][0] >= run.trainer.max_steps and run.resume == "auto":
         print(
             f"trainlab: checkpoint at step {existing[-1][0]} >= trainer.max_steps={run.trainer.max_steps}: nothing to train"
@@ -127,9 +167,15 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     if run.tracking.enabled:
         from framework.tracking import DriverRun, flatten, git_commit
 
-        tracker = DriverRun(run.tracking.uri, run.experiment_name)
+        # Fail fast on an unreachable server instead of MLflow's minutes of retries.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         run_key = f"{run.experiment_name}/{run.run_name}"
-        run_id = tracker.start(run_name=run.run_name, run_key=run_key, resume_run_id=tracker.find(run_key) if resume_from else None)
+        try:
+            tracker = DriverRun(run.tracking.uri, run.experiment_name)
+            run_id = tracker.start(run_name=run.run_name, run_key=run_key, resume_run_id=tracker.find(run_key) if resume_from else None)
+        except Exception as err:  # a bad URI, an unreachable server: one line, before any rank starts
+            _fail(f"tracking.uri={run.tracking.uri!r}: {_first_line(err)} (allowed: a sqlite:///, file:// or http(s):// MLflow URI; or tracking=none)")
         derived = {
             "derived.dp_degree": resolved.layout.dp, "derived.tp_degree": resolved.layout.tp,
             "derived.pp_degree": resolved.layout.pp, "derived.world_size": resolved.world_size,
@@ -151,6 +197,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(run_to_dict(run))), "resolved_config.yaml")
         print(f"trainlab: MLflow run {run_id} in experiment {run.experiment_name!r} ({run.tracking.uri})", flush=True)
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from framework.launcher import launch_ranks, write_launch_file
 
     launch = {
@@ -167,7 +215,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     try:
         launch_ranks(resolved, launch_file, run_dir / "elastic")
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SignalException):  # the elastic agent turns SIGINT/SIGTERM into SignalException
         status = "KILLED"
         print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
         raise SystemExit(130)
@@ -177,7 +225,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     finally:
         if tracker is not None:
             try:
-                tracker.log_metrics({"time/wall_s": time.time() - t0})
+                tracker.log_metrics({"time/attempt_wall_s": time.time() - t0}, step=_steps_done(run_dir))
                 metrics_file = run_dir / "metrics.jsonl"
                 if metrics_file.exists():
                     tracker.log_artifact(metrics_file)
@@ -214,9 +262,59 @@ def _hydra_main(cfg: DictConfig) -> None:
     run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
+def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
+    """Hydra's multi-line composition errors as one line; a mistyped key gets suggestions."""
+    import difflib
+
+    text = str(err)
+    m = re.search(r"Could not override '([^']+)'", text)
+    if m:
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            defaults = compose(config_name="config", overrides=["run_name=x"])
+        from framework.tracking import flatten
+
+        keys = list(flatten(OmegaConf.to_container(defaults, resolve=False)))
+        near = difflib.get_close_matches(m.group(1), keys, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(near)}?" if near else "see conf/ and framework/config/schema.py for the keys"
+        return f"{m.group(1)} is not a config key; {hint} (to add a new key write +{m.group(1)}=...)"
+    lines = [
+        ln.strip() for ln in text.splitlines()
+        if ln.strip() and "HYDRA_FULL_ERROR" not in ln and not ln.strip().startswith(("full_key", "object_type", "reference_type"))
+    ]
+    return " ".join(lines) or type(err).__name__
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose and validate a single run's config before Hydra starts (no output folder yet).
+
+    Every bad input becomes one ``trainlab: error:`` line and exit code 2. Sweeps (``-m``) and
+    Hydra's own flags are left to Hydra (each job is validated when it starts).
+    """
+    check_group_choices(argv)
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+
+    from framework.config.validate import load_run_config, validate
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[*argv, "run_name=precheck"])
+    except Exception as err:  # Hydra's override/composition errors
+        _fail(_one_line_hydra_error(err, argv))
+    if cfg.get("hydra", {}).get("mode") == "MULTIRUN":  # an experiment preset that sweeps
+        return
+    try:
+        validate(load_run_config(cfg))
+    except ConfigError as err:
+        _fail(str(err))
+
+
 def main() -> None:
     """Console entry point: one Hydra job per call (``-m`` runs one per sweep point)."""
-    check_group_choices(sys.argv[1:])
+    precheck(sys.argv[1:])
     _hydra_main()
 
 

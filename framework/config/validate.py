@@ -24,6 +24,8 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
     if isinstance(err.__cause__, ConfigError):
         return str(err.__cause__)
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "is not a ListConfig" in first:
+        first += " (write a list: key=[a,b])"
     key = getattr(err, "full_key", None)
     return f"{key}: {first}" if key else first
 
@@ -201,6 +203,16 @@ def validate(run: RunConfig) -> ResolvedRun:
             f"model.vocab_size={run.model.vocab_size} is smaller than data.vocab_size={run.data.vocab_size}"
             " (the tokenizer's); set it >= that or null"
         )
+    if run.trainer.threads_per_rank is not None and layout is not None:
+        import os
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        ranks = layout.world_size // run.parallelism.nnodes
+        if run.trainer.threads_per_rank * ranks > cores and run.trainer.accelerator != "cuda":
+            errors.append(
+                f"trainer.threads_per_rank={run.trainer.threads_per_rank} x {ranks} ranks > {cores} cores: CPU ranks"
+                f" would thrash; allowed: <= {max(1, cores // ranks)} (or null = cores // ranks)"
+            )
     if run.trainer.accelerator == "cuda":
         import torch
 

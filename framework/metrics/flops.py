@@ -163,8 +163,9 @@ def peak_flops(
         ``"measured:cpu-fp32-gemm:threads=1"``.
 
     CUDA GPUs in :data:`PEAK_FLOPS_BF16` use the table (dense BF16, whatever ``dtype``). Anything
-    else is measured once (< 2 s) and cached under a key of (CPU model or GPU name, threads,
-    dtype, torch version), so later runs and other ranks read the file.
+    else is measured (< 2 s) on every call and cached under a key of (CPU model or GPU name,
+    threads, dtype, torch version); the cache keeps the highest figure seen, so a measurement
+    taken while the machine was busy never lowers the peak (which would inflate MFU).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not known; allowed: {', '.join(_DTYPES)}")
@@ -189,9 +190,10 @@ def peak_flops(
     cache_key = f"{hw}|{tag}|threads={n_threads}|torch={torch.__version__}"
     path = os.path.join(cache_dir, _CACHE_FILE)
     entry = _read_cache(path).get(cache_key)
-    if isinstance(entry, dict) and float(entry.get("flops", 0)) > 0:
-        return float(entry["flops"]), method
+    cached = float(entry.get("flops", 0)) if isinstance(entry, dict) else 0.0
 
+    # A GEMM timed while other work shares the cores reads low, and a low peak inflates MFU
+    # (even above 1). So every run measures again and the cache keeps the best figure seen.
     if n_threads != prev_threads:
         torch.set_num_threads(n_threads)
     try:
@@ -199,8 +201,9 @@ def peak_flops(
     finally:
         if n_threads != prev_threads:
             torch.set_num_threads(prev_threads)
-    _write_cache_entry(path, cache_key, {"flops": flops, "method": method, "n": n, "measured_at": time.time()})
-    return flops, method
+    if flops > cached:
+        _write_cache_entry(path, cache_key, {"flops": flops, "method": method, "n": n, "measured_at": time.time()})
+    return max(flops, cached), method
 
 
 def _ratio(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:

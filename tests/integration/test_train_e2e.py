@@ -79,6 +79,10 @@ def test_stopped_run_resumes_to_the_same_losses(runner, sig):
     wait_for(lambda: (ckpt_dir / "step00000010.ckpt").exists(), timeout=300, proc=proc)
     kill_group(proc, sig)
     assert proc.returncode != 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
+    (stopped,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    if sig == signal.SIGINT:  # the driver lives to record it; a SIGKILLed driver cannot
+        assert proc.returncode == 130 and stopped.info.status == "KILLED"
 
     again = runner.run(*common)
     assert "resuming from" in again.stdout
@@ -88,7 +92,6 @@ def test_stopped_run_resumes_to_the_same_losses(runner, sig):
     assert [r["train/steps"] for r in records if "train/steps" in r][-1] == 30
     for step in range(11, 31):
         assert got[step] == pytest.approx(ref[step], rel=1e-6), f"step {step} after resume"
-    client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert len(runs) == 1, "the resumed run continues the same MLflow run"
     assert runs[0].info.status == "FINISHED"

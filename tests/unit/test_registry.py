@@ -47,3 +47,21 @@ def test_unknown_group_option_is_one_line_before_hydra(capsys):
     err = capsys.readouterr().err.strip()
     assert err == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, fsdp, single"
     check_group_choices(["parallelism=single,ddp", "model=gpt2_124m", "experiment=null", "data.paths=[a,b]"])  # fine
+
+
+def test_a_second_driver_on_the_same_run_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    from framework.train import _LOCKS, _hold_run_lock
+
+    _hold_run_lock(tmp_path)
+    try:
+        code = f"from pathlib import Path; from framework.train import _hold_run_lock; _hold_run_lock(Path({str(tmp_path)!r}))"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2
+        assert "another trainlab process is running in" in proc.stderr
+    finally:
+        _LOCKS.pop().close()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0  # free again once the holder lets go
