@@ -71,14 +71,17 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
 
 def run_job(cfg: DictConfig, run_dir: Path) -> None:
     """Run one Hydra job (one MLflow run). Exits with code 2 on a configuration error."""
-    from framework.checkpoint.periodic import find_latest_checkpoint, list_checkpoints
+    from framework.checkpoint.format import find_latest_valid, list_checkpoints, verify
     from framework.config.validate import load_run_config, run_to_dict, validate
 
     try:
         run = load_run_config(cfg)
         resolved = validate(run)
-        if run.resume not in ("auto", "never") and not Path(run.resume).is_file():
-            raise ConfigError(f"resume={run.resume!r}: no such checkpoint file; allowed: auto, never, or a checkpoint path")
+        if run.resume not in ("auto", "never"):
+            problems = verify(run.resume)
+            if problems:
+                raise ConfigError(f"resume={run.resume!r}: not a usable checkpoint folder ({problems[0]}); allowed: auto, never,"
+                                  " or an intact checkpoint folder")
         existing = list_checkpoints(resolved.checkpoint_dir)
         if run.resume == "never" and existing:
             raise ConfigError(
@@ -108,7 +111,9 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
 
     resume_from = None
     if run.resume == "auto":
-        latest = find_latest_checkpoint(resolved.checkpoint_dir)
+        latest = find_latest_valid(
+            resolved.checkpoint_dir, warn=lambda msg: print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
+        )
         resume_from = str(latest) if latest else None
     elif run.resume != "never":
         resume_from = run.resume
