@@ -79,7 +79,7 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
     # ranks x threads <= cores, or CPU ranks thrash (see framework.distributed).
     cap_threads(threads_per_rank(local_world, run.trainer.threads_per_rank))
     accelerator = resolve_accelerator(run.trainer.accelerator)
-    torch.manual_seed(run.trainer.seed)
+    pl.seed_everything(run.trainer.seed, verbose=False)  # python, numpy, torch (CPU and CUDA): same on every rank
 
     plugin = get_plugin_class(run.parallelism.name)(run.parallelism)
     cache = TokenCache.open(launch["token_cache_dir"])  # built by the driver before any rank started
