@@ -1,5 +1,10 @@
 """Exact resume: runs SIGKILLed at several steps (and once in the middle of a save, once with a
-corrupt newest checkpoint) end bitwise-identical to an uninterrupted run, for ``single`` and ``ddp``."""
+corrupt newest checkpoint) end bitwise-identical to an uninterrupted run, for ``single`` and ``ddp``.
+
+``single`` runs the ``incremental`` policy (so the final checkpoints compared are rebuilt from
+XOR deltas) and ``ddp`` the ``async`` one; the default ``interval`` policy is resumed in
+``test_train_e2e.py`` and all three share the folder format and the RNG restore.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +25,9 @@ MAX_STEPS = 20
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.d_model=64", "trainer.val_sequences=16", "tracking=none",
          f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=5",
          "checkpoint.keep_last_k=2", "trainer.global_batch_size=8"]
-LAYOUT = {"single": ["parallelism=single", "trainer.micro_batch_size=4"],
-          "ddp": ["parallelism=ddp", "trainer.micro_batch_size=2"]}
+LAYOUT = {"single": ["parallelism=single", "trainer.micro_batch_size=4", "checkpoint=incremental",
+                     "checkpoint.full_every_n_saves=3"],
+          "ddp": ["parallelism=ddp", "trainer.micro_batch_size=2", "checkpoint=async"]}
 
 
 def _tensors(obj, prefix=""):
@@ -69,6 +75,15 @@ def test_sigkilled_runs_resume_bitwise(runner, plugin):
     common = [*SMALL, *LAYOUT[plugin], f"run_name={name}"]
     runner.run(*common, "experiment_name=ref")
     ref_dir = runner.workdir / "checkpoints" / "ref" / name
+    ckpt_metrics = {r["step"]: r for r in runner.metrics(name, experiment="ref") if "ckpt/save_s" in r}
+    assert sorted(ckpt_metrics) == [5, 10, 15, 20]
+    for r in runner.metrics(name, experiment="ref"):
+        if "ckpt/blocking_s" in r:
+            assert r["ckpt/interval_steps"] == 5 and r["ckpt/blocking_s"] > 0
+    assert all(r["ckpt/bytes"] > 0 for r in ckpt_metrics.values())
+    if plugin == "single":  # full, delta, delta, full
+        assert [("ckpt/delta_ratio" in ckpt_metrics[s]) for s in (5, 10, 15, 20)] == [False, True, True, False]
+        assert 0 < ckpt_metrics[10]["ckpt/delta_ratio"] < 1
     ckpt = runner.workdir / "checkpoints" / "default" / name
     done = lambda step: (ckpt / f"step{step:08d}" / "manifest.json").exists()  # noqa: E731
     resumed = []
