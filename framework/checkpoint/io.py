@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from framework.checkpoint.delta import encode_delta
+from framework.checkpoint.delta import child_of, encode_delta
 from framework.checkpoint.format import load_state, prune, write_checkpoint
 
 
@@ -48,14 +48,24 @@ class SaveResult:
     error: Optional[str] = None
 
 
-def cpu_copy(obj: Any) -> Any:
-    """A copy of a nested state in which every tensor is a fresh CPU tensor (no aliasing of live state)."""
+def cpu_copy(obj: Any, buffers: Any = None) -> Any:
+    """A copy of a nested state in which every tensor is a CPU tensor that aliases no live state.
+
+    Tensors are copied into ``buffers`` (a previous result of this function) where it holds a
+    tensor of the same dtype and shape at the same position: writing into memory that is
+    already mapped is several times faster than allocating (page faults) on every save. CUDA
+    tensors go to pinned memory.
+    """
     if isinstance(obj, torch.Tensor):
+        if isinstance(buffers, torch.Tensor) and buffers.dtype == obj.dtype and buffers.shape == obj.shape:
+            return buffers.copy_(obj.detach())
+        if obj.is_cuda:
+            return torch.empty_like(obj, device="cpu", pin_memory=True).copy_(obj.detach())
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return type(obj)((k, cpu_copy(v)) for k, v in obj.items())
+        return type(obj)((k, cpu_copy(v, child_of(buffers, k))) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v) for v in obj)
+        return type(obj)(cpu_copy(v, child_of(buffers, i)) for i, v in enumerate(obj))
     return obj
 
 
@@ -88,6 +98,7 @@ class FolderCheckpointIO(CheckpointIO):
         self._results: list[SaveResult] = []
         self._lock = threading.Lock()
         self._base: Optional[tuple[str, Any, int]] = None  # (folder name, CPU state, bytes) of the newest full save
+        self._buffers: Any = None  # CPU copy of the previous save, reused for the next one
         self._saves_since_base = 0
 
     # -- saving ----------------------------------------------------------------------------
@@ -101,7 +112,10 @@ class FolderCheckpointIO(CheckpointIO):
         t0 = time.perf_counter()
         path = Path(path)
         step = int(checkpoint["global_step"])
-        state = cpu_copy(checkpoint) if (self.asynchronous or self.full_every > 1) else checkpoint
+        if self.asynchronous or self.full_every > 1:
+            state = self._buffers = cpu_copy(checkpoint, self._buffers)
+        else:
+            state = checkpoint
         if self.asynchronous:
             self._thread = threading.Thread(target=self._write, args=(path.parent, step, state, t0), daemon=True,
                                             name=f"trainlab-ckpt-{step}")
@@ -130,6 +144,7 @@ class FolderCheckpointIO(CheckpointIO):
                 self._saves_since_base = 0
                 if self.full_every > 1:
                     self._base = (final.name, state, result.bytes)
+                    self._buffers = None  # the base keeps these tensors; the next save copies into new ones
             else:
                 self._saves_since_base += 1
                 result.delta_ratio = result.bytes / base_bytes

@@ -57,6 +57,38 @@ def assert_bitwise_equal(got_dir, ref_dir):
     assert got["lr_schedulers"][0]["last_epoch"] == ref["lr_schedulers"][0]["last_epoch"]
 
 
+def assert_converted_gives_the_next_step_loss(runner, name: str, ckpt_dir, step: int) -> None:
+    """``python -m framework.checkpoint convert`` of step ``step`` loads into a plain GPT whose loss on
+    step ``step + 1``'s global batch is the ``train/loss`` the run logged for that step."""
+    import json
+    import subprocess
+    import sys
+
+    from framework.config.schema import ModelConfig
+    from framework.data.dataset import WindowDataset
+    from framework.data.sampler import StepBatchSampler
+    from framework.data.tokens import TokenCache
+    from framework.model import GPT
+
+    out = runner.workdir / "model.pt"
+    subprocess.run([sys.executable, "-m", "framework.checkpoint", "convert", str(ckpt_dir / f"step{step:08d}"),
+                    "--out", str(out)], check=True, capture_output=True)
+    launch = json.loads((runner.workdir / "outputs" / "ref" / name / "launch.json").read_text())
+    run = launch["config"]
+    cache = TokenCache.open(launch["token_cache_dir"])
+    model = GPT(ModelConfig(**run["model"]), vocab_size=cache.vocab_size)
+    model.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    ds = WindowDataset(cache.open_train(), run["data"]["seq_len"])
+    gbs = run["trainer"]["global_batch_size"]
+    sampler = StepBatchSampler(len(ds), global_batch_size=gbs, micro_batch_size=gbs, dp_rank=0, dp_size=1,
+                               seed=run["data"]["seed"], max_steps=MAX_STEPS)
+    x, y = (torch.stack(t) for t in zip(*(ds[i] for i in sampler.step_windows(step))))  # 0-based: step k+1's batch
+    with torch.no_grad():
+        loss = float(model(x, y))
+    logged = losses(runner.metrics(name, experiment="ref"))[step + 1]
+    assert loss == pytest.approx(logged, rel=1e-5)  # one batch of 8 vs 2 micro-batches of 4: summation order only
+
+
 def _resumed_step(output: str) -> int:
     m = re.search(r"resuming from \S*step(\d{8})", output)
     assert m, output[-3000:]
@@ -84,6 +116,7 @@ def test_sigkilled_runs_resume_bitwise(runner, plugin):
     if plugin == "single":  # full, delta, delta, full
         assert [("ckpt/delta_ratio" in ckpt_metrics[s]) for s in (5, 10, 15, 20)] == [False, True, True, False]
         assert 0 < ckpt_metrics[10]["ckpt/delta_ratio"] < 1
+        assert_converted_gives_the_next_step_loss(runner, name, ref_dir, 15)  # step 15 is a delta: rebuilt, then converted
     ckpt = runner.workdir / "checkpoints" / "default" / name
     done = lambda step: (ckpt / f"step{step:08d}" / "manifest.json").exists()  # noqa: E731
     resumed = []
