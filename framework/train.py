@@ -71,7 +71,7 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
 
 def run_job(cfg: DictConfig, run_dir: Path) -> None:
     """Run one Hydra job (one MLflow run). Exits with code 2 on a configuration error."""
-    from framework.checkpoint.format import find_latest_valid, list_checkpoints, verify
+    from framework.checkpoint.format import find_latest_valid, list_checkpoints, read_manifest, verify
     from framework.config.validate import load_run_config, run_to_dict, validate
 
     try:
@@ -119,9 +119,11 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         resume_from = run.resume
     if resume_from:
         print(f"trainlab: resuming from {resume_from}", flush=True)
-    if existing and existing[-1][0] >= run.trainer.max_steps and run.resume == "auto":
+    # The step of the checkpoint actually resumed (a newer corrupt one does not count).
+    resume_step = read_manifest(resume_from)["step"] if resume_from else 0
+    if resume_step >= run.trainer.max_steps and run.resume == "auto":
         print(
-            f"trainlab: checkpoint at step {existing[-1][0]} >= trainer.max_steps={run.trainer.max_steps}: nothing to train"
+            f"trainlab: checkpoint at step {resume_step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train"
             " (raise trainer.max_steps to continue, or use another checkpoint.dir)",
             flush=True,
         )

@@ -126,8 +126,9 @@ def test_sigkilled_runs_resume_bitwise(runner, plugin):
         proc = runner.start(*common, env={TEST_PAUSE_ENV: "10:600"})
         _kill_after(proc, lambda: any((p / "state.pt").exists() for p in ckpt.glob(".step00000010.tmp-*")))
         assert not done(10) and done(5)
-        # 2) Resumes from the previous complete checkpoint (5); killed again once step 15 is saved.
-        proc = runner.start(*common)
+        # 2) Resumes from the previous complete checkpoint (5); killed again once step 15 is saved
+        #    (the pause at 20 keeps the run from finishing before the kill lands).
+        proc = runner.start(*common, env={TEST_PAUSE_ENV: f"{MAX_STEPS}:600"})
         resumed.append(_resumed_step(_kill_after(proc, lambda: done(15))))
         assert resumed == [5]
         # 3) Flip bytes in the newest checkpoint: it is skipped with a warning naming it.
@@ -138,13 +139,14 @@ def test_sigkilled_runs_resume_bitwise(runner, plugin):
         final = runner.run(*common)
         assert f"skipping corrupt checkpoint {newest.relative_to(runner.workdir)}" in final.stderr
         resumed.append(_resumed_step(final.stdout))
-        assert resumed[1] < int(newest.name[4:])
+        assert newest.name == "step00000015" and resumed[1] == 10
         assert not list(ckpt.glob(".step*.tmp-*")), "the unfinished save was cleaned up"
     else:
-        # SIGKILL once step 5 is saved, again once step 15 is saved, then run to the end.
+        # SIGKILL once step 5 is saved, again once step 15 is saved (the pause at 20 keeps the run
+        # from finishing before the kill lands), then run to the end.
         proc = runner.start(*common)
         _kill_after(proc, lambda: done(5))
-        proc = runner.start(*common)
+        proc = runner.start(*common, env={TEST_PAUSE_ENV: f"{MAX_STEPS}:600"})
         resumed.append(_resumed_step(_kill_after(proc, lambda: done(15))))
         resumed.append(_resumed_step(runner.run(*common).stdout))
 
