@@ -162,6 +162,20 @@ def test_async_save_copies_state_so_later_updates_do_not_leak(tmp_path):
     _assert_same(load_state(tmp_path / "step00000001")["state_dict"], expected)
 
 
+def test_async_saves_reusing_cpu_buffers_each_hold_their_own_step(tmp_path):
+    io = _io(asynchronous=True)
+    state = _state(1)
+    expected = {}
+    for step in (1, 2, 3):  # saves 2 and 3 copy into the buffers of the save before
+        state["global_step"] = step
+        expected[step] = {k: v.clone() for k, v in state["state_dict"].items()}
+        io.save_checkpoint(state, tmp_path / f"step{step:08d}")
+        state["state_dict"]["model.w"].mul_(1.5)
+    io.teardown()
+    for step in (1, 2, 3):
+        _assert_same(load_state(tmp_path / f"step{step:08d}")["state_dict"], expected[step])
+
+
 def test_failed_save_leaves_nothing_and_keeps_the_newest_valid(tmp_path):
     io = _io(asynchronous=True, keep_last_k=1)
     io.save_checkpoint(_state(1), tmp_path / "step00000001")
