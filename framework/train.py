@@ -107,14 +107,17 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
 
 def run_job(cfg: DictConfig, run_dir: Path) -> None:
     """Run one Hydra job (one MLflow run). Exits with code 2 on a configuration error."""
-    from framework.checkpoint.periodic import find_latest_checkpoint, list_checkpoints
+    from framework.checkpoint.format import find_latest_valid, list_checkpoints, read_manifest, verify
     from framework.config.validate import load_run_config, run_to_dict, validate
 
     try:
         run = load_run_config(cfg)
         resolved = validate(run)
-        if run.resume not in ("auto", "never") and not Path(run.resume).is_file():
-            raise ConfigError(f"resume={run.resume!r}: no such checkpoint file; allowed: auto, never, or a checkpoint path")
+        if run.resume not in ("auto", "never"):
+            problems = verify(run.resume)
+            if problems:
+                raise ConfigError(f"resume={run.resume!r}: not a usable checkpoint folder ({problems[0]}); allowed: auto, never,"
+                                  " or an intact checkpoint folder")
         existing = list_checkpoints(resolved.checkpoint_dir)
         if run.resume == "never" and existing:
             raise ConfigError(
@@ -145,7 +148,9 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     _hold_run_lock(run_dir, Path(resolved.checkpoint_dir))
     resume_from = None
     if run.resume == "auto":
-        latest = find_latest_checkpoint(resolved.checkpoint_dir)
+        latest = find_latest_valid(
+            resolved.checkpoint_dir, warn=lambda msg: print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
+        )
         resume_from = str(latest) if latest else None
     elif run.resume != "never":
         resume_from = run.resume
@@ -154,9 +159,11 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     else:  # a fresh start: metrics of an earlier attempt without checkpoints must not mix in
         for stale in ("metrics.jsonl", "summary.json"):
             (run_dir / stale).unlink(missing_ok=True)
-    if existing and existing[-1][0] >= run.trainer.max_steps and run.resume == "auto":
+    # The step of the checkpoint actually resumed (a newer corrupt one does not count).
+    resume_step = read_manifest(resume_from)["step"] if resume_from else 0
+    if resume_step >= run.trainer.max_steps and run.resume == "auto":
         print(
-            f"trainlab: checkpoint at step {existing[-1][0]} >= trainer.max_steps={run.trainer.max_steps}: nothing to train"
+            f"trainlab: checkpoint at step {resume_step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train"
             " (raise trainer.max_steps to continue, or use another checkpoint.dir)",
             flush=True,
         )

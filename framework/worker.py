@@ -63,7 +63,7 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
 
     from framework.callbacks.step_metrics import StepMetrics
     from framework.callbacks.validation import ValidationLoss
-    from framework.checkpoint.periodic import PeriodicCheckpoint
+    from framework.checkpoint.policy import build_checkpointing
     from framework.config.validate import load_run_config, validate
     from framework.data import TextDataModule, TokenCache
     from framework.distributed import cap_threads, resolve_accelerator, threads_per_rank
@@ -79,7 +79,7 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
     # ranks x threads <= cores, or CPU ranks thrash (see framework.distributed).
     cap_threads(threads_per_rank(local_world, run.trainer.threads_per_rank))
     accelerator = resolve_accelerator(run.trainer.accelerator)
-    torch.manual_seed(run.trainer.seed)
+    pl.seed_everything(run.trainer.seed, verbose=False)  # python, numpy, torch (CPU and CUDA): same on every rank
 
     plugin = get_plugin_class(run.parallelism.name)(run.parallelism)
     cache = TokenCache.open(launch["token_cache_dir"])  # built by the driver before any rank started
@@ -129,17 +129,12 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         step_metrics,
         ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=step_metrics.exclude_time),
     ]
-    if run.checkpoint.every_n_steps > 0 or run.checkpoint.save_last:
-        callbacks.append(
-            PeriodicCheckpoint(
-                dirpath=resolved.checkpoint_dir,
-                every_n_steps=run.checkpoint.every_n_steps,
-                keep_last_k=run.checkpoint.keep_last_k,
-                save_last=run.checkpoint.save_last,
-                sinks=sinks,
-                on_time_spent=step_metrics.exclude_time,
-            )
-        )
+    # Checkpointing: the folder CheckpointIO plugin and its callbacks (last: they save after
+    # everything else of a step).
+    ckpt_plugins, ckpt_callbacks = build_checkpointing(
+        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=step_metrics.exclude_time
+    )
+    callbacks += ckpt_callbacks
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=resolved.nproc_per_node,
@@ -152,6 +147,7 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         gradient_clip_val=run.optim.grad_clip or None,
         gradient_clip_algorithm="norm",
         callbacks=callbacks,
+        plugins=ckpt_plugins,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

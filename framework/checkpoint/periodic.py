@@ -1,119 +1,139 @@
-"""Save full training state every N optimizer steps, keep the newest K, and find the newest to resume.
+"""When to save, what trainlab adds to Lightning's state (per-rank RNG), and the ``ckpt/`` metrics.
 
-A checkpoint is Lightning's full state (model, optimizer, LR scheduler, loop progress, and the
-data module's position) in ``<dir>/step<NNNNNNNN>.ckpt``. It is written to a hidden temporary
-file, flushed to disk and then renamed, so a save killed midway never leaves a file that
-:func:`find_latest_checkpoint` would pick up.
+A save is ``trainer.save_checkpoint(<dir>/step%08d)``: Lightning collects the state on every
+rank and the strategy hands it to :class:`~framework.checkpoint.io.FolderCheckpointIO`, which
+writes the folder (synchronously or in the background). This callback
+
+- saves after every ``every_n_steps``-th optimizer step and at the end (``save_last``); it must
+  be the last callback, so that a save sees the state after everything else of that step;
+- adds every rank's RNG states (python, numpy, torch CPU/CUDA) to the state, and restores this
+  rank's on resume at ``on_train_start``: the data loader's iterator (which draws one number
+  from torch's RNG when it is created) exists by then, so the RNGs continue exactly where the
+  saved run was at the end of the saved step;
+- deletes temporary folders of saves that a kill interrupted (rank 0, before training);
+- logs on rank 0 ``ckpt/blocking_s`` (seconds the step was held), ``ckpt/interval_steps`` (steps
+  since the previous save), and per finished save ``ckpt/save_s`` (call to renamed folder),
+  ``ckpt/bytes`` and, for deltas, ``ckpt/delta_ratio``; a failed background save is a warning
+  on stderr naming the step and the error.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
+import torch.distributed as dist
 
 from framework.callbacks.step_metrics import MetricSink
+from framework.checkpoint.format import checkpoint_name, remove_partial
+from framework.checkpoint.io import FolderCheckpointIO
+from framework.checkpoint.rng import capture_rng_state, restore_rng_state
 
-_NAME = re.compile(r"^step(\d{8})\.ckpt$")
-
-
-def checkpoint_path(dirpath: str | Path, step: int) -> Path:
-    """Path of the checkpoint taken after optimizer step ``step``."""
-    return Path(dirpath) / f"step{step:08d}.ckpt"
-
-
-def list_checkpoints(dirpath: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``dirpath`` as ``(step, path)``, oldest first (temporary files ignored)."""
-    d = Path(dirpath)
-    if not d.is_dir():
-        return []
-    found = []
-    for p in d.iterdir():
-        m = _NAME.match(p.name)
-        if m and p.is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def find_latest_checkpoint(dirpath: str | Path) -> Path | None:
-    """The newest complete checkpoint in ``dirpath``, or None."""
-    found = list_checkpoints(dirpath)
-    return found[-1][1] if found else None
+STATE_KEY = "trainlab"  # top-level key of trainlab's own entries in the checkpoint dict
 
 
 class PeriodicCheckpoint(pl.Callback):
-    """Every ``every_n_steps`` optimizer steps (and at the end if ``save_last``) save atomically.
+    """Save every ``every_n_steps`` optimizer steps (and at the end if ``save_last``) through ``io``.
 
     Args:
-        dirpath: checkpoint folder (created on rank 0).
+        dirpath: checkpoint folder.
+        io: the Trainer's checkpoint plugin (its results feed the metrics).
         every_n_steps: optimizer steps between saves; 0 = only at the end.
-        keep_last_k: newest checkpoints to keep; older ones are deleted after a save.
         save_last: also save when training ends.
-        sinks: called on rank 0 with ``ckpt/save_s`` (seconds the step was held) and ``ckpt/bytes``.
-        on_time_spent: told the seconds each save took, to keep them out of throughput.
+        sinks: called on rank 0 with the ``ckpt/`` metrics.
+        on_time_spent: told the seconds each save held the step, to keep them out of throughput.
     """
 
     def __init__(
         self,
         *,
         dirpath: str,
+        io: FolderCheckpointIO,
         every_n_steps: int,
-        keep_last_k: int,
         save_last: bool,
         sinks: list[MetricSink],
-        on_time_spent=None,
+        on_time_spent: Optional[Callable[[float], None]] = None,
     ) -> None:
         self.dirpath = Path(dirpath)
+        self.io = io
         self.every = every_n_steps
-        self.keep = keep_last_k
         self.save_last = save_last
         self.sinks = sinks
         self.on_time_spent = on_time_spent
         self._last_saved = -1
+        self._pending_rng: Optional[dict[str, Any]] = None
 
-    def _save(self, trainer: pl.Trainer) -> None:
-        step = trainer.global_step
-        if step == self._last_saved:
-            return
-        self._last_saved = step
-        t0 = time.perf_counter()
-        final = checkpoint_path(self.dirpath, step)
-        tmp = final.with_name(f".{final.name}.tmp")
-        if trainer.is_global_zero:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-        trainer.strategy.barrier("trainlab.ckpt.mkdir")
-        trainer.save_checkpoint(tmp, weights_only=False)  # every rank calls; the strategy decides who writes
-        if trainer.is_global_zero:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            dir_fd = os.open(self.dirpath, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-            for _, old in list_checkpoints(self.dirpath)[: -self.keep]:
-                old.unlink(missing_ok=True)
-        trainer.strategy.barrier("trainlab.ckpt.saved")
-        seconds = time.perf_counter() - t0
-        if self.on_time_spent is not None:
-            self.on_time_spent(seconds)
-        if trainer.is_global_zero:
-            for sink in self.sinks:
-                sink({"ckpt/save_s": seconds, "ckpt/bytes": float(final.stat().st_size)}, step)
+    # -- RNG state in and out of the checkpoint -----------------------------------------------
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        mine = capture_rng_state()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            per_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, mine)
+        else:
+            per_rank = [mine]
+        checkpoint[STATE_KEY] = {"rng": per_rank}
 
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        per_rank = checkpoint.get(STATE_KEY, {}).get("rng", [])
+        if len(per_rank) == trainer.world_size:
+            self._pending_rng = per_rank[trainer.global_rank]
+        elif trainer.is_global_zero:
+            print(f"trainlab: warning: checkpoint holds RNG states of {len(per_rank)} ranks, this run has"
+                  f" {trainer.world_size}; RNGs start from the seed instead", file=sys.stderr, flush=True)
+
+    # -- hooks --------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_saved = trainer.global_step  # a resumed run does not re-save its starting step
+        if self._pending_rng is not None:
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
+        if trainer.is_global_zero:
+            for p in remove_partial(self.dirpath):
+                print(f"trainlab: removed unfinished checkpoint {p}", file=sys.stderr, flush=True)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if self.every > 0 and step > 0 and step % self.every == 0:
             self._save(trainer)
+        else:
+            self._report(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.save_last and trainer.global_step > 0:
             self._save(trainer)
+        self.io.wait()
+        self._report(trainer)
+
+    # -- saving and metrics ---------------------------------------------------------------------
+    def _save(self, trainer: pl.Trainer) -> None:
+        step = trainer.global_step
+        if step == self._last_saved:
+            return
+        interval = step - self._last_saved
+        self._last_saved = step
+        t0 = time.perf_counter()
+        trainer.save_checkpoint(self.dirpath / checkpoint_name(step))  # every rank; ends with a barrier
+        blocking = time.perf_counter() - t0
+        if self.on_time_spent is not None:
+            self.on_time_spent(blocking)
+        self._emit(trainer, {"ckpt/blocking_s": blocking, "ckpt/interval_steps": float(interval)}, step)
+        self._report(trainer)
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        for r in self.io.pop_results():  # only rank 0 writes, so only rank 0 has results
+            if r.error is not None:
+                print(f"trainlab: warning: checkpoint save of step {r.step} failed: {r.error}"
+                      " (no partial checkpoint is left; the previous complete one stays)", file=sys.stderr, flush=True)
+                continue
+            metrics = {"ckpt/save_s": r.save_s, "ckpt/bytes": float(r.bytes)}
+            if r.delta_ratio is not None:
+                metrics["ckpt/delta_ratio"] = r.delta_ratio
+            self._emit(trainer, metrics, r.step)
+
+    def _emit(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        if trainer.is_global_zero:
+            for sink in self.sinks:
+                sink(metrics, step)

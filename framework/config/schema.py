@@ -187,18 +187,31 @@ class OptimConfig:
         _require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0")
 
 
+CHECKPOINT_MODES = ("sync", "async")
+
+
 @dataclass
 class CheckpointConfig:
-    """Where and how often full training state is saved."""
+    """Where, how often and how full training state is saved (see framework/checkpoint/)."""
 
+    name: str = "interval"  # policy preset name (== conf/checkpoint/<name>.yaml), logged as a param
     dir: Optional[str] = None  # None = checkpoints/<experiment_name>/<run_name> (stable per run)
     every_n_steps: int = 100  # optimizer steps between saves; 0 disables periodic saves
-    keep_last_k: int = 2  # newest checkpoints kept; older ones are deleted
+    keep_last_k: int = 2  # newest complete checkpoints kept; older ones are deleted
     save_last: bool = True  # also save when training ends
+    mode: str = "sync"  # sync: the step waits for the whole write | async: only for a copy to CPU
+    full_every_n_saves: int = 1  # 1 = every save full; K > 1 = a full base every K saves, XOR deltas between
+    memory_every_n_steps: int = 0  # in-RAM snapshot (for rollback) every N optimizer steps; 0 = off
 
     def __post_init__(self) -> None:
         _require(self.every_n_steps >= 0, f"checkpoint.every_n_steps={self.every_n_steps} must be >= 0")
         _require(self.keep_last_k > 0, f"checkpoint.keep_last_k={self.keep_last_k} must be > 0")
+        _require(
+            self.mode in CHECKPOINT_MODES,
+            f"checkpoint.mode={self.mode!r} is not allowed; allowed: {', '.join(CHECKPOINT_MODES)}",
+        )
+        _require(self.full_every_n_saves > 0, f"checkpoint.full_every_n_saves={self.full_every_n_saves} must be > 0 (1 = no deltas)")
+        _require(self.memory_every_n_steps >= 0, f"checkpoint.memory_every_n_steps={self.memory_every_n_steps} must be >= 0 (0 = off)")
 
 
 @dataclass
@@ -225,7 +238,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     experiment_name: str = "default"  # MLflow experiment; experiment presets set it
     run_name: str = "default"  # MLflow run name and checkpoint sub-folder (from the overrides)
-    resume: str = "auto"  # auto (newest valid checkpoint in checkpoint.dir) | never | <path to a checkpoint>
+    resume: str = "auto"  # auto (newest valid checkpoint in checkpoint.dir) | never | <path to a checkpoint folder>
 
     def __post_init__(self) -> None:
         _require(bool(self.experiment_name), "experiment_name must not be empty")

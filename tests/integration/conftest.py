@@ -45,10 +45,13 @@ class Runner:
             raise AssertionError(f"driver exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
         return proc
 
-    def start(self, *overrides: str) -> subprocess.Popen:
-        """Start the driver in its own process group (so a signal reaches it and its ranks, like Ctrl-C)."""
+    def start(self, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start the driver in its own process group (so a signal reaches it and its ranks, like Ctrl-C).
+
+        ``env``: extra environment variables for the driver and its ranks.
+        """
         return subprocess.Popen(self.args(*overrides), cwd=self.workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True, env={**os.environ, **(env or {})})
 
     def metrics(self, run_name: str, experiment: str = "default") -> list[dict]:
         return read_jsonl_metrics(self.workdir / "outputs" / experiment / run_name / "metrics.jsonl")

@@ -76,7 +76,7 @@ def test_stopped_run_resumes_to_the_same_losses(runner, sig):
 
     proc = runner.start(*common)
     ckpt_dir = runner.workdir / "checkpoints" / "default" / name
-    wait_for(lambda: (ckpt_dir / "step00000010.ckpt").exists(), timeout=300, proc=proc)
+    wait_for(lambda: (ckpt_dir / "step00000010" / "manifest.json").exists(), timeout=300, proc=proc)
     kill_group(proc, sig)
     assert proc.returncode != 0
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
@@ -114,11 +114,18 @@ def test_bad_input_fails_before_any_rank_with_one_line(runner):
 
 
 def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
-    bad = runner.workdir / "garbage.ckpt"
-    bad.write_bytes(b"this is not a checkpoint")
+    # An intact checkpoint folder (checksums match) whose state file carries a code-running
+    # pickle: the driver accepts it, every rank refuses to unpickle it and fails.
+    from framework.checkpoint.format import write_checkpoint
+    from tests.unit.test_checkpoint import _CreatesAFile
+
+    marker = runner.workdir / "pwned"
+    bad = write_checkpoint(runner.workdir / "foreign", 5, {"evil": _CreatesAFile(marker)}, {"kind": "full", "base": None})
     proc = runner.run("parallelism=single", "trainer.global_batch_size=8", "trainer.max_steps=5", f"resume={bad}", check=False)
     assert proc.returncode == 1
     assert "trainlab: error: training failed" in proc.stderr
+    assert "refused to load" in proc.stdout + proc.stderr
+    assert not marker.exists()
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]

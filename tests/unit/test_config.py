@@ -87,6 +87,9 @@ def test_every_conf_option_composes_and_validates(compose, group, option, tmp_pa
         (["model.n_head=5"], "model.n_head=5 must divide model.d_model=128"),
         (["parallelism.nnodes=2"], "parallelism.nnodes=2: only 1 node is supported yet (allowed: 1)"),
         (["data.name=web"], "data.name='web' is not a data source; allowed: stdlib_code, text_files, jsonl"),
+        (["checkpoint.mode=later"], "checkpoint.mode='later' is not allowed; allowed: sync, async"),
+        (["checkpoint.full_every_n_saves=0"], "checkpoint.full_every_n_saves=0 must be > 0"),
+        (["checkpoint.memory_every_n_steps=-1"], "checkpoint.memory_every_n_steps=-1 must be >= 0"),
     ],
 )
 def test_bad_input_is_one_clear_line(compose, overrides, fragment):
