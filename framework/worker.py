@@ -61,6 +61,7 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
     import pytorch_lightning as pl
     import torch
 
+    from framework.callbacks.breakdown import StepBreakdown
     from framework.callbacks.step_metrics import StepMetrics
     from framework.callbacks.validation import ValidationLoss
     from framework.checkpoint.periodic import PeriodicCheckpoint
@@ -125,9 +126,25 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         sinks=sinks,
         progress_bar=run.trainer.progress_bar,
     )
+    breakdown = StepBreakdown(
+        plugin=plugin,
+        resolved=resolved,
+        log_every_n_steps=run.trainer.log_every_n_steps,
+        warmup_steps_excluded=run.trainer.warmup_steps_excluded,
+        sinks=sinks,
+    )
+
+    def validation_time(seconds: float) -> None:
+        step_metrics.exclude_time(seconds)
+        breakdown.exclude_time(seconds)
+
+    def checkpoint_time(seconds: float) -> None:
+        step_metrics.exclude_time(seconds)
+        breakdown.add_checkpoint_time(seconds)
+
     callbacks = [
         step_metrics,
-        ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=step_metrics.exclude_time),
+        ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=validation_time),
     ]
     if run.checkpoint.every_n_steps > 0 or run.checkpoint.save_last:
         callbacks.append(
@@ -137,9 +154,10 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
                 keep_last_k=run.checkpoint.keep_last_k,
                 save_last=run.checkpoint.save_last,
                 sinks=sinks,
-                on_time_spent=step_metrics.exclude_time,
+                on_time_spent=checkpoint_time,
             )
         )
+    callbacks.append(breakdown)  # last: checkpoint and validation run inside the step it times
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=resolved.nproc_per_node,
