@@ -162,6 +162,11 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         "token_cache_dir": str(cache.dir),
     }
     launch_file = write_launch_file(run_dir / "launch.json", launch)
+    monitor = None
+    if tracker is not None and run.tracking.system_metrics_interval_s > 0:
+        from framework.tracking import start_system_metrics
+
+        monitor = start_system_metrics(run.tracking.uri, run_id, run.tracking.system_metrics_interval_s, resume=bool(resume_from))
     status = "FAILED"
     t0 = time.time()
     try:
@@ -175,6 +180,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         print(f"trainlab: error: training failed: {err}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     finally:
+        if monitor is not None:
+            monitor.finish()
         if tracker is not None:
             try:
                 tracker.log_metrics({"time/wall_s": time.time() - t0})

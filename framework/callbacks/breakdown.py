@@ -35,8 +35,12 @@ plugin's collectives through :class:`~framework.metrics.timing.CommMeter`), by k
 ``perf/comm_bytes_<kind>``, ring bytes on the wire ``perf/comm_bytes_wire`` (derived from the
 measured payload), and the plugin's model ``perf/comm_bytes_model`` /
 ``perf/comm_bytes_wire_model``; ``mem/peak_bytes`` (max over ranks),
-``mem/model_states_bytes`` (max over ranks) and ``mem/model_states_bytes_model``. At the end:
-``perf/<category>_frac_mean`` over all timed steps.
+``mem/model_states_bytes`` (max over ranks) and ``mem/model_states_bytes_model``. At the end,
+over all timed steps: ``perf/<category>_frac_mean``, ``perf/<category>_s_mean`` and
+``perf/breakdown_step_s_mean`` (which, less ``perf/ckpt_blocking_s_mean``, is StepMetrics'
+``perf/step_time_s_mean`` up to this callback's last metric write). Per logged window the two
+step times differ by which window pays for a metric write (StepMetrics writes before its clock
+reads, this callback after), so compare them over the whole run.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class StepBreakdown(pl.Callback):
         self.sinks = sinks
         self.model_figures: dict[str, float] = {}
         self._totals: dict[str, float] = defaultdict(float)
+        self._timed_steps = 0
         self._window: list[_Step] = []
         self._hook_handle = None
         self._reset_step()
@@ -215,6 +220,7 @@ class StepBreakdown(pl.Callback):
 
     def _window_metrics(self) -> dict[str, float]:
         n = len(self._window)
+        self._timed_steps += n
         sums: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
         walls: list[float] = []
         inflight = 0.0
@@ -248,4 +254,6 @@ class StepBreakdown(pl.Callback):
         total = sum(self._totals.values())
         if total > 0:
             metrics.update({f"perf/{k}_frac_mean": v / total for k, v in self._totals.items()})
+            metrics.update({f"perf/{k}_s_mean": v / self._timed_steps for k, v in self._totals.items()})
+            metrics["perf/breakdown_step_s_mean"] = total / self._timed_steps
         self._emit(trainer, metrics, trainer.global_step)

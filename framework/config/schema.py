@@ -207,6 +207,13 @@ class TrackingConfig:
 
     uri: str = "sqlite:///mlruns.db"  # any MLflow tracking URI (sqlite file, file store, http server)
     enabled: bool = True  # False: no MLflow at all (metrics still printed)
+    system_metrics_interval_s: float = 10.0  # seconds between MLflow system metrics samples (CPU, memory, GPU); 0 = off
+
+    def __post_init__(self) -> None:
+        _require(
+            self.system_metrics_interval_s >= 0,
+            f"tracking.system_metrics_interval_s={self.system_metrics_interval_s} must be >= 0 (0 = off)",
+        )
 
 
 RESUME_MODES = ("auto", "never")

@@ -84,6 +84,7 @@ def test_every_conf_option_composes_and_validates(compose, group, option, tmp_pa
         (["data=text_files"], "data.paths"),
         (["model.n_head=5"], "model.n_head=5 must divide model.d_model=128"),
         (["data.name=web"], "data.name='web' is not a data source; allowed: stdlib_code, text_files, jsonl"),
+        (["tracking.system_metrics_interval_s=-1"], "tracking.system_metrics_interval_s=-1.0 must be >= 0 (0 = off)"),
     ],
 )
 def test_bad_input_is_one_clear_line(compose, overrides, fragment):
