@@ -36,7 +36,8 @@ plugin's collectives through :class:`~framework.metrics.timing.CommMeter`), by k
 measured payload), and the plugin's model ``perf/comm_bytes_model`` /
 ``perf/comm_bytes_wire_model``; ``mem/peak_bytes`` (max over ranks),
 ``mem/model_states_bytes`` (max over ranks) and ``mem/model_states_bytes_model``. At the end,
-over all timed steps: ``perf/<category>_frac_mean``, ``perf/<category>_s_mean`` and
+over all timed steps: ``perf/<category>_frac_mean``, ``perf/<category>_s_mean``,
+``perf/step_time_std_s_run`` (standard deviation of the step times) and
 ``perf/breakdown_step_s_mean`` (which, less ``perf/ckpt_blocking_s_mean``, is StepMetrics'
 ``perf/step_time_s_mean`` up to this callback's last metric write). Per logged window the two
 step times differ by which window pays for a metric write (StepMetrics writes before its clock
@@ -95,6 +96,7 @@ class StepBreakdown(pl.Callback):
         self.model_figures: dict[str, float] = {}
         self._totals: dict[str, float] = defaultdict(float)
         self._timed_steps = 0
+        self._walls: list[float] = []  # wall time of every timed step (s), for the run's spread
         self._window: list[_Step] = []
         self._hook_handle = None
         self._reset_step()
@@ -231,6 +233,7 @@ class StepBreakdown(pl.Callback):
                 sums[k] += v
                 self._totals[k] += v
             walls.append(sum(sec.values()))
+            self._walls.append(walls[-1])
             inflight += fl
             for k, v in CommMeter.bytes_by_kind(st.comm).items():
                 bytes_by_kind[k] += v
@@ -256,4 +259,5 @@ class StepBreakdown(pl.Callback):
             metrics.update({f"perf/{k}_frac_mean": v / total for k, v in self._totals.items()})
             metrics.update({f"perf/{k}_s_mean": v / self._timed_steps for k, v in self._totals.items()})
             metrics["perf/breakdown_step_s_mean"] = total / self._timed_steps
+            metrics["perf/step_time_std_s_run"] = statistics.stdev(self._walls) if len(self._walls) > 1 else 0.0
         self._emit(trainer, metrics, trainer.global_step)

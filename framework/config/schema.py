@@ -57,6 +57,7 @@ class ModelConfig:
 
 
 DATA_SOURCES = ("stdlib_code", "text_files", "jsonl")
+DATA_MODES = ("memmap", "on_the_fly")
 
 
 @dataclass
@@ -72,6 +73,9 @@ class DataConfig:
     max_bytes: Optional[int] = None  # cap on corpus bytes read (None = all)
     cache_dir: str = ".cache/trainlab"  # tokenizer and token caches (relative to the working dir)
     num_workers: int = 0  # DataLoader worker processes per rank
+    mode: str = "memmap"  # memmap: pre-tokenized windows | on_the_fly: BPE of the raw text in the loader (same windows)
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead (needs num_workers > 0); None = torch's 2
+    pin_memory: Optional[bool] = None  # page-locked host batches (faster host->GPU copies); None = on when CUDA is available
     seed: int = 1234  # shuffling seed (same on every rank)
 
     def __post_init__(self) -> None:
@@ -83,6 +87,15 @@ class DataConfig:
         _require(self.vocab_size >= 260, f"data.vocab_size={self.vocab_size} must be >= 260 (256 bytes + specials)")
         _require(0.0 < self.val_fraction < 0.5, f"data.val_fraction={self.val_fraction} must be in (0, 0.5)")
         _require(self.num_workers >= 0, f"data.num_workers={self.num_workers} must be >= 0")
+        _require(self.mode in DATA_MODES, f"data.mode={self.mode!r} is not allowed; allowed: {', '.join(DATA_MODES)}")
+        _require(
+            self.prefetch_factor is None or self.prefetch_factor > 0,
+            f"data.prefetch_factor={self.prefetch_factor} must be > 0 or null",
+        )
+        _require(
+            self.prefetch_factor is None or self.num_workers > 0,
+            f"data.prefetch_factor={self.prefetch_factor} needs data.num_workers > 0 (got {self.num_workers}); set it to null",
+        )
         _require(self.max_bytes is None or self.max_bytes > 0, f"data.max_bytes={self.max_bytes} must be > 0 or null")
         if self.name in ("text_files", "jsonl"):
             _require(len(self.paths) > 0, f"data.paths is empty; data.name={self.name} needs at least one file or glob")
