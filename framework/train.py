@@ -188,6 +188,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
                 metrics_file = run_dir / "metrics.jsonl"
                 if metrics_file.exists():
                     tracker.log_artifact(metrics_file)
+                if (run_dir / "profile").is_dir():  # trainer.profile_steps traces, one per rank
+                    tracker.client.log_artifacts(tracker.run_id, str(run_dir / "profile"), artifact_path="profile")
                 tracker.end(status)
             except Exception as err:  # never mask the training outcome with a tracking error
                 print(f"trainlab: warning: could not finalise the MLflow run: {err}", file=sys.stderr)

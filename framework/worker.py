@@ -157,6 +157,11 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
                 on_time_spent=checkpoint_time,
             )
         )
+    if run.trainer.profile_steps is not None:
+        from framework.callbacks.profiler import StepProfiler
+
+        first, last = run.trainer.profile_steps
+        callbacks.insert(0, StepProfiler(first=first, last=last, out_dir=run_dir / "profile"))
     callbacks.append(breakdown)  # last: checkpoint and validation run inside the step it times
     trainer = pl.Trainer(
         accelerator=accelerator,

@@ -153,6 +153,8 @@ class TrainerConfig:
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores // local ranks
     max_restarts: int = 0  # elastic agent restarts of failed ranks
     progress_bar: bool = True  # tqdm bar on rank 0
+    profile_steps: Optional[list[int]] = None  # [a, b]: torch.profiler trace of optimizer steps a..b (MLflow artifact); None = off
+    compile: bool = False  # torch.compile the model (nn.Module.compile: checkpoints keep their keys)
 
     def __post_init__(self) -> None:
         _require(self.max_steps > 0, f"trainer.max_steps={self.max_steps} must be > 0")
@@ -176,6 +178,12 @@ class TrainerConfig:
             f"trainer.threads_per_rank={self.threads_per_rank} must be > 0 or null",
         )
         _require(self.max_restarts >= 0, f"trainer.max_restarts={self.max_restarts} must be >= 0")
+        if self.profile_steps is not None:
+            ps = list(self.profile_steps)
+            _require(
+                len(ps) == 2 and 1 <= ps[0] <= ps[1] <= self.max_steps,
+                f"trainer.profile_steps={ps} must be [a, b] with 1 <= a <= b <= trainer.max_steps={self.max_steps}, or null",
+            )
 
 
 @dataclass

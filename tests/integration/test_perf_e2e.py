@@ -122,3 +122,15 @@ def test_compare_report_prints_the_mlflow_figures_and_writes_plots(sweep):
     reports = client.search_runs([exp_id], filter_string="tags.`trainlab.report` = 'true'")
     assert len(reports) == 1
     assert {"compare.csv", "breakdown.png", "loss.png", "throughput.png"} <= {a.path for a in client.list_artifacts(reports[0].info.run_id)}
+
+
+def test_profile_steps_store_a_trace_per_rank_as_mlflow_artifacts(runner):
+    runner.run("parallelism=ddp", "trainer.max_steps=4", "trainer.profile_steps=[2,3]", "checkpoint=none",
+               "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "tracking.system_metrics_interval_s=0")
+    client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    names = sorted(a.path for a in client.list_artifacts(run.info.run_id, "profile"))
+    assert names == ["profile/rank0-steps2-3.json", "profile/rank1-steps2-3.json"]
+    trace = __import__("json").loads(open(client.download_artifacts(run.info.run_id, names[0], str(runner.workdir))).read())
+    ops = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::addmm" in ops or "aten::mm" in ops, "the trace holds the model's matmuls"

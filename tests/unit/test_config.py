@@ -84,6 +84,10 @@ def test_every_conf_option_composes_and_validates(compose, group, option, tmp_pa
         (["data=text_files"], "data.paths"),
         (["model.n_head=5"], "model.n_head=5 must divide model.d_model=128"),
         (["data.name=web"], "data.name='web' is not a data source; allowed: stdlib_code, text_files, jsonl"),
+        (["trainer.profile_steps=[3]"], "trainer.profile_steps=[3] must be [a, b] with 1 <= a <= b <= trainer.max_steps=800, or null"),
+        (["trainer.profile_steps=[5,2]"], "trainer.profile_steps=[5, 2] must be [a, b]"),
+        (["trainer.profile_steps=[0,2]"], "trainer.profile_steps=[0, 2] must be [a, b]"),
+        (["trainer.max_steps=10", "trainer.profile_steps=[5,11]"], "trainer.profile_steps=[5, 11] must be [a, b] with 1 <= a <= b <= trainer.max_steps=10"),
         (["tracking.system_metrics_interval_s=-1"], "tracking.system_metrics_interval_s=-1.0 must be >= 0 (0 = off)"),
     ],
 )
