@@ -53,8 +53,13 @@ class CudaEventClock:
         return a.elapsed_time(b) / 1e3
 
     def wait(self, mark: torch.cuda.Event) -> None:
-        """Block the host until ``mark`` (and all work before it on its stream) has run."""
+        """Block the host until ``mark`` and all work queued on the device has run.
+
+        A device-wide synchronisation (not just ``mark``'s stream): communication-completion
+        marks are recorded on the streams the collectives' futures run their callbacks on.
+        """
         mark.synchronize()
+        torch.cuda.synchronize(self.device)
 
 
 def make_clock(device: torch.device) -> HostClock | CudaEventClock:
