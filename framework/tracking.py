@@ -137,6 +137,7 @@ def start_system_metrics(uri: str, run_id: str, interval_s: float, *, resume: bo
     try:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notes are noise
         monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=resume, tracking_uri=uri)
         monitor.start()
         return monitor
