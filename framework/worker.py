@@ -110,7 +110,9 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
     from framework.model import GPT  # only for the FLOPs count of the configured shape
 
     with torch.device("meta"):
-        flops_per_token = GPT(run.model, vocab_size=vocab_size).flops_per_token(run.data.seq_len)
+        shape = GPT(run.model, vocab_size=vocab_size)
+        flops_per_token = shape.flops_per_token(run.data.seq_len)
+        hardware_flops_per_token = shape.hardware_flops_per_token(run.data.seq_len)
     if mlflow_sink is not None:
         mlflow_sink.log_params(
             {"mfu.peak_flops_per_device": f"{peak:.4g}", "mfu.peak_flops_method": peak_method,
@@ -125,6 +127,7 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         warmup_steps_excluded=run.trainer.warmup_steps_excluded,
         sinks=sinks,
         progress_bar=run.trainer.progress_bar,
+        hardware_flops_per_token=hardware_flops_per_token,
     )
     breakdown = StepBreakdown(
         plugin=plugin,

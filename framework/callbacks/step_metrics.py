@@ -10,9 +10,9 @@ The first ``trainer.warmup_steps_excluded`` steps after every (re)start are left
 throughput and MFU figures (allocator warm-up, first-touch of data, lazy initialisation).
 
 MFU follows PaLM §4.1: ``tokens_per_sec * flops_per_token / (num_devices * peak_flops)``.
-HFU is the same ratio with the FLOPs the hardware runs, recomputation included; trainlab has
-no activation checkpointing yet, so ``hardware_flops_per_token == flops_per_token`` and
-``perf/hfu == perf/mfu``.
+HFU is the same ratio with the FLOPs the hardware runs, recomputation included
+(``GPT.hardware_flops_per_token``): ``perf/hfu == perf/mfu`` unless
+``model.activation_checkpointing`` is on.
 """
 
 from __future__ import annotations

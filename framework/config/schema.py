@@ -40,6 +40,7 @@ class ModelConfig:
     dropout: float = 0.0  # 0 keeps runs bitwise reproducible across batch splits
     bias: bool = True  # biases in Linear and LayerNorm
     init_std: float = 0.02  # std of the normal init (GPT-2)
+    activation_checkpointing: bool = False  # recompute each block's forward in backward (torch.utils.checkpoint): less memory, +1 forward
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model", "max_seq_len"):
