@@ -56,8 +56,12 @@ def test_breakdown_fractions_add_up_and_match_the_step_time(sweep, plugin):
     assert breakdown[4]["perf/ckpt_blocking_s"] == 0
     m = run.data.metrics
     assert sum(m[f"perf/{c}_frac_mean"] for c in CATEGORIES) == pytest.approx(1.0, abs=0.05)
-    # An independent clock: StepMetrics times the same steps (without checkpoint saves).
-    assert m["perf/breakdown_step_s_mean"] - m["perf/ckpt_blocking_s_mean"] == pytest.approx(m["perf/step_time_s_mean"], rel=0.05)
+    # An independent clock: StepMetrics times the same 9 steps (without checkpoint saves), plus the
+    # tail from the last step's end to on_train_end (the breakdown's last metric write, Lightning's
+    # epoch end: tens of ms), so its total may exceed the spans' sum by that much.
+    spans_total = 9 * (m["perf/breakdown_step_s_mean"] - m["perf/ckpt_blocking_s_mean"])
+    clock_total = 9 * m["perf/step_time_s_mean"]
+    assert -0.01 <= clock_total - spans_total <= 0.05 * clock_total + 0.1, (clock_total, spans_total)
     if plugin == "single":
         assert all(r["perf/comm_frac"] == 0 and r["perf/comm_bytes"] == 0 for r in breakdown.values())
     else:
