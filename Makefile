@@ -13,7 +13,9 @@ STAMP := $(VENV)/.trainlab-installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 ifeq ($(HAS_GPU),yes)
 TORCH_SPEC ?= torch==2.13.0
+EXTRAS := dev,gpu
 else
+EXTRAS := dev
 TORCH_SPEC ?= torch==2.13.0+cpu
 endif
 
@@ -29,7 +31,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@PYTHONWARNINGS=ignore $(PY) -m pip install -q --upgrade pip setuptools wheel $(QUIET)
 	@PYTHONWARNINGS=ignore $(PY) -m pip install -q "$(TORCH_SPEC)" $(QUIET)
-	@PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[dev]" $(QUIET)
+	@PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[$(EXTRAS)]" $(QUIET)
 	@# DeepSpeed ships as an sdist whose setup.py imports torch: build it against the torch above.
 	@DS_BUILD_OPS=0 PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-build-isolation -e ".[deepspeed]" $(QUIET)
 	@touch $(STAMP)

@@ -63,6 +63,8 @@ class LMModule(pl.LightningModule):
             model = GPT(self.resolved.run.model, vocab_size=self.vocab_size)
         apply = getattr(self.plugin, "configure_model", None)
         self.model = apply(model, self) if apply is not None else model
+        if self.resolved.run.trainer.compile:
+            self.model.compile()  # in place: parameter names (and checkpoint keys) stay the same
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -17,6 +17,8 @@ from framework.config.schema import ConfigError, ParallelConfig
 
 if TYPE_CHECKING:
     from framework.config.validate import ResolvedRun
+    from framework.metrics.comm import CommEstimate, ModelStats
+    from framework.metrics.timing import CommMeter
 
 ENTRY_POINT_GROUP = "trainlab.parallelism"
 
@@ -57,6 +59,15 @@ class ParallelPlugin(Protocol):
 
     def build_strategy(self, run: "ResolvedRun") -> Any:
         """A ``pytorch_lightning`` Strategy (object or registered name) for this layout."""
+
+    def comm_volume(self, stats: "ModelStats", run: "ResolvedRun") -> "CommEstimate":
+        """Modelled payload bytes per rank per optimizer step, by collective kind (framework.metrics.comm)."""
+
+    def model_states_bytes(self, stats: "ModelStats", run: "ResolvedRun") -> int:
+        """Modelled bytes of parameters + gradients + optimizer state on one rank (ZeRO §3.1)."""
+
+    def install_comm_meter(self, model: Any, meter: "CommMeter") -> None:
+        """Make this plugin's training collectives report to ``meter`` (``model``: the strategy-wrapped model)."""
 
 
 _PLUGINS: dict[str, type] = {}

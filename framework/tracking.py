@@ -128,6 +128,24 @@ class DriverRun:
         return [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)]
 
 
+def start_system_metrics(uri: str, run_id: str, interval_s: float, *, resume: bool) -> Any:
+    """Start MLflow's system metrics monitor (``system/*``: CPU, memory, disk, network; GPU with
+    ``nvidia-ml-py``) for ``run_id``, sampling every ``interval_s`` seconds in a daemon thread of
+    the driver, i.e. the whole machine the ranks run on. Returns the monitor (call ``finish()``)
+    or None when it could not start (warned, never raised: tracking must not stop training).
+    """
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notes are noise
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=resume, tracking_uri=uri)
+        monitor.start()
+        return monitor
+    except Exception as err:  # e.g. psutil missing
+        log.warning("MLflow system metrics are off: %s", err)
+        return None
+
+
 class MLflowMetricSink:
     """Rank 0's best-effort metric writer: ``sink(metrics, step)``. Warns once, never raises."""
 

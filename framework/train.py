@@ -217,6 +217,11 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         "token_cache_dir": str(cache.dir),
     }
     launch_file = write_launch_file(run_dir / "launch.json", launch)
+    monitor = None
+    if tracker is not None and run.tracking.system_metrics_interval_s > 0:
+        from framework.tracking import start_system_metrics
+
+        monitor = start_system_metrics(run.tracking.uri, run_id, run.tracking.system_metrics_interval_s, resume=bool(resume_from))
     status = "FAILED"
     t0 = time.time()
     try:
@@ -230,12 +235,16 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         print(f"trainlab: error: training failed: {err}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     finally:
+        if monitor is not None:
+            monitor.finish()
         if tracker is not None:
             try:
                 tracker.log_metrics({"time/attempt_wall_s": time.time() - t0}, step=_steps_done(run_dir))
                 metrics_file = run_dir / "metrics.jsonl"
                 if metrics_file.exists():
                     tracker.log_artifact(metrics_file)
+                if (run_dir / "profile").is_dir():  # trainer.profile_steps traces, one per rank
+                    tracker.client.log_artifacts(tracker.run_id, str(run_dir / "profile"), artifact_path="profile")
                 tracker.end(status)
             except Exception as err:  # never mask the training outcome with a tracking error
                 print(f"trainlab: warning: could not finalise the MLflow run: {err}", file=sys.stderr)

@@ -61,6 +61,7 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
     import pytorch_lightning as pl
     import torch
 
+    from framework.callbacks.breakdown import StepBreakdown
     from framework.callbacks.step_metrics import StepMetrics
     from framework.callbacks.validation import ValidationLoss
     from framework.checkpoint.policy import build_checkpointing
@@ -109,7 +110,9 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
     from framework.model import GPT  # only for the FLOPs count of the configured shape
 
     with torch.device("meta"):
-        flops_per_token = GPT(run.model, vocab_size=vocab_size).flops_per_token(run.data.seq_len)
+        shape = GPT(run.model, vocab_size=vocab_size)
+        flops_per_token = shape.flops_per_token(run.data.seq_len)
+        hardware_flops_per_token = shape.hardware_flops_per_token(run.data.seq_len)
     if mlflow_sink is not None:
         mlflow_sink.log_params(
             {"mfu.peak_flops_per_device": f"{peak:.4g}", "mfu.peak_flops_method": peak_method,
@@ -124,17 +127,40 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         warmup_steps_excluded=run.trainer.warmup_steps_excluded,
         sinks=sinks,
         progress_bar=run.trainer.progress_bar,
+        hardware_flops_per_token=hardware_flops_per_token,
     )
+    breakdown = StepBreakdown(
+        plugin=plugin,
+        resolved=resolved,
+        log_every_n_steps=run.trainer.log_every_n_steps,
+        warmup_steps_excluded=run.trainer.warmup_steps_excluded,
+        sinks=sinks,
+    )
+
+    def validation_time(seconds: float) -> None:
+        step_metrics.exclude_time(seconds)
+        breakdown.exclude_time(seconds)
+
+    def checkpoint_time(seconds: float) -> None:
+        step_metrics.exclude_time(seconds)
+        breakdown.add_checkpoint_time(seconds)
+
     callbacks = [
         step_metrics,
-        ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=step_metrics.exclude_time),
+        ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=validation_time),
     ]
-    # Checkpointing: the folder CheckpointIO plugin and its callbacks (last: they save after
-    # everything else of a step).
+    # Checkpointing: the folder CheckpointIO plugin and its callbacks (after the others: they save
+    # once everything else of a step is done). on_time_spent gets the seconds the step was held.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(
-        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=step_metrics.exclude_time
+        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=checkpoint_time
     )
     callbacks += ckpt_callbacks
+    if run.trainer.profile_steps is not None:
+        from framework.callbacks.profiler import StepProfiler
+
+        first, last = run.trainer.profile_steps
+        callbacks.insert(0, StepProfiler(first=first, last=last, out_dir=run_dir / "profile"))
+    callbacks.append(breakdown)  # last: checkpoint and validation run inside the step it times
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=resolved.nproc_per_node,

@@ -3,6 +3,14 @@
 Lightning's ``DDPStrategy`` wraps the model in ``torch.nn.parallel.DistributedDataParallel``.
 During gradient accumulation Lightning enters ``no_sync()`` on every micro-batch but the last,
 so gradients are all-reduced once per optimizer step, not once per micro-batch.
+
+Measurement (:meth:`DDPPlugin.install_comm_meter`): a DDP comm hook wraps PyTorch's default
+``allreduce_hook`` and reports each gradient bucket (payload bytes, launch and completion) to
+the run's :class:`~framework.metrics.timing.CommMeter`; it changes nothing else (the bucket is
+divided by the world size and all-reduced exactly as without a hook). Bucket all-reduces
+overlap the rest of the backward pass, so only the *exposed* part (from the last bucket's
+launch until backward returns) can be told apart from compute; see
+:mod:`framework.callbacks.breakdown`.
 """
 
 from __future__ import annotations
@@ -11,10 +19,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 from pytorch_lightning.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
+from framework.metrics.comm import CommEstimate, ModelStats, ddp_comm_volume, replicated_adamw_model_states_bytes
+from framework.metrics.timing import CommMeter
 from framework.registry import ParallelLayout, register_plugin
 
 
@@ -29,6 +41,21 @@ class DDPConfig(ParallelConfig):
     find_unused_parameters: bool = False  # needed only when some parameters get no gradient
     static_graph: bool = False  # promise the graph never changes (enables more overlap)
     timeout_s: int = 600  # collective timeout before a hung rank is reported (seconds)
+
+
+def _metered_allreduce_hook(meter, bucket):  # no annotations: DDP rejects string ones (``from __future__``)
+    """PyTorch's default bucket all-reduce, reported to ``meter`` (launch with the bucket's bytes, then completion).
+
+    ``meter``: a :class:`CommMeter`; ``bucket``: a ``dist.GradBucket``; returns the future of the averaged bucket.
+    """
+    buf = bucket.buffer()
+    rec = meter.launch("allreduce", buf.numel() * buf.element_size())
+
+    def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        meter.complete(rec)
+        return fut.value()
+
+    return allreduce_hook(None, bucket).then(done)
 
 
 @register_plugin
@@ -62,3 +89,16 @@ class DDPPlugin:
             static_graph=self.cfg.static_graph,
             timeout=timedelta(seconds=self.cfg.timeout_s),
         )
+
+    def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
+        """One all-reduce of all gradients per optimizer step (ZeRO §7.1)."""
+        return ddp_comm_volume(stats, resolved.layout.dp)
+
+    def model_states_bytes(self, stats: ModelStats, resolved: Any) -> int:
+        """A full fp32 replica + gradients + AdamW state on every rank (ZeRO §3.1 baseline DP)."""
+        return replicated_adamw_model_states_bytes(stats)
+
+    def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
+        """Register the metered all-reduce comm hook on the DDP-wrapped ``model`` (before the first backward)."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model.register_comm_hook(meter, _metered_allreduce_hook)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from framework.config.schema import ConfigError, ParallelConfig
+from framework.metrics.comm import CommEstimate, ModelStats, replicated_adamw_model_states_bytes
+from framework.metrics.timing import CommMeter
 from framework.registry import ParallelLayout, register_plugin
 
 
@@ -39,3 +41,14 @@ class SinglePlugin:
 
     def build_strategy(self, resolved: Any) -> Any:
         return "auto"
+
+    def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
+        """No communication."""
+        return CommEstimate(group_size=1)
+
+    def model_states_bytes(self, stats: ModelStats, resolved: Any) -> int:
+        """fp32 parameters + gradients + AdamW state (ZeRO §3.1)."""
+        return replicated_adamw_model_states_bytes(stats)
+
+    def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
+        """Nothing communicates, so nothing to instrument."""

@@ -10,6 +10,9 @@ The first ``trainer.warmup_steps_excluded`` steps after every (re)start are left
 throughput and MFU figures (allocator warm-up, first-touch of data, lazy initialisation).
 
 MFU follows PaLM §4.1: ``tokens_per_sec * flops_per_token / (num_devices * peak_flops)``.
+HFU is the same ratio with the FLOPs the hardware runs, recomputation included
+(``GPT.hardware_flops_per_token``): ``perf/hfu == perf/mfu`` unless
+``model.activation_checkpointing`` is on.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Callable
 import pytorch_lightning as pl
 import torch
 
-from framework.metrics.flops import mfu
+from framework.metrics.flops import hfu, mfu
 
 MetricSink = Callable[[dict[str, float], int], None]
 
@@ -37,6 +40,8 @@ class StepMetrics(pl.Callback):
         warmup_steps_excluded: steps after a (re)start left out of throughput.
         sinks: callables ``(metrics, step)`` called on rank 0 (MLflow, JSONL file).
         progress_bar: show a tqdm bar on rank 0.
+        hardware_flops_per_token: FLOPs per token the hardware runs (recompute included);
+            None = ``flops_per_token`` (no activation recomputation).
     """
 
     def __init__(
@@ -50,9 +55,11 @@ class StepMetrics(pl.Callback):
         warmup_steps_excluded: int,
         sinks: list[MetricSink],
         progress_bar: bool = True,
+        hardware_flops_per_token: float | None = None,
     ) -> None:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
+        self.hw_flops_per_token = flops_per_token if hardware_flops_per_token is None else hardware_flops_per_token
         self.peak_flops = peak_flops
         self.num_devices = num_devices
         self.log_every = log_every_n_steps
@@ -78,6 +85,14 @@ class StepMetrics(pl.Callback):
         if trainer.is_global_zero:
             for sink in self.sinks:
                 sink(metrics, step)
+
+    def _utilization(self, tps: float, prefix: str, suffix: str = "") -> dict[str, float]:
+        """``{prefix}mfu{suffix}`` and ``{prefix}hfu{suffix}`` at ``tps`` tokens/s (whole job)."""
+        common = {"tokens_per_sec": tps, "num_devices": self.num_devices, "peak_flops_per_device": self.peak_flops}
+        return {
+            f"{prefix}mfu{suffix}": mfu(flops_per_token=self.flops_per_token, **common),
+            f"{prefix}hfu{suffix}": hfu(hardware_flops_per_token=self.hw_flops_per_token, **common),
+        }
 
     def exclude_time(self, seconds: float) -> None:
         """Keep ``seconds`` spent outside training (validation, checkpoint saves) out of throughput."""
@@ -135,12 +150,7 @@ class StepMetrics(pl.Callback):
                     "perf/step_time_s": step_time,
                     "perf/tokens_per_sec": tps,
                     "perf/tokens_per_sec_per_rank": tps / self.num_devices,
-                    "perf/mfu": mfu(
-                        tokens_per_sec=tps,
-                        flops_per_token=self.flops_per_token,
-                        num_devices=self.num_devices,
-                        peak_flops_per_device=self.peak_flops,
-                    ),
+                    **self._utilization(tps, "perf/"),
                 }
             )
             self._window_t0, self._window_steps = now, 0
@@ -160,12 +170,8 @@ class StepMetrics(pl.Callback):
             elapsed = time.perf_counter() - self._timed_t0
             tps = self.tokens_per_step * self._timed_steps / elapsed
             summary["perf/tokens_per_sec_mean"] = tps
+            summary["perf/tokens_per_sec_per_rank_mean"] = tps / self.num_devices
             summary["perf/step_time_s_mean"] = elapsed / self._timed_steps
-            summary["perf/mfu_mean"] = mfu(
-                tokens_per_sec=tps,
-                flops_per_token=self.flops_per_token,
-                num_devices=self.num_devices,
-                peak_flops_per_device=self.peak_flops,
-            )
+            summary.update(self._utilization(tps, "perf/", "_mean"))
         self.summary = summary
         self._emit(trainer, summary, trainer.global_step)

@@ -40,6 +40,7 @@ class ModelConfig:
     dropout: float = 0.0  # 0 keeps runs bitwise reproducible across batch splits
     bias: bool = True  # biases in Linear and LayerNorm
     init_std: float = 0.02  # std of the normal init (GPT-2)
+    activation_checkpointing: bool = False  # recompute each block's forward in backward (torch.utils.checkpoint): less memory, +1 forward
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model", "max_seq_len"):
@@ -57,6 +58,7 @@ class ModelConfig:
 
 
 DATA_SOURCES = ("stdlib_code", "text_files", "jsonl")
+DATA_MODES = ("memmap", "on_the_fly")
 
 
 @dataclass
@@ -72,6 +74,9 @@ class DataConfig:
     max_bytes: Optional[int] = None  # cap on corpus bytes read (None = all)
     cache_dir: str = ".cache/trainlab"  # tokenizer and token caches (relative to the working dir)
     num_workers: int = 0  # DataLoader worker processes per rank
+    mode: str = "memmap"  # memmap: pre-tokenized windows | on_the_fly: BPE of the raw text in the loader (same windows)
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead (needs num_workers > 0); None = torch's 2
+    pin_memory: Optional[bool] = None  # page-locked host batches (faster host->GPU copies); None = on when CUDA is available
     seed: int = 1234  # shuffling seed (same on every rank)
 
     def __post_init__(self) -> None:
@@ -83,6 +88,15 @@ class DataConfig:
         _require(self.vocab_size >= 260, f"data.vocab_size={self.vocab_size} must be >= 260 (256 bytes + specials)")
         _require(0.0 < self.val_fraction < 0.5, f"data.val_fraction={self.val_fraction} must be in (0, 0.5)")
         _require(self.num_workers >= 0, f"data.num_workers={self.num_workers} must be >= 0")
+        _require(self.mode in DATA_MODES, f"data.mode={self.mode!r} is not allowed; allowed: {', '.join(DATA_MODES)}")
+        _require(
+            self.prefetch_factor is None or self.prefetch_factor > 0,
+            f"data.prefetch_factor={self.prefetch_factor} must be > 0 or null",
+        )
+        _require(
+            self.prefetch_factor is None or self.num_workers > 0,
+            f"data.prefetch_factor={self.prefetch_factor} needs data.num_workers > 0 (got {self.num_workers}); set it to null",
+        )
         _require(self.max_bytes is None or self.max_bytes > 0, f"data.max_bytes={self.max_bytes} must be > 0 or null")
         if self.name in ("text_files", "jsonl"):
             _require(len(self.paths) > 0, f"data.paths is empty; data.name={self.name} needs at least one file or glob")
@@ -140,6 +154,8 @@ class TrainerConfig:
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores // local ranks
     max_restarts: int = 0  # elastic agent restarts of failed ranks
     progress_bar: bool = True  # tqdm bar on rank 0
+    profile_steps: Optional[list[int]] = None  # [a, b]: torch.profiler trace of optimizer steps a..b (MLflow artifact); None = off
+    compile: bool = False  # torch.compile the model (nn.Module.compile: checkpoints keep their keys)
 
     def __post_init__(self) -> None:
         _require(self.max_steps > 0, f"trainer.max_steps={self.max_steps} must be > 0")
@@ -163,6 +179,12 @@ class TrainerConfig:
             f"trainer.threads_per_rank={self.threads_per_rank} must be > 0 or null",
         )
         _require(self.max_restarts >= 0, f"trainer.max_restarts={self.max_restarts} must be >= 0")
+        if self.profile_steps is not None:
+            ps = list(self.profile_steps)
+            _require(
+                len(ps) == 2 and 1 <= ps[0] <= ps[1] <= self.max_steps,
+                f"trainer.profile_steps={ps} must be [a, b] with 1 <= a <= b <= trainer.max_steps={self.max_steps}, or null",
+            )
 
 
 @dataclass
@@ -220,6 +242,13 @@ class TrackingConfig:
 
     uri: str = "sqlite:///mlruns.db"  # any MLflow tracking URI (sqlite file, file store, http server)
     enabled: bool = True  # False: no MLflow at all (metrics still printed)
+    system_metrics_interval_s: float = 10.0  # seconds between MLflow system metrics samples (CPU, memory, GPU); 0 = off
+
+    def __post_init__(self) -> None:
+        _require(
+            self.system_metrics_interval_s >= 0,
+            f"tracking.system_metrics_interval_s={self.system_metrics_interval_s} must be >= 0 (0 = off)",
+        )
 
 
 RESUME_MODES = ("auto", "never")

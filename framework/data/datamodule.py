@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from framework.config.schema import DataConfig
-from framework.data.dataset import WindowDataset
+from framework.data.dataset import OnTheFlyWindowDataset, WindowDataset
 from framework.data.sampler import StepBatchSampler
 from framework.data.tokens import TokenCache, load_token_cache
 
@@ -102,7 +102,7 @@ class TextDataModule(pl.LightningDataModule):
         self.start_step = 0  # first optimizer step the train loader yields (set on resume)
         self.cache_dir = cache_dir
         self._cache: Optional[TokenCache] = None
-        self.train_set: Optional[WindowDataset] = None
+        self.train_set: Optional[WindowDataset | OnTheFlyWindowDataset] = None
         self.val_set: Optional[WindowDataset] = None
 
     # ------------------------------------------------------------------ cache and datasets
@@ -134,8 +134,11 @@ class TextDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         L = self.cfg.seq_len
-        train = WindowDataset(self.cache.open_train(), L)
-        val = WindowDataset(self.cache.open_val(), L)
+        if self.cfg.mode == "on_the_fly":
+            train = OnTheFlyWindowDataset(self.cache.dir, "train", L, self.cache.eot_id)
+        else:
+            train = WindowDataset(self.cache.open_train(), L)
+        val = WindowDataset(self.cache.open_val(), L)  # validation is not the pipeline under study: always memmap
         for name, ds in (("train", train), ("val", val)):
             if len(ds) == 0 and (name == "train" or self.val_sequences > 0):
                 raise ValueError(
@@ -148,12 +151,14 @@ class TextDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset: WindowDataset, batch_sampler: Any) -> DataLoader:
         nw = self.cfg.num_workers
+        pin = torch.cuda.is_available() if self.cfg.pin_memory is None else self.cfg.pin_memory
         return DataLoader(
             dataset,
             batch_sampler=batch_sampler,
             num_workers=nw,
             persistent_workers=nw > 0,
-            pin_memory=torch.cuda.is_available(),
+            prefetch_factor=self.cfg.prefetch_factor if nw > 0 else None,
+            pin_memory=pin,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -9,6 +9,7 @@ Consecutive windows share one boundary token and never overlap otherwise; the la
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,3 +73,77 @@ class WindowDataset(Dataset):
         if spec is not None:
             filename, dtype, offset, shape = spec
             self.tokens = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
+
+
+class OnTheFlyWindowDataset(Dataset):
+    """The same windows as :class:`WindowDataset` over a split's token stream, but tokenized
+    from the raw text in ``__getitem__`` (``data.mode=on_the_fly``): the loader pays for BPE.
+
+    Window ``i`` covers tokens ``[i*L, i*L + L + 1)`` of ``doc0 EOT doc1 EOT ...``; the
+    documents overlapping it are read from ``<split>.txt`` (byte offsets in
+    ``<split>.docs.npy``) and encoded whole with the cache's tokenizer, each followed by EOT.
+    BPE of a document does not depend on its neighbours, so the windows are identical,
+    token for token, to the memmap's (tested), and the sampler's loss parity holds. The cost
+    is realistic for random access: a whole document is encoded to serve one window of it.
+    """
+
+    def __init__(self, cache_dir: str | Path, split: str, seq_len: int, eot_id: int) -> None:
+        """
+        Args:
+            cache_dir: a token cache folder (``TokenCache.dir``).
+            split: ``train`` or ``val``.
+            seq_len: tokens per input sequence ``L`` (> 0).
+            eot_id: id of ``<|endoftext|>`` (``TokenCache.eot_id``).
+
+        Raises:
+            ValueError: ``seq_len`` <= 0.
+            FileNotFoundError: the cache has no raw text for ``split``.
+        """
+        if seq_len <= 0:
+            raise ValueError(f"seq_len={seq_len} must be > 0")
+        d = Path(cache_dir)
+        self.text_path = str(d / f"{split}.txt")
+        self.tokenizer_path = str(d / "tokenizer.json")
+        self.docs = np.load(d / f"{split}.docs.npy")  # [docs + 1, 2]: (byte offset, token offset)
+        self.seq_len = seq_len
+        self.eot_id = eot_id
+        self._text: np.memmap | None = None
+        self._tok: Any = None
+
+    def __len__(self) -> int:
+        return max(0, (int(self.docs[-1, 1]) - 1) // self.seq_len)
+
+    def _encode_doc(self, d: int) -> list[int]:
+        if self._tok is None:  # opened lazily, once per (worker) process
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(self.tokenizer_path)
+            self._text = np.memmap(self.text_path, dtype=np.uint8, mode="r") if self.docs[-1, 0] > 0 else np.zeros(0, np.uint8)
+        b0, b1 = int(self.docs[d, 0]), int(self.docs[d + 1, 0])
+        text = bytes(self._text[b0:b1]).decode("utf-8")
+        return self._tok.encode(text, add_special_tokens=False).ids + [self.eot_id]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window ``i`` as ``(x, y)``: int64 tensors ``[seq_len]`` (see the class docstring).
+
+        Raises:
+            IndexError: ``i`` outside ``[0, len)``.
+        """
+        n = len(self)
+        if not 0 <= i < n:
+            raise IndexError(f"window {i} out of range [0, {n})")
+        start, end = i * self.seq_len, i * self.seq_len + self.seq_len + 1
+        starts = self.docs[:, 1]
+        d = int(np.searchsorted(starts, start, side="right")) - 1
+        first = int(starts[d])
+        ids: list[int] = []
+        while first + len(ids) < end:
+            ids.extend(self._encode_doc(d))
+            d += 1
+        w = torch.tensor(ids[start - first : end - first], dtype=torch.int64)
+        return w[:-1], w[1:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_text"] = state["_tok"] = None  # each worker re-opens the files
+        return state

@@ -5,6 +5,10 @@ Layout of one cache, ``<data.cache_dir>/<key>/``::
     tokenizer.json   the byte-level BPE (framework.data.tokenizer), trained on train only
     train.bin        np.uint16 (np.uint32 if vocab > 65536) token ids, flat, native order
     val.bin          same for val
+    train.txt        the train documents' raw UTF-8 text, concatenated (for data.mode=on_the_fly)
+    train.docs.npy   int64 [docs + 1, 2]: each document's start as (byte offset in train.txt,
+                     token offset in train.bin); the last row holds the totals
+    val.txt, val.docs.npy   same for val
     meta.json        vocab_size, token/doc/byte counts, dtype, eot_id, key, timings
 
 Each split is its documents in corpus order, each followed by ``<|endoftext|>``:
@@ -51,7 +55,7 @@ from framework.data.tokenizer import eot_id, load_tokenizer, train_tokenizer, vo
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the on-disk layout or the tokenization recipe changes
+FORMAT_VERSION = 2  # bump when the on-disk layout or the tokenization recipe changes
 _CHUNK_CHARS = 4 << 20  # characters of text per encode_batch call (bounds peak memory)
 
 
@@ -248,8 +252,8 @@ def _build(cfg: DataConfig, listing: SourceListing, key: str, out: Path, *, prog
 
     dtype = token_dtype(n_vocab)
     t0 = time.perf_counter()
-    n_train = _write_tokens(tok, corpus.train, out / "train.bin", dtype, eot, progress=progress, desc="tokenize train")
-    n_val = _write_tokens(tok, corpus.val, out / "val.bin", dtype, eot, progress=progress, desc="tokenize val")
+    n_train = _write_tokens(tok, corpus.train, out, "train", dtype, eot, progress=progress)
+    n_val = _write_tokens(tok, corpus.val, out, "val", dtype, eot, progress=progress)
     t_tok = time.perf_counter() - t0
     train_bytes, val_bytes = corpus.train_bytes, corpus.val_bytes
     log.info(
@@ -296,29 +300,41 @@ def _chunks(docs: list[str], chars: int) -> Iterator[list[str]]:
 
 
 def _write_tokens(
-    tok: Tokenizer, docs: list[str], path: Path, dtype: np.dtype, eot: int, *, progress: bool, desc: str
+    tok: Tokenizer, docs: list[str], out: Path, split: str, dtype: np.dtype, eot: int, *, progress: bool
 ) -> int:
-    """Encode ``docs`` as ``doc0 EOT doc1 EOT ...`` into ``path``; return the token count."""
+    """Encode ``docs`` as ``doc0 EOT doc1 EOT ...`` into ``<split>.bin``, with the raw text in
+    ``<split>.txt`` and the document offsets in ``<split>.docs.npy``; return the token count."""
     from tqdm import tqdm  # a pytorch-lightning dependency
 
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: skips offsets (>= 0.20)
     eot_arr = np.array([eot], dtype=dtype)
     n = 0
-    with open(path, "wb") as fh, tqdm(
-        total=sum(len(d) for d in docs), unit="char", unit_scale=True, desc=desc, disable=not progress,
+    n_bytes = 0
+    offsets = [(0, 0)]
+    with open(out / f"{split}.bin", "wb") as fh, open(out / f"{split}.txt", "wb") as fh_txt, tqdm(
+        total=sum(len(d) for d in docs), unit="char", unit_scale=True, desc=f"tokenize {split}", disable=not progress,
         file=sys.stderr, mininterval=1.0, leave=False,
     ) as bar:
         for group in _chunks(docs, _CHUNK_CHARS):
             parts = []
-            for enc in encode(group, add_special_tokens=False):
+            for doc, enc in zip(group, encode(group, add_special_tokens=False)):
                 parts.append(np.asarray(enc.ids, dtype=dtype))
                 parts.append(eot_arr)
+                raw = doc.encode("utf-8")
+                fh_txt.write(raw)
+                n_bytes += len(raw)
+                offsets.append((n_bytes, offsets[-1][1] + len(enc.ids) + 1))
             arr = np.concatenate(parts)
             arr.tofile(fh)
             n += arr.size
             bar.update(sum(len(d) for d in group))
-        fh.flush()
-        os.fsync(fh.fileno())
+        for f in (fh, fh_txt):
+            f.flush()
+            os.fsync(f.fileno())
+    with open(out / f"{split}.docs.npy", "wb") as f:
+        np.save(f, np.asarray(offsets, dtype=np.int64))
+        f.flush()
+        os.fsync(f.fileno())
     return n
 
 

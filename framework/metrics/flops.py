@@ -68,6 +68,14 @@ def flops_per_token(*, n_params: int, n_layer: int, d_model: int, seq_len: int) 
     return 6 * int(n_params) + 12 * int(n_layer) * int(d_model) * int(seq_len)
 
 
+def recompute_flops_per_token(*, n_block_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
+    """Extra hardware FLOPs per token when every transformer block's forward is recomputed in
+    backward (activation checkpointing per block): ``2 * n_block_params + 4 * n_layer * d_model * seq_len``,
+    the forward third of the blocks' ``6N + 12 * L * h * s`` (PaLM App. B convention).
+    """
+    return 2 * int(n_block_params) + 4 * int(n_layer) * int(d_model) * int(seq_len)
+
+
 def _gpu_key(device_name: str) -> Optional[str]:
     name = device_name.upper()
     for pattern, key in _GPU_PATTERNS:

@@ -25,10 +25,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from framework.config.schema import ModelConfig
 from framework.metrics.flops import flops_per_token as _flops_per_token
+from framework.metrics.flops import recompute_flops_per_token
 
 
 class CausalSelfAttention(nn.Module):
@@ -126,6 +128,7 @@ class GPT(nn.Module):
         # Counted now, before any plugin shards the weights (see the module docstring).
         self._n_params = sum(p.numel() for p in self.parameters())  # tied head counted once
         self._n_wpe = self.wpe.weight.numel()
+        self._n_block_params = sum(p.numel() for p in self.blocks.parameters())
 
     def _init_weights(self) -> None:
         """GPT-2 init: every weight ~ N(0, init_std); the residual projections (``attn.proj``,
@@ -172,7 +175,11 @@ class GPT(nn.Module):
         pos = torch.arange(s, device=idx.device)  # [s]
         x = self.drop(self.wte(idx) + self.wpe(pos))  # [b, s, h]
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # keep only the block's input; its forward runs again in backward (HFU counts it)
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.ln_f(x)  # [b, s, h]
         logits = F.linear(x, self.wte.weight)  # [b, s, V], tied head
         if targets is None:
@@ -197,6 +204,22 @@ class GPT(nn.Module):
         Log this convention next to the metric (``framework.metrics.flops.FLOPS_CONVENTION``).
         """
         return self._n_params - self._n_wpe
+
+    def hardware_flops_per_token(self, seq_len: int) -> int:
+        """FLOPs per token the hardware runs: :meth:`flops_per_token` plus, with
+        ``activation_checkpointing``, the blocks' forward again in backward.
+
+        The recomputed forward of the blocks is ``2 * N_blocks + 4 * L * h * s`` per token
+        (a third of the blocks' share of ``6N + 12 * L * h * s``); embeddings and the head are
+        not recomputed. PaLM §4.1 defines HFU with these FLOPs; full recompute of everything
+        would give ``8N + 16 * L * h * s``.
+        """
+        model = self.flops_per_token(seq_len)
+        if not self.cfg.activation_checkpointing:
+            return model
+        return model + recompute_flops_per_token(
+            n_block_params=self._n_block_params, n_layer=self.n_layer, d_model=self.d_model, seq_len=seq_len
+        )
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), ``6N + 12 * L * h * seq_len``.

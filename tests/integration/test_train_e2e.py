@@ -30,6 +30,14 @@ def test_batch_splits_ddp_and_fsdp_give_the_same_losses(runner):
     expected = {k: 3e-3 * warmup_cosine(k - 1, warmup_steps=20, max_steps=20, min_lr_ratio=0.1) for k in range(1, 21)}
     for got_lr in lrs:
         assert got_lr == pytest.approx(expected, rel=1e-9)
+    # FSDP2's measured collectives and sharded model states equal the ZeRO-3 model exactly.
+    fsdp_rec = [r for r in runner.metrics("fsdp") if "perf/comm_bytes" in r]
+    assert fsdp_rec
+    for r in fsdp_rec:
+        assert r["perf/comm_bytes_allgather"] == r["perf/comm_bytes_allgather_model"] > 0
+        assert r["perf/comm_bytes_reduce_scatter"] == r["perf/comm_bytes_reduce_scatter_model"] > 0
+    mem = [r for r in runner.metrics("fsdp") if "mem/model_states_bytes_model" in r]
+    assert mem and all(r["mem/model_states_bytes"] == r["mem/model_states_bytes_model"] for r in mem)
     assert sorted(ref) == list(range(1, 21))
     assert min(ref.values()) < ref[1] - 0.5, "the reference run must actually learn for the comparison to mean anything"
     for step in ref:

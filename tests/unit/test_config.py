@@ -90,6 +90,11 @@ def test_every_conf_option_composes_and_validates(compose, group, option, tmp_pa
         (["checkpoint.mode=later"], "checkpoint.mode='later' is not allowed; allowed: sync, async"),
         (["checkpoint.full_every_n_saves=0"], "checkpoint.full_every_n_saves=0 must be > 0"),
         (["checkpoint.memory_every_n_steps=-1"], "checkpoint.memory_every_n_steps=-1 must be >= 0"),
+        (["trainer.profile_steps=[3]"], "trainer.profile_steps=[3] must be [a, b] with 1 <= a <= b <= trainer.max_steps=800, or null"),
+        (["trainer.profile_steps=[5,2]"], "trainer.profile_steps=[5, 2] must be [a, b]"),
+        (["trainer.profile_steps=[0,2]"], "trainer.profile_steps=[0, 2] must be [a, b]"),
+        (["trainer.max_steps=10", "trainer.profile_steps=[5,11]"], "trainer.profile_steps=[5, 11] must be [a, b] with 1 <= a <= b <= trainer.max_steps=10"),
+        (["tracking.system_metrics_interval_s=-1"], "tracking.system_metrics_interval_s=-1.0 must be >= 0 (0 = off)"),
     ],
 )
 def test_bad_input_is_one_clear_line(compose, overrides, fragment):

@@ -430,3 +430,35 @@ def test_lightning_resume_continues_the_sample_stream(stdlib_cache, tmp_path):
     tail = fit(6, ckpt=ckpt)
     assert [s for s, _ in full] == [k for k in range(6) for _ in range(4)]
     assert head + tail == full
+
+
+def test_on_the_fly_tokenization_gives_the_memmap_windows(stdlib_cache):
+    import dataclasses
+
+    from framework.data.dataset import OnTheFlyWindowDataset
+
+    cfg, cache = stdlib_cache
+    memmap = WindowDataset(cache.open_train(), cfg.seq_len)
+    fly = pickle.loads(pickle.dumps(OnTheFlyWindowDataset(cache.dir, "train", cfg.seq_len, cache.eot_id)))  # as a worker gets it
+    assert len(fly) == len(memmap)
+    for i in [0, 1, len(memmap) // 2, len(memmap) - 1, *random.Random(0).sample(range(len(memmap)), 40)]:
+        assert all(torch.equal(a, b) for a, b in zip(fly[i], memmap[i])), i
+    with pytest.raises(IndexError):
+        fly[len(fly)]
+    fly_cfg = dataclasses.replace(cfg, mode="on_the_fly", num_workers=1, prefetch_factor=3)
+    a = list(_dm(fly_cfg).train_dataloader())
+    b = list(_dm(cfg).train_dataloader())
+    assert len(a) == len(b) and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        (dict(mode="stream"), "data.mode='stream' is not allowed; allowed: memmap, on_the_fly"),
+        (dict(prefetch_factor=0, num_workers=2), "data.prefetch_factor=0 must be > 0 or null"),
+        (dict(prefetch_factor=2), "data.prefetch_factor=2 needs data.num_workers > 0 (got 0); set it to null"),
+    ],
+)
+def test_bad_pipeline_options_are_one_line(kw, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        DataConfig(**kw)

@@ -1,0 +1,263 @@
+"""Where each optimizer step's time goes, what it communicated and what memory it held.
+
+Per optimizer step the wall time between two step ends is cut into consecutive spans by
+marks taken in Lightning hooks (:mod:`framework.metrics.timing`: host clock on CPU, CUDA
+events on the GPU timeline, no synchronisation inside a step):
+
+============== ==========================================================================
+category       spans (summed over the step's micro-batches)
+============== ==========================================================================
+data_wait      previous batch end -> ``on_train_batch_start``: fetching the batch, host->
+               device copy, and under DDP Lightning's per-batch SIGTERM broadcast
+compute        ``on_train_batch_start`` -> ``on_after_backward``: forward + backward, minus
+               the exposed communication below
+comm           exposed (not overlapped) gradient communication: from the launch of the last
+               collective of a backward pass until ``backward()`` returns (DDP waits there
+               for every bucket). Bucket all-reduces launched earlier overlap the rest of the
+               backward and cannot be separated from compute; their launch->completion time
+               is logged apart as ``perf/comm_inflight_s`` (not a fraction). ``single``: 0.
+optimizer      ``on_before_optimizer_step`` -> optimizer step-post hook: grad-norm, clipping,
+               AdamW update
+ckpt_blocking  seconds a checkpoint save held the step (reported by the checkpoint callback)
+other          everything else: Lightning bookkeeping between hooks, LR scheduler, metric
+               logging (StepMetrics, this callback's own writes)
+============== ==========================================================================
+
+Validation passes are left out of the step (as from throughput). The callback must be the
+*last* in the Trainer's list, so that the checkpoint and validation callbacks run inside the
+step they belong to. The spans partition the step, so the fractions add to 1 up to clock
+error; ``perf/breakdown_step_s`` (their sum) can be checked against ``perf/step_time_s``.
+
+Logged on rank 0 at logging steps, as means over the post-warm-up steps since the last
+logging step: ``perf/<category>_s``, ``perf/<category>_frac``, ``perf/breakdown_step_s``,
+``perf/step_time_std_s``; ``perf/comm_bytes`` (payload bytes per step, measured by the
+plugin's collectives through :class:`~framework.metrics.timing.CommMeter`), by kind
+``perf/comm_bytes_<kind>``, ring bytes on the wire ``perf/comm_bytes_wire`` (derived from the
+measured payload), and the plugin's model ``perf/comm_bytes_model`` /
+``perf/comm_bytes_wire_model``; ``mem/peak_bytes`` (max over ranks),
+``mem/model_states_bytes`` (max over ranks) and ``mem/model_states_bytes_model``. At the end,
+over all timed steps: ``perf/<category>_frac_mean``, ``perf/<category>_s_mean``,
+``perf/step_time_std_s_run`` (standard deviation of the step times) and
+``perf/breakdown_step_s_mean`` (which, less ``perf/ckpt_blocking_s_mean``, is StepMetrics'
+``perf/step_time_s_mean`` up to this callback's last metric write). Per logged window the two
+step times differ by which window pays for a metric write (StepMetrics writes before its clock
+reads, this callback after), so compare them over the whole run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from framework.callbacks.step_metrics import MetricSink
+from framework.metrics.comm import ring_wire_bytes
+from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
+from framework.metrics.timing import CommMeter, CommRecord, make_clock
+
+CATEGORIES = ("data_wait", "compute", "comm", "optimizer", "ckpt_blocking", "other")
+
+
+class _Step:
+    """One finished optimizer step: its spans and host-measured adjustments (seconds)."""
+
+    __slots__ = ("spans", "ckpt_s", "excluded_s", "carry_s", "comm")
+
+    def __init__(self, spans: list, ckpt_s: float, excluded_s: float, carry_s: float, comm: list[CommRecord]) -> None:
+        self.spans = spans
+        self.ckpt_s = ckpt_s
+        self.excluded_s = excluded_s
+        self.carry_s = carry_s
+        self.comm = comm
+
+
+class StepBreakdown(pl.Callback):
+    """Step-time breakdown, communication bytes and memory (see the module docstring).
+
+    Args:
+        plugin: the run's parallelism plugin (``comm_volume``, ``model_states_bytes``,
+            ``install_comm_meter``).
+        resolved: the validated run (passed to the plugin's cost model).
+        log_every_n_steps: optimizer steps between logged points.
+        warmup_steps_excluded: steps after a (re)start left out.
+        sinks: callables ``(metrics, step)`` called on rank 0.
+    """
+
+    def __init__(self, *, plugin: Any, resolved: Any, log_every_n_steps: int, warmup_steps_excluded: int, sinks: list[MetricSink]) -> None:
+        self.plugin = plugin
+        self.resolved = resolved
+        self.log_every = log_every_n_steps
+        self.warmup = warmup_steps_excluded
+        self.sinks = sinks
+        self.model_figures: dict[str, float] = {}
+        self._totals: dict[str, float] = defaultdict(float)
+        self._timed_steps = 0
+        self._walls: list[float] = []  # wall time of every timed step (s), for the run's spread
+        self._window: list[_Step] = []
+        self._hook_handle = None
+        self._reset_step()
+
+    # -- told by other callbacks ----------------------------------------------------------
+    def add_checkpoint_time(self, seconds: float) -> None:
+        """A checkpoint save blocked training for ``seconds`` during the current step."""
+        self._ckpt_s += seconds
+
+    def exclude_time(self, seconds: float) -> None:
+        """``seconds`` spent outside training (validation) during the current step: not part of it."""
+        self._excluded_s += seconds
+
+    # -- helpers -------------------------------------------------------------------------
+    def _span(self, category: str, a: Any, b: Any) -> None:
+        self._spans.append((category, a, b))
+
+    def _reset_step(self) -> None:
+        self._spans: list = []
+        self._ckpt_s = 0.0
+        self._excluded_s = 0.0
+
+    def _resolve(self, step: _Step) -> tuple[dict[str, float], float]:
+        """Seconds per category of one step, and the in-flight seconds of its collectives."""
+        sec: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+        for cat, a, b in step.spans:
+            sec[cat] += self.clock.seconds(a, b)
+        # Checkpoint and validation ran inside the step's last "other" span; this callback's
+        # own logging ran inside the next step's first data-wait span.
+        sec["other"] = max(0.0, sec["other"] - step.ckpt_s - step.excluded_s) + step.carry_s
+        sec["data_wait"] = max(0.0, sec["data_wait"] - step.carry_s)
+        sec["ckpt_blocking"] = step.ckpt_s
+        inflight = sum(self.clock.seconds(r.launched, r.completed) for r in step.comm if r.completed is not None)
+        return sec, inflight
+
+    def _emit(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        if trainer.is_global_zero:
+            for sink in self.sinks:
+                sink(metrics, step)
+
+    def _memory(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        """Peak memory and model-state bytes of this rank, max over ranks (a collective: call on all ranks)."""
+        states = model_states_bytes(pl_module.parameters(), trainer.optimizers[0] if trainer.optimizers else None)
+        local = torch.tensor([peak_memory_bytes(pl_module.device), states["total"]], dtype=torch.float64, device=pl_module.device)
+        peak, total = trainer.strategy.reduce(local, reduce_op="max").tolist()
+        return {"mem/peak_bytes": peak, "mem/model_states_bytes": total}
+
+    # -- hooks ---------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.clock = make_clock(pl_module.device)
+        self.meter = CommMeter(self.clock)
+        self.plugin.install_comm_meter(trainer.strategy.model, self.meter)
+        if trainer.optimizers:
+            self._hook_handle = trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)
+        stats = model_stats(pl_module)
+        est = self.plugin.comm_volume(stats, self.resolved)
+        self.group_size = est.group_size
+        self.model_figures = {
+            "perf/comm_bytes_model": float(est.total_payload_bytes),
+            "perf/comm_bytes_wire_model": float(est.total_wire_bytes),
+            **{f"perf/comm_bytes_{k}_model": float(v) for k, v in est.payload_bytes.items()},
+            "mem/model_states_bytes_model": float(self.plugin.model_states_bytes(stats, self.resolved)),
+        }
+        self._seen_step = self._start_step = trainer.global_step
+        self._carry_s = 0.0
+        self._reset_step()
+        self._prev_end = self._last = self.clock.mark()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        t = self.clock.mark()
+        self._span("data_wait", self._prev_end, t)
+        self._last = t
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        t = self.clock.mark()
+        self._span("compute", self._last, t)
+        self._last = t
+        self._launch_before = self.meter.last_launch()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        t = self.clock.mark()
+        launched = self.meter.last_launch()
+        if launched is not None and launched is not self._launch_before:
+            self._span("compute", self._last, launched)
+            self._span("comm", launched, t)
+        else:
+            self._span("compute", self._last, t)
+        self._last = t
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        t = self.clock.mark()
+        self._span("other", self._last, t)
+        self._last = self._opt_start = t
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        t = self.clock.mark()
+        self._span("optimizer", self._opt_start, t)
+        self._last = t
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        t = self.clock.mark()
+        self._span("other", self._last, t)
+        self._prev_end = self._last = t
+        step = trainer.global_step
+        if step == self._seen_step:
+            return  # inside gradient accumulation
+        self._seen_step = step
+        finished = _Step(self._spans, self._ckpt_s, self._excluded_s, self._carry_s, self.meter.take())
+        self._reset_step()
+        self._carry_s = 0.0
+        if step - self._start_step > self.warmup:
+            self._window.append(finished)
+        if not (step % self.log_every == 0 or step == trainer.max_steps):
+            return
+        t0 = time.perf_counter()
+        metrics = {**self.model_figures, **self._memory(trainer, pl_module)}
+        if self._window:
+            self.clock.wait(t)
+            metrics.update(self._window_metrics())
+        self._emit(trainer, metrics, step)
+        self._window = []
+        self._carry_s = time.perf_counter() - t0  # this logging delays the next batch: count it as "other"
+
+    def _window_metrics(self) -> dict[str, float]:
+        n = len(self._window)
+        self._timed_steps += n
+        sums: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+        walls: list[float] = []
+        inflight = 0.0
+        bytes_by_kind: dict[str, int] = defaultdict(int)
+        for st in self._window:
+            sec, fl = self._resolve(st)
+            for k, v in sec.items():
+                sums[k] += v
+                self._totals[k] += v
+            walls.append(sum(sec.values()))
+            self._walls.append(walls[-1])
+            inflight += fl
+            for k, v in CommMeter.bytes_by_kind(st.comm).items():
+                bytes_by_kind[k] += v
+        wall = sum(walls)
+        out = {f"perf/{k}_s": v / n for k, v in sums.items()}
+        out.update({f"perf/{k}_frac": (v / wall if wall > 0 else 0.0) for k, v in sums.items()})
+        out["perf/breakdown_step_s"] = wall / n
+        out["perf/step_time_std_s"] = statistics.stdev(walls) if n > 1 else 0.0
+        out["perf/comm_inflight_s"] = inflight / n
+        payload = {k: v / n for k, v in bytes_by_kind.items()}
+        out["perf/comm_bytes"] = float(sum(payload.values()))
+        out["perf/comm_bytes_wire"] = float(sum(ring_wire_bytes(k, v, self.group_size) for k, v in payload.items()))
+        out.update({f"perf/comm_bytes_{k}": float(v) for k, v in payload.items()})
+        return out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._hook_handle is not None:
+            self._hook_handle.remove()
+            self._hook_handle = None
+        metrics = self._memory(trainer, pl_module)
+        total = sum(self._totals.values())
+        if total > 0:
+            metrics.update({f"perf/{k}_frac_mean": v / total for k, v in self._totals.items()})
+            metrics.update({f"perf/{k}_s_mean": v / self._timed_steps for k, v in self._totals.items()})
+            metrics["perf/breakdown_step_s_mean"] = total / self._timed_steps
+            metrics["perf/step_time_std_s_run"] = statistics.stdev(self._walls) if len(self._walls) > 1 else 0.0
+        self._emit(trainer, metrics, trainer.global_step)

@@ -1,0 +1,101 @@
+"""Closed-form communication volumes per optimizer step, shared by the parallelism plugins.
+
+A plugin states what it *should* communicate with ``comm_volume(stats, resolved) ->
+CommEstimate``; :class:`~framework.callbacks.breakdown.StepBreakdown` logs that next to what
+its collectives actually carried (``perf/comm_bytes_model`` vs ``perf/comm_bytes``).
+
+Two byte counts, both per rank per optimizer step (REFERENCES.md §2.2, nccl-tests
+PERFORMANCE.md):
+
+- **payload**: the size S of the buffers handed to the collectives (what ``perf/comm_bytes``
+  measures: the sum of the tensors passed in);
+- **ring bytes on the wire**: what a ring algorithm sends per rank, ``2(n-1)/n * S`` for an
+  all-reduce and ``(n-1)/n * S`` for an all-gather or reduce-scatter of S total bytes.
+
+DDP (Li et al. 2020; ZeRO §7.1): one all-reduce of all gradients per optimizer step (not per
+micro-batch: ``no_sync`` skips it during accumulation), payload ``Psi * bytes_per_grad``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KINDS = ("allreduce", "allgather", "reduce_scatter", "p2p")
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """What the cost models need to know about the model a rank trains.
+
+    Attributes:
+        num_params: trainable parameters Psi (elements; a tied weight counted once).
+        num_param_tensors: trainable parameter tensors (AdamW keeps one step counter per tensor).
+        param_bytes: bytes per parameter element (4 for fp32 master weights).
+        grad_bytes: bytes per gradient element (the gradient dtype; 4 in fp32).
+    """
+
+    num_params: int
+    num_param_tensors: int
+    param_bytes: int = 4
+    grad_bytes: int = 4
+
+
+def ring_wire_bytes(kind: str, payload_bytes: float, n: int) -> float:
+    """Bytes one rank sends for a ring collective of ``payload_bytes`` over ``n`` ranks.
+
+    all-reduce ``2(n-1)/n * S``; all-gather / reduce-scatter ``(n-1)/n * S`` (S = the full
+    gathered / reduced size); p2p ``S``. Source: nccl-tests PERFORMANCE.md (bus bandwidth).
+
+    Raises:
+        ValueError: unknown ``kind`` or ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"n={n} ranks must be >= 1")
+    if kind == "allreduce":
+        return 2.0 * (n - 1) / n * payload_bytes
+    if kind in ("allgather", "reduce_scatter"):
+        return (n - 1) / n * payload_bytes
+    if kind == "p2p":
+        return float(payload_bytes)
+    raise ValueError(f"kind={kind!r} is not a collective kind; allowed: {', '.join(KINDS)}")
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """Modelled communication of one rank in one optimizer step.
+
+    Attributes:
+        payload_bytes: bytes handed to collectives, by kind (keys from :data:`KINDS`).
+        group_size: ranks in the collectives' group (n in the ring formulas).
+    """
+
+    payload_bytes: dict[str, int] = field(default_factory=dict)
+    group_size: int = 1
+
+    @property
+    def total_payload_bytes(self) -> int:
+        return int(sum(self.payload_bytes.values()))
+
+    @property
+    def total_wire_bytes(self) -> float:
+        """Ring bytes on the wire per rank, summed over kinds (:func:`ring_wire_bytes`)."""
+        return sum(ring_wire_bytes(k, v, self.group_size) for k, v in self.payload_bytes.items())
+
+
+def ddp_comm_volume(stats: ModelStats, dp_degree: int) -> CommEstimate:
+    """DDP: one all-reduce of every gradient per optimizer step; nothing when ``dp_degree == 1``."""
+    if dp_degree <= 1:
+        return CommEstimate(group_size=1)
+    return CommEstimate(payload_bytes={"allreduce": stats.num_params * stats.grad_bytes}, group_size=dp_degree)
+
+
+def replicated_adamw_model_states_bytes(stats: ModelStats) -> int:
+    """Model-state bytes of a rank holding a full replica trained with AdamW (single, DDP).
+
+    ZeRO §3.1 counts ``(2 + 2 + K) * Psi`` for mixed-precision Adam (K = 12); here master
+    weights and gradients are fp32 and AdamW keeps fp32 ``exp_avg`` and ``exp_avg_sq``, so
+    ``param_bytes*Psi + grad_bytes*Psi + 8*Psi`` (= 16 bytes/param in fp32), plus torch's one
+    fp32 ``step`` counter per parameter tensor (4 bytes each).
+    """
+    psi = stats.num_params
+    return psi * stats.param_bytes + psi * stats.grad_bytes + 8 * psi + 4 * stats.num_param_tensors

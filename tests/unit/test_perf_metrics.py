@@ -1,0 +1,136 @@
+"""Cost models (communication, model-state memory) and the instruments that measure them."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from framework.config.schema import ModelConfig
+from framework.metrics.comm import (
+    CommEstimate,
+    ModelStats,
+    ddp_comm_volume,
+    replicated_adamw_model_states_bytes,
+    ring_wire_bytes,
+)
+from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
+from framework.metrics.timing import CommMeter, HostClock, make_clock
+from framework.model import GPT
+from framework.registry import get_plugin_class
+
+
+def test_ring_wire_bytes_follow_nccl_tests_bus_factors():
+    S = 1000.0
+    assert ring_wire_bytes("allreduce", S, 1) == 0.0
+    assert ring_wire_bytes("allreduce", S, 2) == pytest.approx(1000.0)  # 2(n-1)/n = 1
+    assert ring_wire_bytes("allreduce", S, 8) == pytest.approx(1750.0)  # 2 * 7/8
+    assert ring_wire_bytes("allgather", S, 4) == pytest.approx(750.0)  # (n-1)/n
+    assert ring_wire_bytes("reduce_scatter", S, 4) == pytest.approx(750.0)
+    assert ring_wire_bytes("p2p", S, 4) == S
+    with pytest.raises(ValueError, match="kind='broadcast'"):
+        ring_wire_bytes("broadcast", S, 2)
+    with pytest.raises(ValueError, match="n=0"):
+        ring_wire_bytes("allreduce", S, 0)
+
+
+def test_ddp_model_is_one_gradient_allreduce_per_step():
+    stats = ModelStats(num_params=1_000_000, num_param_tensors=10)
+    est = ddp_comm_volume(stats, dp_degree=4)
+    assert est.payload_bytes == {"allreduce": 4_000_000}
+    assert est.total_wire_bytes == pytest.approx(2 * 3 / 4 * 4_000_000)
+    assert ddp_comm_volume(stats, dp_degree=1) == CommEstimate(group_size=1)
+
+
+def test_replicated_adamw_is_16_bytes_per_param_plus_step_counters():
+    stats = ModelStats(num_params=7_500_000_000, num_param_tensors=0)
+    assert replicated_adamw_model_states_bytes(stats) == 16 * 7_500_000_000  # ZeRO §3.1 baseline: 120 GB
+    assert replicated_adamw_model_states_bytes(ModelStats(num_params=10, num_param_tensors=3)) == 160 + 12
+
+
+def _tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=16), vocab_size=300)
+
+
+def test_measured_model_states_equal_the_model_after_an_adamw_step():
+    model = _tiny_gpt()
+    stats = model_stats(model)
+    assert stats.num_params == model.num_params(exclude_position_embedding=False)  # tied head counted once
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 300, (2, 16))
+    model(x, x).backward()
+    opt.step()
+    measured = model_states_bytes(model.parameters(), opt)
+    assert measured["params"] == measured["grads"] == 4 * stats.num_params
+    assert measured["optimizer"] == 8 * stats.num_params + 4 * stats.num_param_tensors
+    for name in ("single", "ddp"):
+        plugin = get_plugin_class(name)(get_plugin_class(name).config_cls())
+        assert plugin.model_states_bytes(stats, None) == measured["total"], name
+
+
+def test_views_into_one_buffer_count_once():
+    flat = torch.zeros(10)
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(6))
+    a.grad, b.grad = flat[:4], flat[4:]  # like DDP's gradient_as_bucket_view
+    measured = model_states_bytes([a, b], None)
+    assert measured == {"params": 40, "grads": 40, "optimizer": 0, "total": 80}
+
+
+def test_peak_memory_is_positive_and_monotone_on_cpu():
+    first = peak_memory_bytes(torch.device("cpu"))
+    blob = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB touched
+    assert first > 0 and peak_memory_bytes(torch.device("cpu")) >= first
+    del blob
+
+
+def test_comm_meter_counts_bytes_by_kind_across_threads():
+    meter = CommMeter(HostClock())
+    assert meter.last_launch() is None
+    recs = [meter.launch("allreduce", 100), meter.launch("allgather", 30), meter.launch("allreduce", 50)]
+    t = threading.Thread(target=lambda: [meter.complete(r) for r in recs])
+    t.start()
+    t.join()
+    assert meter.last_launch() is recs[-1].launched
+    taken = meter.take()
+    assert CommMeter.bytes_by_kind(taken) == {"allreduce": 150, "allgather": 30}
+    assert all(r.completed >= r.launched for r in taken)
+    assert meter.take() == [] and meter.last_launch() is None
+
+
+def test_cpu_device_gets_the_host_clock():
+    clock = make_clock(torch.device("cpu"))
+    a = clock.mark()
+    b = clock.mark()
+    assert isinstance(clock, HostClock) and clock.seconds(a, b) >= 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_event_clock_times_gpu_work():
+    clock = make_clock(torch.device("cuda", 0))
+    a = clock.mark()
+    torch.ones(4096, 4096, device="cuda") @ torch.ones(4096, 4096, device="cuda")
+    b = clock.mark()
+    clock.wait(b)
+    assert clock.seconds(a, b) > 0
+
+
+def test_activation_checkpointing_recomputes_without_changing_the_numbers():
+    import dataclasses
+
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=16)
+    ref, ckpt = (GPT(dataclasses.replace(cfg, activation_checkpointing=flag), vocab_size=300) for flag in (False, True))
+    ckpt.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 300, (2, 16))
+    losses = [m(x, x) for m in (ref, ckpt)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(ref.named_parameters(), ckpt.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), name
+    # HFU's FLOPs: the blocks' forward once more (2 N_blocks + 4 L h s per token); MFU's unchanged.
+    n_blocks = sum(p.numel() for p in ref.blocks.parameters())
+    assert ref.hardware_flops_per_token(16) == ref.flops_per_token(16) == ckpt.flops_per_token(16)
+    assert ckpt.hardware_flops_per_token(16) == ckpt.flops_per_token(16) + 2 * n_blocks + 4 * 2 * 32 * 16
