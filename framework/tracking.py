@@ -65,6 +65,9 @@ class DriverRun:
     def __init__(self, uri: str, experiment_name: str) -> None:
         from mlflow.tracking import MlflowClient
 
+        # MLflow sets its loggers to INFO on import; keep its "Creating initial MLflow database
+        # tables" chatter out of the run's output.
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(experiment_name)

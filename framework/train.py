@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
 import sys
@@ -34,7 +33,6 @@ def run_name_from_overrides(override_dirname: str) -> str:
 
 
 OmegaConf.register_new_resolver("tl_run_name", run_name_from_overrides, replace=True)
-logging.getLogger("mlflow").setLevel(logging.WARNING)  # no "Creating initial MLflow database tables" chatter
 
 
 def _first_line(err: BaseException) -> str:
