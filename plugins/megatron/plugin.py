@@ -194,21 +194,21 @@ class MegatronPlugin:
         ranks holding the same elements (TP/DP replicas); one all-reduce over all ranks adds
         them. The pipeline's ``head`` copy is left out (it is ``wte``).
         """
-        from torch.distributed.tensor import DTensor, Partial, Shard
+        from torch.distributed.tensor import DTensor
 
         lay = self.layout()
         local = torch.zeros((), dtype=torch.float64, device=module.device)
         for p in self._params(module):
             g = p.grad
             if isinstance(g, DTensor):
-                if any(isinstance(pl, Partial) for pl in g.placements):  # e.g. sequence-parallel norms
+                if any(pl.is_partial() for pl in g.placements):  # e.g. sequence-parallel norms
                     g = p.grad = g.redistribute(placements=p.placements)
                 names = g.device_mesh.mesh_dim_names or ()
                 replicas = 1
                 for dim_name in ("dp", "tp"):
                     if dim_name in names:
                         pl = g.placements[names.index(dim_name)]
-                        replicas *= 1 if isinstance(pl, Shard) else getattr(lay, dim_name)
+                        replicas *= getattr(lay, dim_name) if pl.is_replicate() else 1  # Shard or FSDP's _StridedShard: 1
                     else:
                         replicas *= getattr(lay, dim_name)
                 t = g.to_local()
@@ -237,13 +237,15 @@ class MegatronPlugin:
         b, s, h = resolved.micro_batch_size, run.data.seq_len, run.model.d_model
         m = resolved.grad_accum_steps
         out: dict[str, int] = {}
-        tp = tp_payload_bytes_per_microbatch(micro_batch_size=b, seq_len=s, d_model=h, n_layer=run.model.n_layer, tp=lay.tp,
+        # A pipeline rank runs only its stages' blocks.
+        layers = sum(len(c.blocks) for c in self.runner.chunks.values()) if self.runner is not None else run.model.n_layer
+        tp = tp_payload_bytes_per_microbatch(micro_batch_size=b, seq_len=s, d_model=h, n_layer=layers, tp=lay.tp,
                                              sequence_parallel=self.cfg.sequence_parallel, elem_bytes=stats.grad_bytes)
         for k, v in tp.items():
             out[k] = out.get(k, 0) + v * m
         if lay.tp > 1 and self.cfg.sequence_parallel:
             out["allreduce"] = out.get("allreduce", 0) + sp_norm_grad_allreduce_bytes(
-                n_layer=run.model.n_layer, d_model=h, bias=run.model.bias, elem_bytes=stats.grad_bytes)
+                n_layer=layers, d_model=h, bias=run.model.bias, elem_bytes=stats.grad_bytes)
         group = lay.tp
         if lay.pp > 1 and self.runner is not None:
             r = self.runner
