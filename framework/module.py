@@ -131,6 +131,7 @@ class LMModule(pl.LightningModule):
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
+            foreach=getattr(self.plugin, "optimizer_foreach", None),  # a plugin may need the per-tensor loop (mixed DTensor/Tensor)
         )
         schedule = partial(
             warmup_cosine,

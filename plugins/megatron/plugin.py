@@ -160,9 +160,7 @@ class MegatronPlugin:
                 g = dist.new_group(pair)
                 if dist.get_rank() in pair:
                     embed_group = g
-        device = module.device if module.device.type != "meta" else torch.device("cpu")
-        if torch.cuda.is_available() and resolved.run.trainer.accelerator != "cpu":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = module.trainer.strategy.root_device  # where the stages will run (the model may still be on the CPU)
         self.runner = PipelineRunner(
             stages, num_stages=n_stages, pp_group=pp_mesh.get_group(), pp_rank=pp_rank, pp_size=p, embed_group=embed_group,
             schedule_name=self.cfg.schedule, n_microbatches=resolved.grad_accum_steps,
@@ -170,6 +168,12 @@ class MegatronPlugin:
             vocab_size=model.vocab_size, device=device, wrap_stage=wrap_stage,
         )
         return self.runner
+
+    @property
+    def optimizer_foreach(self) -> bool | None:
+        """False under TP: AdamW's multi-tensor (foreach) kernels reject lists mixing DTensor shards
+        with the replicated plain-tensor parameters (embeddings, norms); None = torch's choice."""
+        return False if self.cfg.tp_degree > 1 else None
 
     def callbacks(self, resolved: Any, sinks: list) -> list:
         """Extra callbacks: the pipeline bubble meter when ``pp > 1``."""
