@@ -9,9 +9,13 @@ parallelism.world_size=4``). The order of application follows torchtitan's
 
 Cost model (per rank per optimizer step, :mod:`framework.metrics.comm`): TP payload per
 micro-batch x ``grad_accum_steps`` micro-batches; PP sends; the tied-embedding all-reduce
-between the first and last stage. The ``dp`` dimension's FSDP/replicate traffic is neither
-modelled nor metered here (see the ``fsdp`` plugin for that model), so ``perf/comm_bytes``
-and ``perf/comm_bytes_model`` cover TP and PP traffic.
+between the first and last stage; with ``data_parallel=fsdp`` on dp > 1 and no pipeline, the
+FSDP2 parameter all-gathers and gradient reduce-scatters of this rank's (TP-local) parameters.
+All of it is metered (:mod:`plugins.megatron.metering`). Left out of both (not modelled yet):
+FSDP2 inside pipeline stages (its re-gathers depend on the schedule) and ``data_parallel=ddp``
+(``replicate``)'s gradient all-reduce. ``perf/comm_bytes_wire`` applies one ring
+group size to every kind (the larger of tp and 2 with a pipeline), an approximation when the
+TP, DP and pipeline groups differ in size.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from framework.metrics.comm import (
 from framework.metrics.timing import CommMeter
 from framework.registry import ParallelLayout, register_plugin
 from plugins.megatron.config import MegatronConfig, validate_run
-from plugins.megatron.metering import GATE, install_funcol_meter
+from plugins.megatron.metering import GATE, install_fsdp_meter, install_funcol_meter
 
 # Parameters that column/row parallelism shards over tp (the rest are replicated on every TP rank).
 _TP_SHARDED = re.compile(r"blocks\.\d+\.(attn\.qkv\.(weight|bias)|attn\.proj\.weight|mlp\.fc\.(weight|bias)|mlp\.proj\.weight)$")
@@ -235,7 +239,7 @@ class MegatronPlugin:
 
     # -- cost model and metering ------------------------------------------------------------
     def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
-        """TP payload x micro-batches + this rank's PP sends + the tied-embedding all-reduce (see module docstring)."""
+        """TP payload x micro-batches + this rank's PP sends + the tied-embedding all-reduce + FSDP on dp (see module docstring)."""
         lay = resolved.layout
         run = resolved.run
         b, s, h = resolved.micro_batch_size, run.data.seq_len, run.model.d_model
@@ -260,7 +264,25 @@ class MegatronPlugin:
                 embed_local = embed // (lay.dp if self.cfg.data_parallel == "fsdp" and lay.dp > 1 else 1)
                 out["allreduce"] = out.get("allreduce", 0) + embed_local * stats.grad_bytes * (int(r.has_first) + int(r.has_last))
             group = max(group, 2)
+        if self._fsdp_metered():
+            # FSDP2 on the dp dimension (ZeRO §7.2), per micro-batch (Lightning accumulates through
+            # FSDP's forward/backward): all-gather every unit's (TP-local, dp-padded) parameters
+            # before forward and each block's again before backward - the root unit (embeddings,
+            # ln_f) stays unsharded between forward and backward (FSDP2 does not reshard the root
+            # after forward) - and reduce-scatter all gradients.
+            def full(names_ok) -> int:
+                return sum(sh[0] * lay.dp * math.prod(sh[1:]) for n, sh in self._local_shapes if names_ok(n)) * stats.param_bytes
+
+            every, blocks = full(lambda n: True), full(lambda n: n.startswith("blocks."))
+            out["allgather"] = out.get("allgather", 0) + m * (every + blocks)
+            out["reduce_scatter"] = out.get("reduce_scatter", 0) + m * every
         return CommEstimate(payload_bytes=out, group_size=max(1, group))
+
+    def _fsdp_metered(self) -> bool:
+        """FSDP2 on dp is metered and modelled without a pipeline; a pipeline stage's FSDP units
+        re-gather and reshard by schedule (not modelled yet), so there it is left out of both."""
+        lay = self.layout()
+        return lay.dp > 1 and lay.pp == 1 and self.cfg.data_parallel == "fsdp"
 
     def _planned_shapes(self, named: Any, lay: ParallelLayout) -> list[tuple[str, tuple[int, ...]]]:
         """Local shape of each parameter after TP (dim 0 of column-parallel, dim 1 of row-parallel weights / t) and FSDP (dim 0 / dp, rounded up)."""
@@ -286,8 +308,10 @@ class MegatronPlugin:
         return 16 * elems + 4 * len(self._local_shapes)
 
     def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
-        """Meter DTensor's functional collectives and the pipeline's sends (training only; see :mod:`.metering`)."""
+        """Meter DTensor's functional collectives, the pipeline's sends and FSDP2's collectives (training only; see :mod:`.metering`)."""
         install_funcol_meter()
+        if self._fsdp_metered():
+            install_fsdp_meter()
         GATE.meter = meter
 
 
