@@ -75,6 +75,7 @@ class ParallelPlugin(Protocol):
     #   owns_microbatching: bool                       the loader yields a step's micro-batches as one batch
     #   callbacks(resolved, sinks) -> list             extra Lightning callbacks (e.g. pipeline bubble)
     #   grad_norm(module) / clip_gradients(module, max_norm)   global norm when parameters are split over ranks
+    #   optimizer_foreach: bool | None                 AdamW's foreach flag (None = torch's choice)
 
 
 _PLUGINS: dict[str, type] = {}
