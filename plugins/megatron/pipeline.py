@@ -91,6 +91,20 @@ class GPTStage(nn.Module):
         return x
 
 
+def gpt_param_name(runner_name: str) -> str | None:
+    """The :class:`framework.model.GPT` name of a :class:`PipelineRunner` parameter (for checkpoints
+    that load into an unsplit model), or None for the last stage's ``head`` copy (it equals ``wte``).
+
+    ``chunks.<k>.blocks.<N>.attn.qkv.weight`` -> ``blocks.<N>.attn.qkv.weight``;
+    ``chunks.0.wte.weight`` -> ``wte.weight``; ``chunks.<last>.head`` -> None.
+    """
+    parts = runner_name.split(".")
+    if len(parts) < 3 or parts[0] != "chunks":
+        raise ValueError(f"{runner_name!r} is not a pipeline runner parameter name (chunks.<k>.<name>)")
+    rest = ".".join(parts[2:])
+    return None if rest == "head" else rest
+
+
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of ``logits [b, s, V]`` against ``target [b, s]`` (fp32, as ``GPT.forward``)."""
     return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())

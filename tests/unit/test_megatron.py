@@ -13,7 +13,7 @@ from framework.metrics.comm import (
     sp_norm_grad_allreduce_bytes,
     tp_payload_bytes_per_microbatch,
 )
-from plugins.megatron.pipeline import split_layers
+from plugins.megatron.pipeline import GPTStage, gpt_param_name, split_layers
 
 
 def test_tp_payload_is_four_activation_allreduces_per_layer():
@@ -103,3 +103,18 @@ def test_bad_layouts_are_one_line_errors(compose, overrides, fragment):
         validate(load_run_config(compose(*overrides)))
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_stage_parameter_names_map_back_to_the_gpt():
+    import torch
+
+    from framework.config.schema import ModelConfig
+    from framework.model import GPT
+
+    gpt = GPT(ModelConfig(), vocab_size=300)
+    layers = split_layers(4, 4)
+    chunks = torch.nn.ModuleDict({str(k): GPTStage(gpt, layers[k], first=k == 0, last=k == 3) for k in range(4)})
+    names = {gpt_param_name(f"chunks.{n}") for n, _ in chunks.named_parameters()}
+    assert names - {None} == {n for n, _ in gpt.named_parameters()}  # every GPT parameter exactly once ...
+    assert None in names  # ... plus the last stage's head copy, which is wte
+    assert torch.equal(chunks["3"].head, gpt.wte.weight)
