@@ -175,8 +175,10 @@ class MegatronPlugin:
 
     @property
     def optimizer_foreach(self) -> bool | None:
-        """False under TP: AdamW's multi-tensor (foreach) kernels reject lists mixing DTensor shards
-        with the replicated plain-tensor parameters (embeddings, norms); None = torch's choice."""
+        """False under TP: AdamW's multi-tensor (foreach) path rejects a parameter list mixing DTensor
+        shards with plain tensors (the replicated embeddings and norms): ``aten._foreach_lerp_.Scalar
+        got mixed torch.Tensor and DTensor`` (torch 2.13, checked on CPU with ``foreach=True``; CUDA
+        defaults to foreach). None = torch's choice."""
         return False if self.cfg.tp_degree > 1 else None
 
     def callbacks(self, resolved: Any, sinks: list) -> list:
