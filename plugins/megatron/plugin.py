@@ -176,7 +176,7 @@ class MegatronPlugin:
     @property
     def optimizer_foreach(self) -> bool | None:
         """False under TP: AdamW's multi-tensor (foreach) path rejects a parameter list mixing DTensor
-        shards with plain tensors (the replicated embeddings and norms): ``aten._foreach_lerp_.Scalar
+        shards with plain tensors (the replicated embeddings and norms): ``aten._foreach_mul_.Scalar
         got mixed torch.Tensor and DTensor`` (torch 2.13, checked on CPU with ``foreach=True``; CUDA
         defaults to foreach). None = torch's choice."""
         return False if self.cfg.tp_degree > 1 else None
