@@ -104,10 +104,23 @@ class LMModule(pl.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Gradients here are complete (after DDP's all-reduce) and not yet clipped.
         # Sharded plugins hold DTensor gradients: their norm is a DTensor to gather.
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        self.last_grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # A plugin whose parameters are split over ranks (tp/pp) computes the global norm itself.
+        plugin_norm = getattr(self.plugin, "grad_norm", None)
+        if plugin_norm is not None:
+            self.last_grad_norm = float(plugin_norm(self))
+        else:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            self.last_grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.last_lr = float(optimizer.param_groups[0]["lr"])
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # Clipping by the global norm needs the plugin's norm when parameters are split over ranks.
+        plugin_clip = getattr(self.plugin, "clip_gradients", None)
+        if plugin_clip is not None and gradient_clip_val:
+            plugin_clip(self, float(gradient_clip_val))
+            return
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         o = self.resolved.run.optim
@@ -118,6 +131,7 @@ class LMModule(pl.LightningModule):
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
+            foreach=getattr(self.plugin, "optimizer_foreach", None),  # a plugin may need the per-tensor loop (mixed DTensor/Tensor)
         )
         schedule = partial(
             warmup_cosine,

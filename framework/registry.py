@@ -69,6 +69,14 @@ class ParallelPlugin(Protocol):
     def install_comm_meter(self, model: Any, meter: "CommMeter") -> None:
         """Make this plugin's training collectives report to ``meter`` (``model``: the strategy-wrapped model)."""
 
+    # Optional hooks, looked up with getattr by the worker / LMModule (see plugins/megatron/plugin.py):
+    #   configure_model(model, module) -> nn.Module   shard / split the GPT (ModelParallelStrategy calls it)
+    #   dp_rank(rank) -> int                           the data shard a rank reads (TP/PP peers share one)
+    #   owns_microbatching: bool                       the loader yields a step's micro-batches as one batch
+    #   callbacks(resolved, sinks) -> list             extra Lightning callbacks (e.g. pipeline bubble)
+    #   grad_norm(module) / clip_gradients(module, max_norm)   global norm when parameters are split over ranks
+    #   optimizer_foreach: bool | None                 AdamW's foreach flag (None = torch's choice)
+
 
 _PLUGINS: dict[str, type] = {}
 

@@ -99,3 +99,68 @@ def replicated_adamw_model_states_bytes(stats: ModelStats) -> int:
     """
     psi = stats.num_params
     return psi * stats.param_bytes + psi * stats.grad_bytes + 8 * psi + 4 * stats.num_param_tensors
+
+
+# --- Tensor and pipeline parallelism (plugins/megatron) ---------------------------------------
+
+
+def tp_payload_bytes_per_microbatch(
+    *, micro_batch_size: int, seq_len: int, d_model: int, n_layer: int, tp: int, sequence_parallel: bool, elem_bytes: int = 4
+) -> dict[str, int]:
+    """Tensor-parallel payload bytes one rank hands to collectives for one micro-batch (forward + backward).
+
+    Megatron-LM (Shoeybi et al. 2019, Fig. 4; Narayanan et al. 2021 §3.2): per layer two
+    all-reduces of the ``b·s·h`` activations in forward (after the attention and MLP
+    row-parallel projections) and two in backward (the column-parallel inputs' gradients):
+    ``4·L·b·s·h`` elements. With sequence parallelism (Korthikanti et al. 2022 §4.2.2) each
+    all-reduce becomes an all-gather + a reduce-scatter of the same ``b·s·h`` payload: ``4·L``
+    of each, plus two all-gathers at the ends of the sequence-sharded region in trainlab's GPT
+    (the embedding output's gradient into block 0, the last block's output into the replicated
+    ``ln_f`` and head). Payload convention as :func:`ring_wire_bytes` (all-gather: the gathered
+    size). The payload per rank does not depend on ``tp``; the ring bytes on the wire do.
+    """
+    if tp <= 1:
+        return {}
+    act = micro_batch_size * seq_len * d_model * elem_bytes
+    if not sequence_parallel:
+        return {"allreduce": 4 * n_layer * act}
+    return {"allgather": (4 * n_layer + 2) * act, "reduce_scatter": 4 * n_layer * act}
+
+
+def pp_p2p_bytes_per_step(
+    *, stage_ids: list[int], num_stages: int, n_microbatches: int, micro_batch_size: int, seq_len: int, d_model: int,
+    tp: int = 1, elem_bytes: int = 4,
+) -> int:
+    """Point-to-point bytes one pipeline rank *sends* per optimizer step.
+
+    Narayanan et al. 2021 §3.2: per micro-batch and stage boundary, ``b·s·h`` activations
+    forward and the same gradient backward. A rank holding stages ``stage_ids`` (of
+    ``num_stages``; several with interleaving, which multiplies the p2p volume by ``v``, §2.2.2)
+    sends forward from every stage but the last and backward from every stage but the first.
+    Without the scatter/gather optimisation each TP rank sends the full ``b·s·h`` (``tp``
+    does not divide it).
+    """
+    sends = sum((k != num_stages - 1) + (k != 0) for k in stage_ids)
+    return sends * n_microbatches * micro_batch_size * seq_len * d_model * elem_bytes
+
+
+def pp_bubble_fraction(*, pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a pipeline step: ``(p-1) / (v·m + p - 1)``.
+
+    Narayanan et al. 2021 §2.2.1 (GPipe, 1F1B: bubble time / ideal time = ``(p-1)/m``) and
+    §2.2.2 (interleaved with ``v`` chunks per rank: ``(p-1)/(v·m)``), expressed as a fraction
+    of the whole step, ``x / (1 + x)``. Assumes equal forward/backward time in every stage.
+    """
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (virtual_stages * n_microbatches + pp - 1)
+
+
+def sp_norm_grad_allreduce_bytes(*, n_layer: int, d_model: int, bias: bool, elem_bytes: int = 4) -> int:
+    """All-reduce payload per optimizer step for the LayerNorm gradients under sequence parallelism.
+
+    Each TP rank normalises only its slice of the sequence, so the gradients of the replicated
+    ``ln_1``/``ln_2`` weights (and biases) are partial sums; they are all-reduced once per step
+    (after accumulation): ``L · 2 · (h + h·bias)`` elements (Korthikanti et al. 2022 §4.2.2).
+    """
+    return n_layer * 2 * (d_model + (d_model if bias else 0)) * elem_bytes

@@ -45,7 +45,7 @@ def test_unknown_group_option_is_one_line_before_hydra(capsys):
         check_group_choices(["parallelism=single,zero9", "trainer.max_steps=3"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, fsdp, single"
+    assert err == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, fsdp, pp, single, tp"
     check_group_choices(["parallelism=single,ddp", "model=gpt2_124m", "experiment=null", "data.paths=[a,b]"])  # fine
 
 

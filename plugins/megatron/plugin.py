@@ -1,0 +1,331 @@
+"""The ``tp`` and ``pp`` plugins: one implementation, two presets.
+
+``parallelism=tp`` (``conf/parallelism/tp.yaml``: 2 ranks, tp 2) and ``parallelism=pp``
+(``pp.yaml``: 2 ranks, pp 2, 1F1B) share :class:`MegatronPlugin`; any ``dp x tp x pp`` layout
+is an override away (``parallelism.tp_degree=2 parallelism.pp_degree=2
+parallelism.world_size=4``). The order of application follows torchtitan's
+``parallelize`` functions: pipeline split, then TP on each stage, then DP (FSDP2
+``fully_shard`` or ``replicate``) on the ``dp`` mesh dimension.
+
+Cost model (per rank per optimizer step, :mod:`framework.metrics.comm`): TP payload per
+micro-batch x ``grad_accum_steps`` micro-batches; PP sends; the tied-embedding all-reduce
+between the first and last stage; with ``data_parallel=fsdp`` on dp > 1 and no pipeline, the
+FSDP2 parameter all-gathers and gradient reduce-scatters of this rank's (TP-local) parameters.
+All of it is metered (:mod:`plugins.megatron.metering`). Left out of both (not modelled yet):
+FSDP2 inside pipeline stages (its re-gathers depend on the schedule) and ``data_parallel=ddp``
+(``replicate``)'s gradient all-reduce. ``perf/comm_bytes_wire`` applies one ring
+group size to every kind (the larger of tp and 2 with a pipeline), an approximation when the
+TP, DP and pipeline groups differ in size.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from framework.config.schema import ConfigError
+from framework.config.validate import derive_batch
+from framework.distributed import process_group_backend, resolve_accelerator
+from framework.metrics.comm import (
+    CommEstimate,
+    ModelStats,
+    pp_p2p_bytes_per_step,
+    sp_norm_grad_allreduce_bytes,
+    tp_payload_bytes_per_microbatch,
+)
+from framework.metrics.timing import CommMeter
+from framework.registry import ParallelLayout, register_plugin
+from plugins.megatron.config import MegatronConfig, validate_run
+from plugins.megatron.metering import GATE, install_fsdp_meter, install_funcol_meter
+
+# Parameters that column/row parallelism shards over tp (the rest are replicated on every TP rank).
+_TP_SHARDED = re.compile(r"blocks\.\d+\.(attn\.qkv\.(weight|bias)|attn\.proj\.weight|mlp\.fc\.(weight|bias)|mlp\.proj\.weight)$")
+
+
+class MegatronPlugin:
+    """Tensor + pipeline parallelism composed with data parallelism on a ``pp x dp x tp`` mesh."""
+
+    name = "megatron"
+    config_cls = MegatronConfig
+
+    def __init__(self, cfg: MegatronConfig) -> None:
+        self.cfg = cfg
+        self.runner = None  # PipelineRunner once configure_model ran (pp > 1)
+        self.mesh = None
+        self._local_shapes: list[tuple[str, tuple[int, ...]]] = []
+        self._grad_norm: float | None = None
+
+    # -- layout and validation ------------------------------------------------------------
+    def layout(self) -> ParallelLayout:
+        c = self.cfg
+        dp = c.dp_degree if c.dp_degree != -1 else max(1, c.world_size // (c.tp_degree * c.pp_degree))
+        return ParallelLayout(dp=dp, tp=c.tp_degree, pp=c.pp_degree)
+
+    @property
+    def owns_microbatching(self) -> bool:
+        """True with a pipeline: the loader yields a step's micro-batches at once and the schedule splits them."""
+        return self.cfg.pp_degree > 1
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel index of global ``rank`` on the ``(pp, dp, tp)`` mesh: TP and PP peers read the same data."""
+        lay = self.layout()
+        return (rank // lay.tp) % lay.dp
+
+    def validate(self, run: Any) -> None:
+        lay = self.layout()
+        acc = None
+        try:
+            t = run.trainer
+            _, acc, _ = derive_batch(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+                                     grad_accum_steps=t.grad_accum_steps, dp_degree=lay.dp)
+        except ConfigError:
+            pass  # reported by the framework's own batch check
+        validate_run(self.cfg, run, pp_degree=self.cfg.pp_degree, grad_accum_steps=acc)
+
+    # -- Lightning ------------------------------------------------------------------------
+    def build_strategy(self, resolved: Any) -> Any:
+        from plugins.megatron.strategy import MeshStrategy
+
+        lay = resolved.layout
+        accelerator = resolve_accelerator(resolved.run.trainer.accelerator)
+        return MeshStrategy(
+            pp=lay.pp, dp=lay.dp, tp=lay.tp, pipelined=lay.pp > 1,
+            process_group_backend=process_group_backend(self.cfg.backend, accelerator), timeout_s=self.cfg.timeout_s,
+        )
+
+    def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
+        """Split (pp), shard (tp) and wrap (dp) ``model``; returns what ``LMModule.model`` becomes."""
+        self.mesh = module.device_mesh
+        resolved = module.resolved
+        lay = resolved.layout
+        if lay.pp == 1:
+            self._local_shapes = self._planned_shapes(model.named_parameters(), lay)
+            if lay.tp > 1:
+                from plugins.megatron.tensor_parallel import apply_tp
+
+                apply_tp(model, self.mesh["tp"], sequence_parallel=self.cfg.sequence_parallel)
+            if lay.dp > 1:
+                for block in model.blocks:
+                    self._wrap_dp(block)
+                self._wrap_dp(model)
+            GATE.watch(model)
+            return model
+        return self._build_pipeline(model, module)
+
+    def _wrap_dp(self, mod: torch.nn.Module) -> torch.nn.Module:
+        if self.layout().dp == 1:
+            return mod
+        mesh = self.mesh["dp"]
+        if self.cfg.data_parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            return fully_shard(mod, mesh=mesh)
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return replicate(mod, mesh=mesh)
+
+    def _build_pipeline(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
+        from plugins.megatron.pipeline import GPTStage, PipelineRunner, split_layers
+        from plugins.megatron.tensor_parallel import apply_tp
+
+        resolved = module.resolved
+        lay = resolved.layout
+        mesh = self.mesh
+        pp_mesh = mesh["pp"]
+        pp_rank, p = pp_mesh.get_local_rank(), lay.pp
+        n_stages = p * self.cfg.virtual_stages
+        layers = split_layers(model.n_layer, n_stages)
+        mine = [k for k in range(n_stages) if k % p == pp_rank]
+        stages = {k: GPTStage(model, layers[k], first=k == 0, last=k == n_stages - 1) for k in mine}
+        shapes = []
+        for k, st in stages.items():
+            shapes += self._planned_shapes(st.named_parameters(), lay)
+            if lay.tp > 1:
+                apply_tp(st, mesh["tp"], sequence_parallel=False)
+        self._local_shapes = shapes
+
+        def wrap_stage(st: torch.nn.Module) -> torch.nn.Module:
+            if lay.dp > 1:
+                for block in st.blocks.values():
+                    self._wrap_dp(block)
+                self._wrap_dp(st)
+            return st
+
+        # The embedding group of every (dp, tp) coordinate: the ranks of its first and last stage.
+        ranks = mesh.mesh  # [pp, dp, tp] global ranks
+        embed_group = None
+        for d in range(lay.dp):
+            for t in range(lay.tp):
+                pair = sorted({int(ranks[0, d, t]), int(ranks[p - 1, d, t])})
+                g = dist.new_group(pair)
+                if dist.get_rank() in pair:
+                    embed_group = g
+        device = module.trainer.strategy.root_device  # where the stages will run (the model may still be on the CPU)
+        self.runner = PipelineRunner(
+            stages, num_stages=n_stages, pp_group=pp_mesh.get_group(), pp_rank=pp_rank, pp_size=p, embed_group=embed_group,
+            schedule_name=self.cfg.schedule, n_microbatches=resolved.grad_accum_steps,
+            micro_batch_size=resolved.micro_batch_size, seq_len=resolved.run.data.seq_len, d_model=model.d_model,
+            vocab_size=model.vocab_size, device=device, wrap_stage=wrap_stage,
+        )
+        return self.runner
+
+    @property
+    def optimizer_foreach(self) -> bool | None:
+        """False under TP: AdamW's multi-tensor (foreach) path rejects a parameter list mixing DTensor
+        shards with plain tensors (the replicated embeddings and norms): ``aten._foreach_mul_.Scalar
+        got mixed torch.Tensor and DTensor`` (torch 2.13, checked on CPU with ``foreach=True``; CUDA
+        defaults to foreach). None = torch's choice."""
+        return False if self.cfg.tp_degree > 1 else None
+
+    def callbacks(self, resolved: Any, sinks: list) -> list:
+        """Extra callbacks: the pipeline bubble meter when ``pp > 1``."""
+        if resolved.layout.pp == 1:
+            return []
+        from plugins.megatron.bubble import PipelineBubble
+
+        run = resolved.run
+        return [PipelineBubble(runner=lambda: self.runner, pp=resolved.layout.pp, n_microbatches=resolved.grad_accum_steps,
+                               virtual_stages=self.cfg.virtual_stages, log_every_n_steps=run.trainer.log_every_n_steps,
+                               warmup_steps_excluded=run.trainer.warmup_steps_excluded, sinks=sinks)]
+
+    # -- gradient norm and clipping (global over tp shards, pipeline stages and dp shards) --
+    def _params(self, module: Any) -> list[torch.nn.Parameter]:
+        head = self.runner.tied_params()[1] if self.runner is not None and self.runner.embed_group is not None else None
+        return [p for p in module.parameters() if p.grad is not None and p is not head]
+
+    def grad_norm(self, module: Any) -> float:
+        """Global gradient L2 norm of the whole model (each parameter element once).
+
+        Each rank sums the squares of its local gradient (shards), divided by the number of
+        ranks holding the same elements (TP/DP replicas); one all-reduce over all ranks adds
+        them. The pipeline's ``head`` copy is left out (it is ``wte``).
+        """
+        from torch.distributed.tensor import DTensor
+
+        lay = self.layout()
+        local = torch.zeros((), dtype=torch.float64, device=module.device)
+        for p in self._params(module):
+            g = p.grad
+            if isinstance(g, DTensor):
+                if any(pl.is_partial() for pl in g.placements):  # e.g. sequence-parallel norms
+                    g = p.grad = g.redistribute(placements=p.placements)
+                names = g.device_mesh.mesh_dim_names or ()
+                replicas = 1
+                for dim_name in ("dp", "tp"):
+                    if dim_name in names:
+                        pl = g.placements[names.index(dim_name)]
+                        replicas *= getattr(lay, dim_name) if pl.is_replicate() else 1  # Shard or FSDP's _StridedShard: 1
+                    else:
+                        replicas *= getattr(lay, dim_name)
+                t = g.to_local()
+            else:
+                replicas, t = lay.dp * lay.tp, g
+            local += t.double().pow(2).sum() / replicas
+        dist.all_reduce(local)
+        self._grad_norm = float(local.sqrt())
+        return self._grad_norm
+
+    def clip_gradients(self, module: Any, max_norm: float) -> None:
+        """Scale every gradient by ``max_norm / (norm + 1e-6)`` when below 1 (as ``torch.nn.utils.clip_grad_norm_``)."""
+        norm = self._grad_norm if self._grad_norm is not None else self.grad_norm(module)
+        self._grad_norm = None
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    # -- cost model and metering ------------------------------------------------------------
+    def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
+        """TP payload x micro-batches + this rank's PP sends + the tied-embedding all-reduce + FSDP on dp (see module docstring)."""
+        lay = resolved.layout
+        run = resolved.run
+        b, s, h = resolved.micro_batch_size, run.data.seq_len, run.model.d_model
+        m = resolved.grad_accum_steps
+        out: dict[str, int] = {}
+        # A pipeline rank runs only its stages' blocks.
+        layers = sum(len(c.blocks) for c in self.runner.chunks.values()) if self.runner is not None else run.model.n_layer
+        tp = tp_payload_bytes_per_microbatch(micro_batch_size=b, seq_len=s, d_model=h, n_layer=layers, tp=lay.tp,
+                                             sequence_parallel=self.cfg.sequence_parallel, elem_bytes=stats.grad_bytes)
+        for k, v in tp.items():
+            out[k] = out.get(k, 0) + v * m
+        if lay.tp > 1 and self.cfg.sequence_parallel:
+            out["allreduce"] = out.get("allreduce", 0) + sp_norm_grad_allreduce_bytes(
+                n_layer=layers, d_model=h, bias=run.model.bias, elem_bytes=stats.grad_bytes)
+        group = lay.tp
+        if lay.pp > 1 and self.runner is not None:
+            r = self.runner
+            out["p2p"] = pp_p2p_bytes_per_step(stage_ids=r.stage_ids, num_stages=r.num_stages, n_microbatches=m,
+                                               micro_batch_size=b, seq_len=s, d_model=h, elem_bytes=stats.grad_bytes)
+            if r.embed_group is not None:
+                embed = math.prod(r.tied_params()[0].shape if r.has_first else r.tied_params()[1].shape)
+                embed_local = embed // (lay.dp if self.cfg.data_parallel == "fsdp" and lay.dp > 1 else 1)
+                out["allreduce"] = out.get("allreduce", 0) + embed_local * stats.grad_bytes * (int(r.has_first) + int(r.has_last))
+            group = max(group, 2)
+        if self._fsdp_metered():
+            # FSDP2 on the dp dimension (ZeRO §7.2), per micro-batch (Lightning accumulates through
+            # FSDP's forward/backward): all-gather every unit's (TP-local, dp-padded) parameters
+            # before forward and each block's again before backward - the root unit (embeddings,
+            # ln_f) stays unsharded between forward and backward (FSDP2 does not reshard the root
+            # after forward) - and reduce-scatter all gradients.
+            def full(names_ok) -> int:
+                return sum(sh[0] * lay.dp * math.prod(sh[1:]) for n, sh in self._local_shapes if names_ok(n)) * stats.param_bytes
+
+            every, blocks = full(lambda n: True), full(lambda n: n.startswith("blocks."))
+            out["allgather"] = out.get("allgather", 0) + m * (every + blocks)
+            out["reduce_scatter"] = out.get("reduce_scatter", 0) + m * every
+        return CommEstimate(payload_bytes=out, group_size=max(1, group))
+
+    def _fsdp_metered(self) -> bool:
+        """FSDP2 on dp is metered and modelled without a pipeline; a pipeline stage's FSDP units
+        re-gather and reshard by schedule (not modelled yet), so there it is left out of both."""
+        lay = self.layout()
+        return lay.dp > 1 and lay.pp == 1 and self.cfg.data_parallel == "fsdp"
+
+    def _planned_shapes(self, named: Any, lay: ParallelLayout) -> list[tuple[str, tuple[int, ...]]]:
+        """Local shape of each parameter after TP (dim 0 of column-parallel, dim 1 of row-parallel weights / t) and FSDP (dim 0 / dp, rounded up)."""
+        out = []
+        for name, p in named:
+            shape = list(p.shape)
+            if lay.tp > 1 and _TP_SHARDED.search(name):
+                dim = 1 if name.endswith("proj.weight") else 0
+                shape[dim] //= lay.tp
+            if lay.dp > 1 and self.cfg.data_parallel == "fsdp":
+                shape[0] = -(-shape[0] // lay.dp)
+            out.append((name, tuple(shape)))
+        return out
+
+    def model_states_bytes(self, stats: ModelStats, resolved: Any) -> int:
+        """fp32 params + grads + AdamW moments of the parameters this rank holds (16 B each, ZeRO §3.1), plus 4 B per tensor.
+
+        Local sizes from the layout: a column-parallel weight/bias holds ``1/t`` of its rows, a
+        row-parallel weight ``1/t`` of its columns; a pipeline rank holds its stages (and the
+        head copy on the last stage); FSDP holds ``ceil(rows/dp)`` rows of each.
+        """
+        elems = sum(math.prod(s) for _, s in self._local_shapes)
+        return 16 * elems + 4 * len(self._local_shapes)
+
+    def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
+        """Meter DTensor's functional collectives, the pipeline's sends and FSDP2's collectives (training only; see :mod:`.metering`)."""
+        install_funcol_meter()
+        if self._fsdp_metered():
+            install_fsdp_meter()
+        GATE.meter = meter
+
+
+@register_plugin
+class TPPlugin(MegatronPlugin):
+    """``parallelism=tp``: tensor parallel (preset: 2 ranks, tp 2)."""
+
+    name = "tp"
+
+
+@register_plugin
+class PPPlugin(MegatronPlugin):
+    """``parallelism=pp``: pipeline parallel (preset: 2 ranks, pp 2, 1F1B)."""
+
+    name = "pp"

@@ -1,0 +1,137 @@
+"""tp/pp plugins end to end on CPU ranks (gloo): loss parity with `single`, bytes == cost model, bubble, sweeps.
+
+Every layout trains 20 steps at global batch 8 and must reproduce the per-step losses of
+`single` (micro-batch 8) to a relative 1e-5 (fp32: ~100x the observed rounding noise, 1e-7 to
+8e-7). Measured communication (DTensor's functional collectives, the pipeline's sends, the
+tied-embedding all-reduce) must equal the cost model byte for byte at every logged step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.integration.conftest import Runner, losses
+
+pytestmark = pytest.mark.slow
+
+PARITY_RTOL = 1e-5
+COMMON = ["trainer.max_steps=20", "trainer.log_every_n_steps=5", "trainer.val_every_n_steps=1000", "trainer.val_sequences=16", "checkpoint=none",
+          "tracking=none", "trainer.global_batch_size=8", "trainer.grad_accum_steps=null"]
+B, S, H, L, V = 8, 64, 128, 4, 1024  # global batch, seq_len (SMALL_DATA), gpt_tiny's d_model / n_layer, vocab
+
+
+@pytest.fixture(scope="module")
+def mrun(tmp_path_factory, data_cache) -> Runner:
+    """One scratch folder for the module, holding the `single` reference run (``ref``)."""
+    r = Runner(tmp_path_factory.mktemp("megatron"), data_cache)
+    r.run("parallelism=single", "trainer.micro_batch_size=8", "run_name=ref", "trainer.log_every_n_steps=1", *COMMON[2:],
+          "trainer.max_steps=20")
+    return r
+
+
+def _train(r: Runner, name: str, *overrides: str) -> list[dict]:
+    r.run(*overrides, f"run_name={name}", *COMMON)
+    return r.metrics(name)
+
+
+def _assert_parity(r: Runner, name: str, records: list[dict]) -> None:
+    ref = losses(r.metrics("ref"))
+    got = losses(records)
+    assert sorted(got) == [5, 10, 15, 20]
+    assert min(ref.values()) < ref[1] - 0.5, "the reference must learn for the comparison to mean anything"
+    for step, loss in got.items():
+        assert loss == pytest.approx(ref[step], rel=PARITY_RTOL), f"{name} step {step}"
+
+
+def _comm(records: list[dict]) -> list[dict]:
+    """Logged comm records; measured == model for the total and each kind (exactly)."""
+    recs = [r for r in records if "perf/comm_bytes" in r]
+    assert recs
+    for r in recs:
+        kinds = {k[len("perf/comm_bytes_"):-len("_model")] for k in r if k.startswith("perf/comm_bytes_") and k.endswith("_model")} - {""}
+        assert kinds - {"wire"}, "at least one collective kind is modelled"
+        for kind in kinds:  # each kind, and "wire" (ring bytes on the wire)
+            assert r[f"perf/comm_bytes_{kind}"] == r[f"perf/comm_bytes_{kind}_model"], kind
+        assert r["perf/comm_bytes"] == r["perf/comm_bytes_model"] > 0
+        assert r["mem/model_states_bytes"] == r["mem/model_states_bytes_model"]
+    return recs
+
+
+def test_tp2_with_and_without_sequence_parallel(mrun):
+    act = 4 * S * H * 4  # one micro-batch's b*s*h activations in fp32 bytes (micro-batch 4, 2 per step)
+    recs = _train(mrun, "tp2", "parallelism=tp", "trainer.micro_batch_size=4")
+    _assert_parity(mrun, "tp2", recs)
+    for r in _comm(recs):
+        assert r["perf/comm_bytes_allreduce"] == 2 * 4 * L * act  # 2 micro-batches x 4 all-reduces per layer
+        assert r["perf/comm_bytes_wire"] == r["perf/comm_bytes"]  # ring all-reduce on 2 ranks: 2(n-1)/n = 1
+    recs = _train(mrun, "tp2sp", "parallelism=tp", "parallelism.sequence_parallel=true", "trainer.micro_batch_size=4")
+    _assert_parity(mrun, "tp2sp", recs)
+    for r in _comm(recs):
+        assert r["perf/comm_bytes_allgather"] == 2 * (4 * L + 2) * act
+        assert r["perf/comm_bytes_reduce_scatter"] == 2 * 4 * L * act
+        assert r["perf/comm_bytes_allreduce"] == L * 4 * H * 4  # LayerNorm weight+bias gradients, once per step
+
+
+@pytest.mark.parametrize("schedule, v, mbs", [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 2)])
+def test_pp2_schedules(mrun, schedule, v, mbs):
+    name = f"pp2-{schedule}"
+    recs = _train(mrun, name, "parallelism=pp", f"parallelism.schedule={schedule}", f"parallelism.virtual_stages={v}",
+                  f"trainer.micro_batch_size={mbs}")
+    _assert_parity(mrun, name, recs)
+    m = B // mbs
+    for r in _comm(recs):
+        # rank 0 sends forward from each chunk but the last stage and backward from each but the first: 2v-1 per micro-batch
+        assert r["perf/comm_bytes_p2p"] == (2 * v - 1) * m * mbs * S * H * 4
+        assert r["perf/comm_bytes_allreduce"] == V * H * 4  # the tied embedding's gradient sync
+    bubble = [r for r in recs if "perf/pp_bubble_frac" in r]
+    assert bubble
+    for r in bubble:
+        assert r["perf/pp_bubble_frac_model"] == pytest.approx(1 / (v * m + 1))
+        assert 0.0 < r["perf/pp_bubble_frac"] <= r["perf/pp_bubble_frac_max"] < 1.0
+
+
+def test_four_rank_layouts(mrun):
+    four = ["parallelism.world_size=4"]
+    for name, overrides in [
+        ("dp2tp2", ["parallelism=tp", "trainer.micro_batch_size=2"]),
+        ("dp2pp2", ["parallelism=pp", "trainer.micro_batch_size=2"]),
+        ("tp2pp2", ["parallelism=pp", "parallelism.tp_degree=2", "trainer.micro_batch_size=4"]),
+    ]:
+        recs = _train(mrun, name, *overrides, *four)
+        _assert_parity(mrun, name, recs)
+        _comm(recs)
+    # TP 4: the same payload per rank as TP 2, 1.5x the ring bytes on the wire (2(t-1)/t).
+    recs = _train(mrun, "tp4", "parallelism=tp", *four, "parallelism.tp_degree=4", "trainer.micro_batch_size=4")
+    _assert_parity(mrun, "tp4", recs)
+    recs = _comm(recs)
+    tp2 = [r for r in mrun.metrics("tp2") if "perf/comm_bytes" in r]
+    assert tp2, "test_tp2_with_and_without_sequence_parallel runs first and leaves its metrics"
+    for r, r2 in zip(recs, tp2):
+        assert r["perf/comm_bytes"] == r2["perf/comm_bytes"]
+        assert r["perf/comm_bytes_wire"] == 1.5 * r2["perf/comm_bytes_wire"]
+
+
+def test_multirun_tp_pp_records_two_finished_runs(runner):
+    runner.run("-m", "parallelism=tp,pp", "trainer.max_steps=30", "checkpoint=none")
+    client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
+    runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    by_plugin = {r.data.tags["plugin"]: r for r in runs}
+    assert set(by_plugin) == {"tp", "pp"} and len(runs) == 2
+    assert by_plugin["tp"].data.tags["layout"] == "dp1-tp2-pp1" and by_plugin["pp"].data.tags["layout"] == "dp1-tp1-pp2"
+    for r in runs:
+        assert r.info.status == "FINISHED"
+        assert r.data.params["derived.global_batch_size"] == "16"
+        for key in ("train/loss", "val/loss", "perf/tokens_per_sec", "perf/comm_bytes", "perf/comm_bytes_model"):
+            assert key in r.data.metrics, key
+        assert r.data.metrics["perf/comm_bytes"] == r.data.metrics["perf/comm_bytes_model"]
+    assert "perf/pp_bubble_frac" in by_plugin["pp"].data.metrics and "perf/pp_bubble_frac_model" in by_plugin["pp"].data.metrics
+
+
+def test_bad_layout_fails_before_any_rank_with_one_line(runner):
+    proc = runner.run("parallelism=tp", "parallelism.tp_degree=3", "parallelism.world_size=3", "checkpoint=none", check=False)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["trainlab: error: parallelism.tp_degree=3 must divide model.n_head=4, model.d_model=128 and the MLP"
+                     " width 512 (allowed: a common divisor)"]
+    assert not list(runner.workdir.glob("outputs/**/launch.json"))
