@@ -286,7 +286,8 @@ def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
         from hydra import compose, initialize_config_dir
 
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            defaults = compose(config_name="config", overrides=["run_name=x"])
+            groups = [o for o in overrides if "=" in o and "." not in o.split("=")[0] and "," not in o]  # e.g. parallelism=fsdp
+            defaults = compose(config_name="config", overrides=["run_name=x", *groups])  # suggest the chosen plugin's keys
         from framework.tracking import flatten
 
         keys = list(flatten(OmegaConf.to_container(defaults, resolve=False)))
