@@ -2,7 +2,7 @@
 
 Layout of ``<checkpoint.dir>/step<NNNNNNNN>/``::
 
-    manifest.json   plain JSON: format, kind (full | delta), base, step, tokens_seen, layout,
+    manifest.json   plain JSON: format, kind (full | delta | dcp), base, step, tokens_seen, layout,
                     config_hash, versions (torch, pytorch_lightning, trainlab commit), created_unix,
                     files {name: {sha256, bytes}}, bytes (sum), delta_ratio (delta only)
     state.pt        the training state (Lightning's checkpoint dict plus trainlab's per-rank RNG
@@ -18,8 +18,9 @@ the parent folder is fsync'd. A folder without the final name (a save killed mid
 listed; :func:`remove_partial` deletes such leftovers. A complete folder whose bytes were
 changed afterwards fails :func:`verify` and is skipped by :func:`find_latest_valid`.
 
-The manifest lists files, so a sharded plugin (FSDP, ZeRO) can write one state file per rank
-or a torch DCP folder under the same scheme; ``format`` names what a reader must expect.
+A sharded plugin's checkpoint (``kind: dcp``, :mod:`framework.checkpoint.dcp`) holds a torch
+DCP folder ``dcp/`` (one shard file per rank) next to ``state.pt``; the manifest lists every
+file, and :func:`load_state` gathers it into one full state.
 """
 
 from __future__ import annotations
