@@ -98,6 +98,7 @@ class RunResult:
     ckpt_dir: Path
     losses: dict[int, float]
     records: list[dict]
+    stdout: str = ""
 
 
 class Conformance:
@@ -115,11 +116,16 @@ class Conformance:
 
     # -- running the driver --------------------------------------------------------------------
     def run(self, run_name: str, overrides: tuple[str, ...], *, env: Optional[dict[str, str]] = None,
-            max_steps: int = STEPS, save_every: int = SAVE_AT, resume: Optional[Path] = None) -> RunResult:
-        """Run the driver once (cached by ``run_name``); raises AssertionError with its output when it fails."""
+            max_steps: int = STEPS, save_every: int = SAVE_AT, resume: Optional[Path | str] = None,
+            ckpt_dir: Optional[Path] = None) -> RunResult:
+        """Run the driver once (cached by ``run_name``); raises AssertionError with its output when it fails.
+
+        ``resume``: a checkpoint folder, ``"auto"``, or None (= ``never``); ``ckpt_dir``: the
+        run's ``checkpoint.dir`` (default ``checkpoints/<run_name>``).
+        """
         if run_name in self._runs:
             return self._runs[run_name]
-        ckpt = self.workdir / "checkpoints" / run_name
+        ckpt = ckpt_dir or self.workdir / "checkpoints" / run_name
         args = [sys.executable, "-m", "framework.train", *SMALL_DATA, f"data.cache_dir={self.cache_dir}", *COMMON, *BATCH,
                 *overrides, f"trainer.max_steps={max_steps}", f"checkpoint.every_n_steps={save_every}",
                 "checkpoint.keep_last_k=10", f"checkpoint.dir={ckpt}", f"run_name={run_name}",
@@ -133,7 +139,7 @@ class Conformance:
 
         records = read_jsonl_metrics(self.workdir / "outputs" / "default" / run_name / "metrics.jsonl")
         losses = {int(r["step"]): r["train/loss"] for r in records if "train/loss" in r}
-        result = RunResult(run_name, ckpt, losses, records)
+        result = RunResult(run_name, ckpt, losses, records, proc.stdout)
         self._runs[run_name] = result
         return result
 

@@ -61,6 +61,20 @@ def test_a_corrupt_shard_is_named_and_skipped(conformance, tmp_path, capsys):  #
     assert "__1_0.distcp" in warnings[0]
 
 
+def test_resume_auto_picks_the_newest_sharded_checkpoint(conformance, tmp_path):  # noqa: F811
+    import shutil
+
+    full = conformance.plugin_run(FSDP)
+    ckpt = tmp_path / "ckpts"
+    shutil.copytree(full.ckpt_dir / f"step{SAVE_AT:08d}", ckpt / f"step{SAVE_AT:08d}")
+    again = conformance.run("fsdp-auto", FSDP.select, max_steps=SAVE_AT + 2, save_every=0, resume="auto", ckpt_dir=ckpt)
+    assert f"resuming from {ckpt / f'step{SAVE_AT:08d}'}" in again.stdout
+    assert sorted(again.losses) == [SAVE_AT + 1, SAVE_AT + 2]
+    for step, loss in again.losses.items():
+        assert loss == full.losses[step], f"step {step}"  # same layout: bitwise the uninterrupted run
+    assert read_manifest(ckpt / f"step{SAVE_AT + 2:08d}")["kind"] == "dcp"  # save_last at the end
+
+
 def _one_line_error(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as info:
         precheck(argv)
