@@ -52,7 +52,7 @@ SAVE_AT = 4  # step whose checkpoint the resume checks start from
 SMALL_DATA = ("data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64")
 BATCH = ("trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.grad_accum_steps=null")
 COMMON = ("tracking=none", "trainer.progress_bar=false", "trainer.log_every_n_steps=1",
-          "trainer.warmup_steps_excluded=1", "model=gpt_tiny")
+          "trainer.warmup_steps_excluded=1", "trainer.val_sequences=16", "model=gpt_tiny")
 
 
 @dataclass(frozen=True)
