@@ -268,7 +268,20 @@ def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
         options = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
         for choice in (v.strip() for v in value.split(",")):
             if choice and choice != "null" and choice not in options:
-                _fail(f"{key}={choice!r} is not an option of config group {key!r}; available: {', '.join(options)}")
+                options = group_options(key, conf_dir)  # with installed packages' configs (e.g. an outside plugin's)
+                if choice not in options:
+                    _fail(f"{key}={choice!r} is not an option of config group {key!r}; available: {', '.join(options)}")
+
+
+def group_options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
+    """Options of config group ``group`` on Hydra's whole search path: ``conf/<group>/*.yaml`` plus
+    those that installed packages add through a Hydra ``SearchPathPlugin`` (how an outside
+    parallelism plugin ships ``parallelism/<name>.yaml``; see plugins/README.md)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -286,7 +299,8 @@ def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
         from hydra import compose, initialize_config_dir
 
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            defaults = compose(config_name="config", overrides=["run_name=x"])
+            groups = [o for o in overrides if "=" in o and "." not in o.split("=")[0] and "," not in o]  # e.g. parallelism=fsdp
+            defaults = compose(config_name="config", overrides=["run_name=x", *groups])  # suggest the chosen plugin's keys
         from framework.tracking import flatten
 
         keys = list(flatten(OmegaConf.to_container(defaults, resolve=False)))

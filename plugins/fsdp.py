@@ -9,6 +9,11 @@ gathered from forward to backward (``False``, ZeRO-2-like: 2Ψ, more memory).
 Lightning integration: ``ModelParallelStrategy`` builds the device mesh (``data_parallel`` ×
 ``tensor_parallel``; here tp = 1) and calls ``LightningModule.configure_model``, which hands the
 model to :meth:`FSDPPlugin.configure_model`. Works on CPU (gloo) and CUDA (NCCL) unchanged.
+
+Checkpoints: every rank writes its own shards with torch Distributed Checkpoint
+(:class:`~framework.checkpoint.dcp.ShardedCheckpointing` on the strategy), so a checkpoint
+loads at any other world size, into ``fsdp`` (resharded) or ``single``/``ddp`` (gathered); and
+``fsdp`` resumes from a ``single``/``ddp`` checkpoint. Synchronous full saves only.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from pytorch_lightning.strategies import ModelParallelStrategy
 
+from framework.checkpoint.dcp import ShardedCheckpointing, check_policy
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
 from framework.metrics.comm import CommEstimate, ModelStats
@@ -26,6 +33,10 @@ from framework.metrics.timing import CommMeter
 from framework.registry import ParallelLayout, register_plugin
 
 MIXED_PRECISION = ("none", "bf16")
+
+
+class FSDP2Strategy(ShardedCheckpointing, ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy, checkpointing through trainlab's sharded (DCP) folders."""
 
 
 @dataclass
@@ -63,19 +74,14 @@ class FSDPPlugin:
                 f"parallelism.tp_degree={par.tp_degree}, pp_degree={par.pp_degree}: plugin 'fsdp' shards over data"
                 " parallel ranks only (allowed: 1)"
             )
-        if run.checkpoint.every_n_steps > 0 or run.checkpoint.save_last:
-            raise ConfigError(
-                "checkpoint: plugin 'fsdp' cannot save reshardable checkpoints yet (issue 3); use checkpoint=none"
-            )
+        check_policy(run, self.name)  # sharded (DCP) checkpoints: sync, full saves
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(dp=self.cfg.world_size)
 
     def build_strategy(self, resolved: Any) -> Any:
-        from pytorch_lightning.strategies import ModelParallelStrategy
-
         accelerator = resolve_accelerator(resolved.run.trainer.accelerator)
-        return ModelParallelStrategy(
+        return FSDP2Strategy(
             data_parallel_size=self.cfg.world_size,
             tensor_parallel_size=1,
             save_distributed_checkpoint=True,

@@ -2,7 +2,7 @@
 
 Layout of ``<checkpoint.dir>/step<NNNNNNNN>/``::
 
-    manifest.json   plain JSON: format, kind (full | delta), base, step, tokens_seen, layout,
+    manifest.json   plain JSON: format, kind (full | delta | dcp), base, step, tokens_seen, layout,
                     config_hash, versions (torch, pytorch_lightning, trainlab commit), created_unix,
                     files {name: {sha256, bytes}}, bytes (sum), delta_ratio (delta only)
     state.pt        the training state (Lightning's checkpoint dict plus trainlab's per-rank RNG
@@ -18,8 +18,9 @@ the parent folder is fsync'd. A folder without the final name (a save killed mid
 listed; :func:`remove_partial` deletes such leftovers. A complete folder whose bytes were
 changed afterwards fails :func:`verify` and is skipped by :func:`find_latest_valid`.
 
-The manifest lists files, so a sharded plugin (FSDP, ZeRO) can write one state file per rank
-or a torch DCP folder under the same scheme; ``format`` names what a reader must expect.
+A sharded plugin's checkpoint (``kind: dcp``, :mod:`framework.checkpoint.dcp`) holds a torch
+DCP folder ``dcp/`` (one shard file per rank) next to ``state.pt``; the manifest lists every
+file, and :func:`load_state` gathers it into one full state.
 """
 
 from __future__ import annotations
@@ -162,6 +163,10 @@ def load_state(path: str | Path) -> dict[str, Any]:
     if problems:
         raise CheckpointError("; ".join(problems))
     manifest = read_manifest(path)
+    if manifest["kind"] == "dcp":  # a sharded checkpoint, gathered into one full state
+        from framework.checkpoint.dcp import load_full_state
+
+        return load_full_state(path)
     state = safe_torch_load(path / STATE_FILE)
     if manifest["kind"] == "delta":
         from framework.checkpoint.delta import apply_delta
@@ -220,27 +225,41 @@ def _test_pause(step: int) -> None:
             time.sleep(float(seconds))
 
 
-def write_checkpoint(dirpath: str | Path, step: int, state: Any, manifest: dict[str, Any]) -> Path:
-    """Write ``state`` as checkpoint folder ``<dirpath>/step%08d`` atomically; return its path.
+def new_temp_folder(dirpath: str | Path, step: int) -> Path:
+    """A fresh hidden ``.step%08d.tmp-*`` folder in ``dirpath`` to write a checkpoint into.
 
-    ``manifest`` holds the descriptive fields (kind, base, tokens_seen, layout, ...); ``format``,
-    ``step``, ``created_unix``, ``files`` and ``bytes`` are added here. An existing folder of
-    the same step is replaced only after the new one is complete.
-
-    Raises:
-        OSError: the write failed; the temporary folder has been removed.
+    Never listed as a checkpoint; :func:`commit_folder` turns it into one, :func:`remove_partial`
+    deletes it when a save died before that.
     """
     dirpath = Path(dirpath)
     dirpath.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{step:08d}.tmp-", dir=dirpath))
+
+
+def hash_files(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """``{relative path: {sha256, bytes}}`` of every file under ``folder``; ``known`` entries are not re-read."""
+    files = dict(known or {})
+    for f in sorted(folder.rglob("*")):
+        name = f.relative_to(folder).as_posix()
+        if f.is_file() and name not in files and name != MANIFEST:
+            files[name] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+    return files
+
+
+def commit_folder(tmp: Path, step: int, manifest: dict[str, Any], known: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Turn temporary folder ``tmp`` (its files already fsync'd) into checkpoint ``step%08d`` next to it.
+
+    Lists every file under ``tmp`` with its sha256 and size (``known``: entries already hashed
+    while writing), writes the manifest last, fsyncs, renames. An existing folder of the same
+    step is replaced only after the new one is complete. Returns the final path.
+
+    Raises:
+        OSError: the commit failed; ``tmp`` has been removed.
+    """
+    dirpath = tmp.parent
     final = dirpath / checkpoint_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{step:08d}.tmp-", dir=dirpath))
     try:
-        with open(tmp / STATE_FILE, "wb") as f:
-            w = _HashingWriter(f)
-            torch.save(state, w)
-            f.flush()
-            os.fsync(f.fileno())
-        files = {STATE_FILE: {"sha256": w.sha.hexdigest(), "bytes": w.bytes}}
+        files = hash_files(tmp, known)
         _test_pause(step)
         full = {**manifest, "format": FORMAT, "step": step, "created_unix": time.time(), "files": files,
                 "bytes": sum(m["bytes"] for m in files.values())}
@@ -248,6 +267,8 @@ def write_checkpoint(dirpath: str | Path, step: int, state: Any, manifest: dict[
             json.dump(full, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
+        for sub in [p for p in tmp.rglob("*") if p.is_dir()]:
+            _fsync_dir(sub)
         _fsync_dir(tmp)
         old = None
         if final.exists():  # re-saving a step: move the old one aside only once the new one is complete
@@ -261,6 +282,35 @@ def write_checkpoint(dirpath: str | Path, step: int, state: Any, manifest: dict[
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def write_state_file(folder: Path, state: Any) -> dict[str, dict[str, Any]]:
+    """``torch.save`` ``state`` as ``folder/state.pt`` (fsync'd); returns its manifest entry."""
+    with open(folder / STATE_FILE, "wb") as f:
+        w = _HashingWriter(f)
+        torch.save(state, w)
+        f.flush()
+        os.fsync(f.fileno())
+    return {STATE_FILE: {"sha256": w.sha.hexdigest(), "bytes": w.bytes}}
+
+
+def write_checkpoint(dirpath: str | Path, step: int, state: Any, manifest: dict[str, Any]) -> Path:
+    """Write ``state`` as checkpoint folder ``<dirpath>/step%08d`` atomically; return its path.
+
+    ``manifest`` holds the descriptive fields (kind, base, tokens_seen, layout, ...); ``format``,
+    ``step``, ``created_unix``, ``files`` and ``bytes`` are added here. An existing folder of
+    the same step is replaced only after the new one is complete.
+
+    Raises:
+        OSError: the write failed; the temporary folder has been removed.
+    """
+    tmp = new_temp_folder(dirpath, step)
+    try:
+        known = write_state_file(tmp, state)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_folder(tmp, step, manifest, known)
 
 
 def remove_partial(dirpath: str | Path) -> list[Path]:

@@ -14,6 +14,9 @@ Policies:
   training step waits for) and a background thread writes, fsyncs, renames and prunes. At most
   one save is in flight: a new save first waits for the previous one. A failed background save
   leaves no folder behind and is reported through :meth:`pop_results`.
+- sharded state (the model state holds DTensors: FSDP2, TP): every rank calls
+  ``save_checkpoint`` and writes its own shards with torch DCP
+  (:mod:`framework.checkpoint.dcp`); synchronous, full saves only.
 - ``full_every_n_saves = K > 1`` (incremental): the first save of a process and then every
   K-th is a full base; the ones between are XOR+zlib deltas against the newest base
   (:mod:`framework.checkpoint.delta`), which stays in CPU memory for that purpose.
@@ -31,6 +34,8 @@ from typing import Any, Optional
 import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
+from framework.checkpoint.dcp import KIND as DCP_KIND
+from framework.checkpoint.dcp import holds_dtensors, save_sharded
 from framework.checkpoint.delta import child_of, encode_delta
 from framework.checkpoint.format import load_state, prune, write_checkpoint
 
@@ -40,7 +45,7 @@ class SaveResult:
     """Outcome of one save: ``save_s`` is wall seconds from the call to the renamed folder."""
 
     step: int
-    kind: str  # full | delta
+    kind: str  # full | delta | dcp (sharded)
     save_s: float
     bytes: int = 0  # bytes on disk of the checkpoint folder's files
     path: Optional[Path] = None  # None when the save failed
@@ -112,6 +117,9 @@ class FolderCheckpointIO(CheckpointIO):
         t0 = time.perf_counter()
         path = Path(path)
         step = int(checkpoint["global_step"])
+        if holds_dtensors(checkpoint):  # a sharded plugin: every rank writes its shards (DCP), synchronously
+            self._save_sharded(path.parent, step, checkpoint, t0)
+            return
         if self.asynchronous or self.full_every > 1:
             state = self._buffers = cpu_copy(checkpoint, self._buffers)
         else:
@@ -155,6 +163,22 @@ class FolderCheckpointIO(CheckpointIO):
         with self._lock:
             self._results.append(result)
         return result
+
+    def _save_sharded(self, dirpath: Path, step: int, checkpoint: dict[str, Any], t0: float) -> None:
+        """Collective save of a DTensor state (:func:`framework.checkpoint.dcp.save_sharded`); rank 0 prunes and reports."""
+        result = SaveResult(step=step, kind=DCP_KIND, save_s=0.0)
+        try:
+            final = save_sharded(dirpath, step, checkpoint, {**self.manifest_fields, "tokens_seen": step * self.tokens_per_step})
+        except Exception as err:
+            raise OSError(f"checkpoint save of step {step} failed: {type(err).__name__}: {err}") from err
+        if final is None:  # not rank 0: rank 0 commits the folder and reports
+            return
+        result.path = final
+        result.bytes = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        prune(dirpath, self.keep_last_k)
+        result.save_s = time.perf_counter() - t0
+        with self._lock:
+            self._results.append(result)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has finished, successfully or not."""

@@ -7,7 +7,8 @@ writes the folder (synchronously or in the background). This callback
 - saves after every ``every_n_steps``-th optimizer step and at the end (``save_last``); it must
   be the last callback, so that a save sees the state after everything else of that step;
 - adds every rank's RNG states (python, numpy, torch CPU/CUDA) to the state, and restores this
-  rank's on resume at ``on_train_start``: the data loader's iterator (which draws one number
+  rank's on resume at ``on_train_start`` (at another world size see
+  :mod:`framework.checkpoint.reshard`): the data loader's iterator (which draws one number
   from torch's RNG when it is created) exists by then, so the RNGs continue exactly where the
   saved run was at the end of the saved step;
 - deletes temporary folders of saves that a kill interrupted (rank 0, before training);
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from framework.callbacks.step_metrics import MetricSink
 from framework.checkpoint.format import checkpoint_name, remove_partial
 from framework.checkpoint.io import FolderCheckpointIO
+from framework.checkpoint.reshard import rescale_batch_progress, rng_state_for_rank
 from framework.checkpoint.rng import capture_rng_state, restore_rng_state
 
 STATE_KEY = "trainlab"  # top-level key of trainlab's own entries in the checkpoint dict
@@ -74,15 +76,17 @@ class PeriodicCheckpoint(pl.Callback):
             dist.all_gather_object(per_rank, mine)
         else:
             per_rank = [mine]
-        checkpoint[STATE_KEY] = {"rng": per_rank}
+        # the layout the state was saved under, for a resume at another world size (framework.checkpoint.reshard)
+        checkpoint[STATE_KEY] = {"rng": per_rank, "world_size": trainer.world_size,
+                                 "batches_per_step": trainer.accumulate_grad_batches}
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        per_rank = checkpoint.get(STATE_KEY, {}).get("rng", [])
-        if len(per_rank) == trainer.world_size:
-            self._pending_rng = per_rank[trainer.global_rank]
-        elif trainer.is_global_zero:
-            print(f"trainlab: warning: checkpoint holds RNG states of {len(per_rank)} ranks, this run has"
-                  f" {trainer.world_size}; RNGs start from the seed instead", file=sys.stderr, flush=True)
+        ours = checkpoint.get(STATE_KEY, {})
+        self._pending_rng, warning = rng_state_for_rank(ours.get("rng", []), trainer.global_rank, trainer.world_size)
+        if warning and trainer.is_global_zero:
+            print(f"trainlab: warning: {warning}", file=sys.stderr, flush=True)
+        # Another data-parallel degree at the same global batch: Lightning's micro-batch counter follows.
+        rescale_batch_progress(checkpoint, trainer.accumulate_grad_batches, ours.get("batches_per_step"))
 
     # -- hooks --------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,0 +1,1 @@
+"""Test helpers for plugin authors: :mod:`framework.testing.conformance` (the conformance suite)."""

@@ -1,0 +1,76 @@
+"""The conformance suite (framework/testing/conformance.py) for the built-in plugins.
+
+Every check runs the real driver on CPU ranks; the ``single`` reference run is shared by all
+plugins (session fixture). A new plugin is one more ``PluginCase`` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from framework.registry import available_plugins
+from framework.train import group_options
+from framework.testing.conformance import PluginCase, conformance, conformance_params  # noqa: F401 (fixture)
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+CASES = [
+    PluginCase("ddp", select=("parallelism=ddp",)),
+    # fsdp at 2 ranks resumes at 1 rank as plain `single` and as fsdp world_size=1 (and from single).
+    PluginCase("fsdp", select=("parallelism=fsdp",),
+               resume_as=(("parallelism=single",), ("parallelism=fsdp", "parallelism.world_size=1"))),
+    # ZeRO-2-like FSDP: one all-gather per micro-batch instead of two; the numbers must still add up.
+    PluginCase("fsdp-noreshard", select=("parallelism=fsdp", "parallelism.reshard_after_forward=false"),
+               checks=("loss_parity", "bytes")),
+]
+
+
+@pytest.mark.parametrize("case,check", conformance_params(CASES))
+def test_conformance(conformance, case, check):  # noqa: F811 (the fixture)
+    conformance.check(case, check)
+
+
+# -- a plugin from outside the repository ---------------------------------------------------------
+EXAMPLE = REPO / "examples" / "trainlab_example_plugin"
+OUTSIDE = PluginCase("ddp_rsag", select=("parallelism=ddp_rsag",))
+
+
+@pytest.fixture(scope="session")
+def example_plugin(tmp_path_factory) -> str:
+    """The example package installed on its own (``pip install --no-deps --target``), not into the shared venv.
+
+    Returns the folder to put on ``PYTHONPATH``.
+    """
+    src = tmp_path_factory.mktemp("example_src") / "pkg"
+    shutil.copytree(EXAMPLE, src)  # pip builds in the source folder; keep the repository clean
+    target = tmp_path_factory.mktemp("example_plugin_site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(target), str(src)], check=True, capture_output=True, timeout=300)
+    return str(target)
+
+
+def test_outside_plugin_is_found_only_where_installed(example_plugin, tmp_path):
+    code = "from framework.registry import available_plugins; from framework.train import group_options;" \
+           "print(available_plugins(), group_options('parallelism'))"
+    env = {**os.environ, "PYTHONPATH": example_plugin}
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert found.stdout.count("'ddp_rsag'") == 2, found.stdout  # entry point and Hydra config both discovered
+    assert "ddp_rsag" not in available_plugins(), "the example must not be installed into the shared environment"
+    proc = subprocess.run([sys.executable, "-m", "framework.train", "parallelism=ddp_rsag"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("trainlab: error: parallelism='ddp_rsag' is not an option of config group 'parallelism';"
+                                   f" available: {', '.join(group_options('parallelism'))}")
+
+
+@pytest.mark.parametrize("check", OUTSIDE.checks)
+def test_outside_plugin_conformance(conformance, example_plugin, check):  # noqa: F811 (the fixture)
+    conformance.check(dataclasses.replace(OUTSIDE, env={"PYTHONPATH": example_plugin}), check)
