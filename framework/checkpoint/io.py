@@ -35,7 +35,7 @@ import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from framework.checkpoint.dcp import KIND as DCP_KIND
-from framework.checkpoint.dcp import holds_dtensors, save_sharded
+from framework.checkpoint.dcp import save_sharded, wants_sharded
 from framework.checkpoint.delta import child_of, encode_delta
 from framework.checkpoint.format import load_state, prune, write_checkpoint
 
@@ -117,7 +117,7 @@ class FolderCheckpointIO(CheckpointIO):
         t0 = time.perf_counter()
         path = Path(path)
         step = int(checkpoint["global_step"])
-        if holds_dtensors(checkpoint):  # a sharded plugin: every rank writes its shards (DCP), synchronously
+        if wants_sharded(checkpoint):  # a sharded plugin: every rank writes its shards (DCP), synchronously
             self._save_sharded(path.parent, step, checkpoint, t0)
             return
         if self.asynchronous or self.full_every > 1:

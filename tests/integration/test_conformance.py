@@ -30,6 +30,11 @@ CASES = [
     # ZeRO-2-like FSDP: one all-gather per micro-batch instead of two; the numbers must still add up.
     PluginCase("fsdp-noreshard", select=("parallelism=fsdp", "parallelism.reshard_after_forward=false"),
                checks=("loss_parity", "bytes")),
+    # tp/pp checkpoints are keyed by the GPT's names: pp 2 resumes its own bitwise; tp2 x pp2 (4 ranks) resumes as
+    # `single` and from `single`'s checkpoint with single's losses (loss parity and bytes: tests/integration/test_megatron.py).
+    PluginCase("pp", select=("parallelism=pp",), checks=("checkpoint_round_trip",)),
+    PluginCase("tp2pp2", select=("parallelism=pp", "parallelism.tp_degree=2", "parallelism.world_size=4"),
+               checks=("resume_other_world_size",)),
 ]
 
 
