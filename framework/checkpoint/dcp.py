@@ -1,7 +1,8 @@
 """Sharded, reshardable checkpoints with torch Distributed Checkpoint (DCP), in trainlab's folder format.
 
-For any plugin whose parameters are DTensors (FSDP2 today; tensor/pipeline parallel plugins
-the same way): every rank writes only the shards it holds, and a checkpoint written at one
+For any plugin whose parameters are DTensors (FSDP2, tensor parallel) or whose ranks hold
+different plain tensors (pipeline stages: :mod:`plugins.megatron.checkpoint`, which keys them by
+the unsplit model's names): every rank writes only the shards it holds, and a checkpoint written at one
 world size loads at any other, into a sharded run (DCP reshards on load) or into a plain one
 (``single``, ``ddp``: the shards are gathered into one full state).
 

@@ -14,7 +14,8 @@ Policies:
   training step waits for) and a background thread writes, fsyncs, renames and prunes. At most
   one save is in flight: a new save first waits for the previous one. A failed background save
   leaves no folder behind and is reported through :meth:`pop_results`.
-- sharded state (the model state holds DTensors: FSDP2, TP): every rank calls
+- sharded state (the model state holds DTensors: FSDP2, TP; or the strategy marked it
+  ``SHARDED_KEY``: pipeline stages holding plain tensors): every rank calls
   ``save_checkpoint`` and writes its own shards with torch DCP
   (:mod:`framework.checkpoint.dcp`); synchronous, full saves only.
 - ``full_every_n_saves = K > 1`` (incremental): the first save of a process and then every
