@@ -43,6 +43,19 @@ def test_conformance(conformance, case, check):  # noqa: F811 (the fixture)
     conformance.check(case, check)
 
 
+def test_tp2pp2_checkpoint_resumed_as_single_continues_the_tp2pp2_run(conformance):  # noqa: F811 (the fixture)
+    """Issue 4: a tp2 x pp2 checkpoint loaded into `single` gives the uninterrupted tp2 x pp2 run's next losses (rel 1e-5;
+    measured 7.1e-8, fp32 summation order). The runs are those of the `tp2pp2` case above (cached when it ran first)."""
+    from framework.testing.conformance import SAVE_AT, STEPS
+
+    case = next(c for c in CASES if c.name == "tp2pp2")
+    full = conformance.plugin_run(case)
+    got = conformance.run("tp2pp2-as0", ("parallelism=single",), save_every=0, resume=full.ckpt_dir / f"step{SAVE_AT:08d}")
+    assert sorted(got.losses) == list(range(SAVE_AT + 1, STEPS + 1))
+    for step in got.losses:
+        assert got.losses[step] == pytest.approx(full.losses[step], rel=1e-5, abs=0), step
+
+
 # -- a plugin from outside the repository ---------------------------------------------------------
 EXAMPLE = REPO / "examples" / "trainlab_example_plugin"
 OUTSIDE = PluginCase("ddp_rsag", select=("parallelism=ddp_rsag",))
