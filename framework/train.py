@@ -155,7 +155,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     if resume_from:
         print(f"trainlab: resuming from {resume_from}", flush=True)
     else:  # a fresh start: metrics of an earlier attempt without checkpoints must not mix in
-        for stale in ("metrics.jsonl", "summary.json"):
+        for stale in ("metrics.jsonl", "summary.json", "faults.jsonl"):
             (run_dir / stale).unlink(missing_ok=True)
     # The step of the checkpoint actually resumed (a newer corrupt one does not count).
     resume_step = read_manifest(resume_from)["step"] if resume_from else 0
@@ -204,7 +204,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from framework.launcher import launch_ranks, write_launch_file
+    from framework.faults.supervisor import supervise
+    from framework.launcher import write_launch_file
 
     launch = {
         "config": run_to_dict(run),
@@ -223,7 +224,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     status = "FAILED"
     t0 = time.time()
     try:
-        launch_ranks(resolved, launch_file, run_dir / "elastic")
+        supervise(resolved, launch, launch_file, run_dir, tracker)  # launch_ranks + restarts/shrink (framework/faults)
         status = "FINISHED"
     except (KeyboardInterrupt, SignalException):  # the elastic agent turns SIGINT/SIGTERM into SignalException
         status = "KILLED"
