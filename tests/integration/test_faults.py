@@ -2,7 +2,7 @@
 
 The issue's scenarios at a smaller scale (the presets put the faults at steps 30-60 of longer
 runs; here the steps are scaled down with ``fault.events=[...]`` overrides): every run shares
-one small model and data slice, checkpoints every 5 steps (3 in the combined restart run) and
+one small model and data slice, checkpoints every 5 steps and
 2 micro-batches per rank per step, and is compared with one uninterrupted reference run.
 All runs log into one MLflow experiment, which the compare report then puts side by side.
 """
@@ -89,33 +89,33 @@ def test_nan_grad_skip_step_equals_a_run_without_that_update(fr):
     assert m["recovery/skipped_steps"] == 1 and m["recovery/restarts"] == 0 and 0 < m["goodput"] < 1
 
 
-def test_crash_corrupt_checkpoint_and_hang_restart_bitwise(fr):
-    """(2) rank 1 crashes in step 9 with checkpoints every 3 steps -> the ranks restart and resume;
-    (5) the newest checkpoint (6) was corrupted in step 8, so the restart skips it and uses 3:
-    6 steps recomputed; (4) rank 1 hangs in step 11 -> the watchdog (6 s) fires, restart from 9:
-    2 steps recomputed. Final weights, optimizer and RNG states bitwise-identical to an
+def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
+    """(4) rank 1 hangs in step 7 -> the watchdog (6 s) fires on the ranks, which restart from
+    checkpoint 5: 2 steps recomputed; (5) the newest checkpoint (10) is corrupted in step 11 and
+    (2) rank 1 crashes in step 12 -> the restart skips checkpoint 10 (checksum) and resumes from 5:
+    7 steps recomputed. Final weights, optimizer and RNG states bitwise-identical to an
     uninterrupted run; the driver logged it all into the same MLflow run."""
-    proc = fr.go("crash_corrupt_hang", "checkpoint.every_n_steps=3", "resilience=restart", "resilience.hang_timeout_s=6",
-                 "fault.events=[{kind:ckpt_corrupt,step:8,ranks:[0]},{kind:rank_crash,step:9,ranks:[1]},"
-                 "{kind:hang,step:11,ranks:[1],delay_s:3600}]")
+    proc = fr.go("hang_corrupt_crash", "resilience=restart", "resilience.hang_timeout_s=6",
+                 "fault.events=[{kind:hang,step:7,ranks:[1],delay_s:3600},{kind:ckpt_corrupt,step:11,ranks:[0]},"
+                 "{kind:rank_crash,step:12,ranks:[1]}]")
     fr.go("ref")
-    log = _log(fr, "crash_corrupt_hang")
+    log = _log(fr, "hang_corrupt_crash")
     starts = [r for r in log if r["ev"] == "start"]
-    assert [(s["restart"], s["step"]) for s in starts] == [(0, 0), (1, 3), (2, 9)]
-    (corrupt,) = [r for r in log if r["ev"] == "resume_skipped_corrupt"]
-    assert "step00000006" in corrupt["detail"] and "skipping corrupt checkpoint" in proc.stderr
+    assert [(s["restart"], s["step"]) for s in starts] == [(0, 0), (1, 5), (2, 5)]
     hangs = [r for r in log if r["ev"] == "detected" and r["detector"] == "hang_watchdog"]
-    assert hangs and all(h["step"] == 11 for h in hangs)
+    assert hangs and all(h["step"] == 7 for h in hangs)
     (hang_inj,) = [r for r in log if r["ev"] == "injected" and r["kind"] == "hang"]
     first = min(h["t"] for h in hangs)
     assert 6.0 <= first - hang_inj["t"] <= 6.0 + 1.5 + 2.0, "detected within the timeout (+ poll + slack)"
-    assert [r["kind"] for r in log if r["ev"] == "injected"] == ["ckpt_corrupt", "rank_crash", "hang"], "each fired once"
-    assert_bitwise_equal(_ckpt(fr, "crash_corrupt_hang"), _ckpt(fr, "ref"))
-    assert _losses(fr, "crash_corrupt_hang") == _losses(fr, "ref")
-    m = _mlflow_metrics(fr, "crash_corrupt_hang")
+    (corrupt,) = [r for r in log if r["ev"] == "resume_skipped_corrupt"]
+    assert "step00000010" in corrupt["detail"] and "skipping corrupt checkpoint" in proc.stderr
+    assert [r["kind"] for r in log if r["ev"] == "injected"] == ["hang", "ckpt_corrupt", "rank_crash"], "each fired once"
+    assert_bitwise_equal(_ckpt(fr, "hang_corrupt_crash"), _ckpt(fr, "ref"))
+    assert _losses(fr, "hang_corrupt_crash") == _losses(fr, "ref")
+    m = _mlflow_metrics(fr, "hang_corrupt_crash")
     assert m["recovery/restarts"] == 2
-    assert m["recovery/recomputed_steps"] == (8 + 1 - 3) + (10 + 1 - 9)
-    assert m["fault/injected"] == 3 and m["fault/detected"] == 3  # corrupt checkpoint, crash, hang
+    assert m["recovery/recomputed_steps"] == (6 + 1 - 5) + (11 + 1 - 5)
+    assert m["fault/injected"] == 3 and m["fault/detected"] == 3  # hang, corrupt checkpoint, crash
     assert m["recovery/time_s"] > 0 and 0 < m["goodput"] < 1
 
 
@@ -128,7 +128,7 @@ def test_loss_spike_rollback_leaves_no_spike(fr):
     log = _log(fr, "spike_rollback")
     (rb,) = [r for r in log if r["ev"] == "rollback"]
     assert (rb["from_step"], rb["to_step"]) == (8, 5)
-    spike = [r["train/loss"] for r in fr.metrics("spike_rollback", experiment=EXPERIMENT) if r["step"] == 8]
+    spike = [r["train/loss"] for r in fr.metrics("spike_rollback", experiment=EXPERIMENT) if r["step"] == 8 and "train/loss" in r]
     ref = _losses(fr, "ref")
     assert len(spike) == 2 and spike[0] > 3 * ref[8], "the spike was logged, then replaced by the replay"
     final = _losses(fr, "spike_rollback")
