@@ -310,7 +310,8 @@ class ResilienceConfig:
     stat_warmup_steps: int = 5  # steps after a (re)start before spikes and stragglers are judged
     stat_beta: float = 0.9  # running mean: m = beta * m + (1 - beta) * x over accepted steps
     hang_timeout_s: float = 0.0  # watchdog: a rank without step progress this long exits (restart follows); 0 = off
-    straggler_factor: float = 2.0  # a rank whose compute time > factor x the median is a straggler; 0 = off
+    straggler_factor: float = 2.0  # a rank whose step time to the health check > factor x the others' median is a straggler; 0 = off
+    straggler_min_s: float = 0.05  # ... and is at least this many seconds slower (ignores noise on ms steps)
 
     def __post_init__(self) -> None:
         _require(self.policy in RESILIENCE_POLICIES,
@@ -325,6 +326,7 @@ class ResilienceConfig:
             _require(v == 0 or v > 1, f"resilience.{key}={v} must be > 1 (or 0 = off)")
         _require(self.stat_warmup_steps >= 0, f"resilience.stat_warmup_steps={self.stat_warmup_steps} must be >= 0")
         _require(0 <= self.stat_beta < 1, f"resilience.stat_beta={self.stat_beta} must be in [0, 1)")
+        _require(self.straggler_min_s >= 0, f"resilience.straggler_min_s={self.straggler_min_s} must be >= 0")
         _require(self.hang_timeout_s >= 0, f"resilience.hang_timeout_s={self.hang_timeout_s} must be >= 0 (0 = off)")
 
 

@@ -11,4 +11,5 @@
 - :mod:`.guard`: the policy callback (skip the step, roll back to the in-memory snapshot, abort).
 - :mod:`.supervisor`: the driver's side (restart and shrink relaunches, resume of restarted ranks).
 - :mod:`.accounting`: recovery figures from the fault log (``fault/*``, ``recovery/*``, ``goodput``).
+- :mod:`.report`: the recovery table of the compare report.
 """

@@ -13,10 +13,17 @@ have spread it anyway, a sharded or post-sync fault would not).
   ``stat_warmup_steps`` accepted steps, as in the loss-spike guards of large runs (PaLM §5.1
   restarts ~100 steps before a spike and skips the batches; OPT-175B's logbook rolls back on
   loss/grad-norm spikes).
-- Stragglers: a rank's ``busy_s`` (local compute before the gradient sync) above
-  ``straggler_factor`` x the median over ranks.
+- Stragglers: a rank's ``busy_s`` (seconds from the step's start to the health check) above
+  ``straggler_factor`` x the median of the other ranks. Every sync point in the step (DDP's
+  gradient all-reduce, its buffer broadcast in forward) makes the fast ranks wait for the slow
+  one, so only what a rank does after the last sync shows up as skew; a straggler that is
+  slow in forward/backward shows up as a longer step on every rank instead (telling them apart
+  needs per-rank compute timers such as CUDA events; see framework/callbacks/breakdown.py).
 - Hangs: :class:`Watchdog`, a thread per rank that exits the process when no step progress
-  was seen for ``timeout_s`` seconds; the elastic agent then restarts the ranks.
+  was seen for ``timeout_s`` seconds; the elastic agent then restarts the ranks (it polls its
+  workers every 0.2 s). Progress is seen at the start, the optimizer step and the end of each
+  step, so the timeout must exceed the longest stretch between them: a step's micro-batches, a
+  validation pass, a checkpoint save.
 """
 
 from __future__ import annotations
@@ -43,19 +50,25 @@ class StepHealth:
     loss_nonfinite: bool
     grad_norm: float  # mean over ranks of the finite local norms (L2, all parameters)
     loss: float  # mean over ranks of their micro-batch mean losses
-    busy_s: list[float]  # per rank: seconds of local compute before the gradient sync
+    busy_s: list[float]  # per rank: seconds from the step's start to its health check
 
     @property
     def nonfinite(self) -> bool:
         return self.grad_nonfinite or self.loss_nonfinite
 
-    def straggler(self, factor: float) -> Optional[int]:
-        """The slowest rank if its ``busy_s`` exceeds ``factor`` x the median, else None."""
+    def straggler(self, factor: float, min_s: float = 0.0) -> Optional[int]:
+        """The slowest rank if its ``busy_s`` exceeds ``factor`` x the median of the other ranks (and that
+        median by more than ``min_s`` seconds, so that noise on millisecond steps is not flagged), else None.
+
+        (The others' median, not everyone's: with 2 ranks the median is the mean, which a
+        straggler can never exceed by 2x.)
+        """
         if factor <= 0 or len(self.busy_s) < 2:
             return None
-        med = statistics.median(self.busy_s)
         worst = max(range(len(self.busy_s)), key=lambda r: self.busy_s[r])
-        return worst if med > 0 and self.busy_s[worst] > factor * med else None
+        med = statistics.median(b for r, b in enumerate(self.busy_s) if r != worst)
+        slow = self.busy_s[worst]
+        return worst if med > 0 and slow > factor * med and slow - med > min_s else None
 
 
 def local_grad_norm(parameters) -> float:
@@ -131,10 +144,6 @@ class Watchdog:
 
     def beat(self) -> None:
         self._last = time.monotonic()
-
-    def pause(self) -> None:
-        """Stop watching (e.g. during the end-of-training save); :meth:`start` re-arms."""
-        self._armed = False
 
     def stop(self) -> None:
         self._armed = False

@@ -109,7 +109,6 @@ class FaultGuard(pl.Callback):
         self._trainer: Optional[pl.Trainer] = None
         self._step = -1
         self._t_step = 0.0
-        self._t_busy_end = 0.0
         self._skipped = False
         self._rollback_to: Optional[int] = None
         self._restore: Optional[str] = None  # rollback restore: await_epoch -> next_batch -> done
@@ -162,19 +161,16 @@ class FaultGuard(pl.Callback):
         if step != self._step:
             self._step, self._t_step, self._skipped = step, time.perf_counter(), False
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        self._t_busy_end = time.perf_counter()  # the last micro-batch's value is the one used
-
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         step = self._step
         n = max(1, pl_module.step_micro_batches)
         health = gather_health(
             grad_norm=local_grad_norm(pl_module.parameters()),
-            loss=float(pl_module.step_loss_sum) / n, busy_s=self._t_busy_end - self._t_step, device=pl_module.device,
+            loss=float(pl_module.step_loss_sum) / n, busy_s=time.perf_counter() - self._t_step, device=pl_module.device,
         )
         if self.watchdog is not None:
             self.watchdog.beat()
-        straggler = health.straggler(self.cfg.straggler_factor) if self._accepted >= self.cfg.stat_warmup_steps else None
+        straggler = health.straggler(self.cfg.straggler_factor, self.cfg.straggler_min_s) if self._accepted >= self.cfg.stat_warmup_steps else None
         if straggler is not None and not self._straggling:
             self._record("detected", detector="straggler", step=step, rank=straggler, action="none",
                          busy_s=health.busy_s)

@@ -13,7 +13,8 @@ What each kind does on the faulty ranks:
 - ``bad_batch``: the step's input and target tokens are replaced by uniform random tokens.
 - ``rank_crash``: the process SIGKILLs itself (no Python cleanup, like a machine failure).
 - ``hang``: the rank sleeps ``delay_s`` inside the step (its peers block in the next collective).
-- ``slow_rank``: the rank sleeps ``delay_s`` in each of ``duration_steps`` steps (a straggler).
+- ``slow_rank``: the rank sleeps ``delay_s`` in each of ``duration_steps`` steps, after the
+  gradient sync (a straggler in its optimizer phase).
 - ``ckpt_corrupt``: a byte in the middle of the newest complete checkpoint's ``state.pt`` is flipped.
 - ``ckpt_write_error``: the next checkpoint write fails with ``OSError(ENOSPC)`` where the file
   would be written (:func:`framework.checkpoint.format.write_checkpoint` as called by the
@@ -134,13 +135,12 @@ class FaultInjector(pl.Callback):
         if kind in ("nan_grad", "bad_batch"):
             self._active.append(e)
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        # The straggler's extra time sits in the step's local compute (once per step), before the gradient sync.
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # The straggler's extra time sits after the gradient sync (a slow optimizer phase or host), before
+        # the step's health check: earlier, every sync point would make all ranks wait alike.
         if self._step <= self._slow_until and self._slept_step != self._step:
             self._slept_step = self._step
             time.sleep(self._slow_s)
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if any(e["kind"] == "nan_grad" for e in self._active):
             for p in pl_module.parameters():
                 if p.grad is not None:

@@ -1,8 +1,8 @@
 """The recovery table of the compare report (``python -m framework.compare``).
 
 Printed (and written as ``compare_recovery.csv``, appended to ``compare.md``) when at least one
-run of the experiment logged recovery figures: one row per run with its fault and resilience
-presets next to ``fault/*``, ``recovery/*`` and ``goodput`` (see
+run of the experiment logged recovery figures: one row per run with the fault kinds it injected and its
+resilience policy next to ``fault/*``, ``recovery/*`` and ``goodput`` (see
 :mod:`framework.faults.accounting` for their definitions).
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 # (column, source kind, key, format)
 RECOVERY_COLUMNS: list[tuple[str, str, str, str]] = [
     ("run", "id", "", "s"),
-    ("fault", "param", "fault.name", "s"),
-    ("resilience", "param", "resilience.name", "s"),
+    ("faults", "tag", "fault.kinds", "s"),
+    ("resilience", "tag", "resilience.policy", "s"),
     ("status", "status", "", "s"),
     ("injected", "metric", "fault/injected", ".0f"),
     ("detected", "metric", "fault/detected", ".0f"),
@@ -42,8 +42,8 @@ def recovery_rows(runs: list[Any]) -> list[dict[str, Any]]:
         for col, kind, key, _ in RECOVERY_COLUMNS:
             if kind == "id":
                 row[col] = run.info.run_id[:8]
-            elif kind == "param":
-                row[col] = run.data.params.get(key)
+            elif kind == "tag":
+                row[col] = run.data.tags.get(key)
             elif kind == "status":
                 row[col] = run.info.status
             else:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -110,14 +109,20 @@ def supervise(resolved: Any, launch: dict[str, Any], launch_file: Path, run_dir:
     launch = {**launch, "fault_schedule": build_schedule(run, resolved.world_size), "launch_index": 0}
     write_launch_file(launch_file, launch)
     log.append("driver_start", world_size=resolved.world_size)
+    if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
+        kinds = sorted({e["kind"] for e in launch["fault_schedule"]})
+        tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
     try:
         while True:
             try:
                 launch_ranks(resolved, launch_file, run_dir / "elastic", max_restarts=max_restarts_for(run))
                 return
             except ChildFailedError:
-                aborted = any(r.get("ev") == "abort" for r in log.read())
-                if aborted or run.resilience.policy != "shrink":
+                aborts = [r for r in log.read() if r.get("ev") == "abort"]
+                if aborts:
+                    print(f"trainlab: error: the resilience policy aborted the run in step {aborts[-1]['step']}:"
+                          f" {aborts[-1]['faults']} faults detected > resilience.max_faults", file=sys.stderr, flush=True)
+                if aborts or run.resilience.policy != "shrink":
                     raise
                 new = shrunk_run(run, resolved.world_size)
                 if new is None:

@@ -109,6 +109,7 @@ def test_health_and_spike_statistics():
     assert h.grad_nonfinite and h.nonfinite and not h.loss_nonfinite and h.grad_norm == 0.0
     assert StepHealth(False, False, 1.0, 2.0, [0.1, 0.5, 0.1]).straggler(2.0) == 1
     assert StepHealth(False, False, 1.0, 2.0, [0.1, 0.15]).straggler(2.0) is None
+    assert StepHealth(False, False, 1.0, 2.0, [0.05, 0.55]).straggler(2.0) == 1  # 2 ranks: vs the other one
     m = RunningMean(beta=0.5, warmup=2)
     m.update(2.0)
     assert not m.is_spike(100.0, 3.0)  # not warmed up yet
