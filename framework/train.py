@@ -103,6 +103,13 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
     print("\n".join(lines), flush=True)
 
 
+def _in_sweep() -> bool:
+    """Whether this job is one of a Hydra multirun (``-m`` or a preset with ``hydra.mode: MULTIRUN``)."""
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def run_job(cfg: DictConfig, run_dir: Path) -> None:
     """Run one Hydra job (one MLflow run). Exits with code 2 on a configuration error."""
     from framework.checkpoint.format import find_latest_valid, list_checkpoints, read_manifest, verify
@@ -232,7 +239,9 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         raise SystemExit(130)
     except Exception as err:
         print(f"trainlab: error: training failed: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        if not _in_sweep():  # in a sweep the run ends FAILED and the next job starts (e.g. a fault x policy grid)
+            raise SystemExit(1)
+        return
     finally:
         if monitor is not None:
             monitor.finish()
