@@ -78,9 +78,7 @@ class PeriodicCheckpoint(pl.Callback):
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         per_rank = checkpoint.get(STATE_KEY, {}).get("rng", [])
-        if len(per_rank) >= trainer.world_size:
-            # Same world size: every rank continues its stream. Fewer ranks (an elastic shrink):
-            # rank r keeps rank r's stream and the dropped ranks' streams end.
+        if len(per_rank) == trainer.world_size:
             self._pending_rng = per_rank[trainer.global_rank]
         elif trainer.is_global_zero:
             print(f"trainlab: warning: checkpoint holds RNG states of {len(per_rank)} ranks, this run has"

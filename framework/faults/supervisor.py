@@ -7,10 +7,12 @@
 - ``shrink``: once those restarts are used up, the driver relaunches with fewer ranks (one less,
   or fewer still if the global batch would not divide), keeping ``global_batch_size`` and
   ``micro_batch_size`` and re-deriving ``grad_accum_steps``; the DDP checkpoint loads at the new
-  world size (replicated weights and optimizer state; the data position is global, in samples),
-  and rank ``r`` keeps the RNG state it had (surviving ranks continue their streams; see
-  :class:`~framework.checkpoint.periodic.PeriodicCheckpoint`). Each shrink gets
-  ``max_restarts`` restarts of its own.
+  world size (replicated weights and optimizer state; the data position is global, in samples);
+  per-rank RNG states are mapped as the checkpoint code maps them for any resume at another
+  world size (:class:`~framework.checkpoint.periodic.PeriodicCheckpoint`), and Lightning's
+  micro-batch counter is re-aligned to the new ``grad_accum_steps``
+  (:func:`framework.faults.guard.align_batch_counter`). Each shrink gets ``max_restarts``
+  restarts of its own.
 - ``none``: ``trainer.max_restarts`` as without this package; every other policy: no restarts
   (a crash ends the run FAILED).
 """
