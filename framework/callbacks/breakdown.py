@@ -150,7 +150,10 @@ class StepBreakdown(pl.Callback):
         self.meter = CommMeter(self.clock)
         self.plugin.install_comm_meter(trainer.strategy.model, self.meter)
         if trainer.optimizers:
-            self._hook_handle = trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)
+            opt = trainer.optimizers[0]
+            if not hasattr(opt, "register_step_post_hook"):  # a wrapper (DeepSpeed ZeRO): time the torch optimizer inside
+                opt = opt.optimizer
+            self._hook_handle = opt.register_step_post_hook(self._after_optimizer_step)
         stats = model_stats(pl_module)
         est = self.plugin.comm_volume(stats, self.resolved)
         self.group_size = est.group_size
