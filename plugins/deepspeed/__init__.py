@@ -41,6 +41,8 @@ class DeepSpeedConfig(ParallelConfig):
     allgather_bucket_size: int = 50_000_000  # elements per parameter all-gather bucket (stages 1-2)
     offload_optimizer: str = "none"  # none | cpu: optimizer state and its update in CPU memory (ZeRO-Offload; needs CUDA)
     offload_param: str = "none"  # none | cpu: parameters in CPU memory between uses (ZeRO-Infinity; stage 3, CUDA)
+    max_live_parameters: int = 1_000_000_000  # stage 3: most gathered parameter elements kept live (DeepSpeed's default)
+    max_reuse_distance: int = 1_000_000_000  # stage 3: keep a gathered parameter if reused within this many elements
     timeout_s: int = 600  # collective timeout (seconds)
 
     def __post_init__(self) -> None:
@@ -63,6 +65,9 @@ class DeepSpeedConfig(ParallelConfig):
         for key in ("reduce_bucket_size", "allgather_bucket_size", "timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"parallelism.{key}={getattr(self, key)} must be > 0")
+        for key in ("max_live_parameters", "max_reuse_distance"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"parallelism.{key}={getattr(self, key)} must be >= 0")
 
 
 @register_plugin

@@ -56,6 +56,8 @@ def deepspeed_config(cfg: Any, resolved: Any) -> dict[str, Any]:
         # Stage 3 partitions every parameter, as in ZeRO §5 (DeepSpeed's default keeps tensors
         # under 1e5 elements whole on every rank, which the cost model would have to list).
         "stage3_param_persistence_threshold": 0,
+        "stage3_max_live_parameters": cfg.max_live_parameters,
+        "stage3_max_reuse_distance": cfg.max_reuse_distance,
     }
     if cfg.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": cfg.offload_optimizer, "pin_memory": True}
