@@ -1,0 +1,122 @@
+"""DeepSpeed checkpoints inside trainlab's step folders (:mod:`framework.checkpoint.format`).
+
+A save is ``engine.save_checkpoint`` of every rank (DeepSpeed's own files: one model-state
+file with Lightning's loop / scheduler / data / RNG state as client state, and one ZeRO
+optimizer-state file per rank) written into a hidden ``.step%08d.tmp-*`` folder; once every
+rank is done, rank 0 checksums every file, writes ``manifest.json`` (format, step, layout,
+config hash, sha256 + bytes per file), fsyncs and renames the folder to ``step%08d``, and
+prunes to ``checkpoint.keep_last_k``. A kill midway leaves only a hidden folder, which is
+never resumed from and is removed at the next start, as for every other plugin.
+
+Loading verifies the checksums first. The folder must come from the same number of ranks:
+DeepSpeed's ZeRO files are per-rank partitions (loading at another world size needs its
+universal-checkpoint conversion, which is not wired up yet -- a clear error says so).
+
+DeepSpeed reads its files with ``torch.load(weights_only=False)``: the sha256 check guards
+against corruption, not against a crafted file (unlike trainlab's own ``state.pt`` format).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from framework.checkpoint.format import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    _fsync_dir,
+    _sha256,
+    prune,
+    read_manifest,
+    verify,
+)
+from framework.checkpoint.io import SaveResult
+
+TAG = "deepspeed"  # DeepSpeed's sub-folder (its "tag") inside a step folder
+
+
+def _finalize(tmp: Path, final: Path, step: int, manifest_fields: dict[str, Any], tokens_per_step: int) -> int:
+    """Checksum every file under ``tmp``, write the manifest last, rename ``tmp`` to ``final``; return bytes."""
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+        files[str(f.relative_to(tmp))] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+    manifest = {**manifest_fields, "kind": "deepspeed", "base": None, "tokens_seen": step * tokens_per_step,
+                "format": FORMAT, "step": step, "created_unix": time.time(), "files": files,
+                "bytes": sum(m["bytes"] for m in files.values())}
+    with open(tmp / MANIFEST, "w") as fh:
+        json.dump(manifest, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
+        _fsync_dir(d)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    return manifest["bytes"]
+
+
+def save_folder(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
+    """Write ``checkpoint`` (Lightning's dict) as step folder ``filepath`` on every rank; see the module docstring.
+
+    Raises:
+        OSError: a write failed (the hidden temporary folder is removed).
+    """
+    io = strategy.checkpoint_io
+    final = Path(strategy.broadcast(str(filepath)))
+    step = int(checkpoint["global_step"])
+    t0 = time.perf_counter()
+    tmp = None
+    if strategy.is_global_zero:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    tmp = Path(strategy.broadcast(tmp))
+    client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    try:
+        strategy.deepspeed_engine.save_checkpoint(str(tmp), client_state=client, tag=TAG)
+        strategy.barrier()
+        if strategy.is_global_zero:
+            nbytes = _finalize(tmp, final, step, io.manifest_fields, io.tokens_per_step)
+            prune(final.parent, io.keep_last_k)
+            io.record(SaveResult(step=step, kind="full", save_s=time.perf_counter() - t0, bytes=nbytes, path=final))
+    except BaseException:
+        if strategy.is_global_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    strategy.barrier()
+
+
+def load_folder(strategy: Any, path: Any) -> dict[str, Any]:
+    """Verify step folder ``path`` and load it into the DeepSpeed engine; return Lightning's client state.
+
+    Raises:
+        CheckpointError: checksums do not match, or the folder was written by another number of ranks.
+    """
+    path = Path(path)
+    problems = verify(path)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    saved = read_manifest(path).get("layout", {}).get("world_size")
+    if saved != strategy.world_size:
+        raise CheckpointError(
+            f"{path}: written by {saved} ranks, this run has {strategy.world_size}; DeepSpeed ZeRO checkpoints load"
+            " at the world size they were written at"
+        )
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    fitting = strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
+    _, client = strategy.deepspeed_engine.load_checkpoint(
+        str(path), tag=TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False,
+        load_module_strict=strategy.lightning_module.strict_loading,
+    )
+    if client is None:
+        raise CheckpointError(f"{path}: DeepSpeed found no checkpoint under tag {TAG!r}")
+    return client
