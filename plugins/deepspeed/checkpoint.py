@@ -8,9 +8,9 @@ config hash, sha256 + bytes per file), fsyncs and renames the folder to ``step%0
 prunes to ``checkpoint.keep_last_k``. A kill midway leaves only a hidden folder, which is
 never resumed from and is removed at the next start, as for every other plugin.
 
-Loading verifies the checksums first. The folder must come from the same number of ranks:
-DeepSpeed's ZeRO files are per-rank partitions (loading at another world size needs its
-universal-checkpoint conversion, which is not wired up yet -- a clear error says so).
+Loading verifies the checksums first. A folder written by another number of ranks is converted
+once to DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) next to it,
+in ``<checkpoint.dir>/.universal/``, and loaded from there with ``load_universal``.
 
 DeepSpeed reads its files with ``torch.load(weights_only=False)``: the sha256 check guards
 against corruption, not against a crafted file (unlike trainlab's own ``state.pt`` format).
@@ -94,29 +94,70 @@ def save_folder(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> Non
     strategy.barrier()
 
 
+def universal_folder(path: Path) -> Path:
+    """DeepSpeed universal checkpoint of step folder ``path`` (converted once, then reused).
+
+    Made with DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``: every
+    parameter's fp32 weights and AdamW moments merged from the per-rank ZeRO shards) into
+    ``<checkpoint.dir>/.universal/step%08d``, written to a temporary folder and renamed. Call on
+    one rank; the others wait at a barrier.
+    """
+    out = path.parent / ".universal" / path.name
+    if not out.is_dir():
+        import argparse
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=out.parent))
+        try:
+            ds_to_universal(argparse.Namespace(
+                input_folder=str(path / TAG), output_folder=str(tmp / TAG), num_extract_workers=1, num_merge_workers=1,
+                keep_temp_folder=False, strict=True,
+                inject_missing_state=True,  # the parameter-shape info Megatron-DeepSpeed adds; built from the files here
+            ))
+            os.rename(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out
+
+
 def load_folder(strategy: Any, path: Any) -> dict[str, Any]:
     """Verify step folder ``path`` and load it into the DeepSpeed engine; return Lightning's client state.
 
+    Written by the same number of ranks: DeepSpeed's per-rank files are loaded directly.
+    Otherwise the folder is converted to DeepSpeed's universal checkpoint
+    (:func:`universal_folder`) and loaded from there, which repartitions parameters and
+    optimizer state for this world size.
+
     Raises:
-        CheckpointError: checksums do not match, or the folder was written by another number of ranks.
+        CheckpointError: checksums do not match, or DeepSpeed finds no checkpoint.
     """
     path = Path(path)
     problems = verify(path)
     if problems:
         raise CheckpointError("; ".join(problems))
     saved = read_manifest(path).get("layout", {}).get("world_size")
-    if saved != strategy.world_size:
-        raise CheckpointError(
-            f"{path}: written by {saved} ranks, this run has {strategy.world_size}; DeepSpeed ZeRO checkpoints load"
-            " at the world size they were written at"
-        )
+    engine = strategy.deepspeed_engine
+    load_dir, universal = path, saved != strategy.world_size
+    if universal:
+        if strategy.is_global_zero:
+            universal_folder(path)
+        strategy.barrier()
+        load_dir = path.parent / ".universal" / path.name
     from pytorch_lightning.trainer.states import TrainerFn
 
     fitting = strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
-    _, client = strategy.deepspeed_engine.load_checkpoint(
-        str(path), tag=TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False,
-        load_module_strict=strategy.lightning_module.strict_loading,
-    )
+    # DeepSpeed reads this flag (config "checkpoint": {"load_universal": ...}) only while loading.
+    engine._config.load_universal_checkpoint = universal
+    try:
+        _, client = engine.load_checkpoint(
+            str(load_dir), tag=TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False,
+            load_module_strict=strategy.lightning_module.strict_loading,
+        )
+    finally:
+        engine._config.load_universal_checkpoint = False
     if client is None:
-        raise CheckpointError(f"{path}: DeepSpeed found no checkpoint under tag {TAG!r}")
+        raise CheckpointError(f"{load_dir}: DeepSpeed found no checkpoint under tag {TAG!r}")
     return client

@@ -80,6 +80,14 @@ def build_strategy(cfg: Any, resolved: Any) -> "ZeroStrategy":
     accelerator = resolve_accelerator(resolved.run.trainer.accelerator)
     # DeepSpeed picks its accelerator once, at first use; say which before it is imported.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if accelerator == "cuda" else "cpu")
+    if accelerator == "cpu":
+        import deepspeed.ops
+
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel at start-up
+        # (a C++ toolchain and about a minute per fresh machine; two ranks compile under one file
+        # lock) that only its inference all-reduce uses. Mark it unavailable: gloo does the
+        # training collectives. (DeepSpeed keeps this dict for the process so that edits persist.)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return ZeroStrategy(
         config=deepspeed_config(cfg, resolved),
         process_group_backend=process_group_backend(cfg.backend, accelerator),
