@@ -76,7 +76,10 @@ def deepspeed_config(cfg: Any, resolved: Any) -> dict[str, Any]:
 def build_strategy(cfg: Any, resolved: Any) -> "ZeroStrategy":
     """A :class:`ZeroStrategy` for ``cfg`` on this machine's accelerator (gloo on CPU, NCCL on CUDA)."""
     import logging
+    import warnings
 
+    # DeepSpeed calls torch's all_gather_into_tensor / reduce_scatter_tensor, which warn on every call.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+_tensor` is deprecated", category=FutureWarning)
     accelerator = resolve_accelerator(resolved.run.trainer.accelerator)
     # DeepSpeed picks its accelerator once, at first use; say which before it is imported.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if accelerator == "cuda" else "cpu")
