@@ -160,4 +160,28 @@ def load_folder(strategy: Any, path: Any) -> dict[str, Any]:
         engine._config.load_universal_checkpoint = False
     if client is None:
         raise CheckpointError(f"{load_dir}: DeepSpeed found no checkpoint under tag {TAG!r}")
+    if universal:
+        rescale_micro_batch_counts(client, strategy.lightning_module.trainer.accumulate_grad_batches)
     return client
+
+
+def rescale_micro_batch_counts(checkpoint: dict[str, Any], grad_accum_steps: int) -> None:
+    """Make Lightning's per-rank micro-batch counters fit another ``grad_accum_steps``, in place.
+
+    Lightning counts micro-batches per rank (``epoch_loop.batch_progress``) and decides where
+    an optimizer step ends by that count modulo ``accumulate_grad_batches``. At another world
+    size and the same global batch, the number of micro-batches per step changes (2 ranks x 2
+    -> 1 rank x 4): 15 steps x 2 = 30 counted micro-batches would put a 1-rank run 2 micro-batches
+    into its next step (30 mod 4), so every later step would mix two global batches. Each
+    counter keeps its offset from the step boundary and is moved to ``steps * grad_accum_steps``.
+    """
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    progress = loop.get("epoch_loop.batch_progress")
+    steps = loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step", {}).get(
+        "total", {}).get("completed", 0)
+    if not progress or steps <= 0:
+        return
+    saved_accum = progress["total"]["ready"] // steps
+    for part in ("total", "current"):
+        for key, value in progress[part].items():
+            progress[part][key] = value - steps * saved_accum + steps * grad_accum_steps
