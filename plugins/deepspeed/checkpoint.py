@@ -10,7 +10,8 @@ never resumed from and is removed at the next start, as for every other plugin.
 
 Loading verifies the checksums first. A folder written by another number of ranks is converted
 once to DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) next to it,
-in ``<checkpoint.dir>/.universal/``, and loaded from there with ``load_universal``.
+in ``<checkpoint.dir>/.universal/``, and loaded from there with ``load_universal``; Lightning's
+per-rank micro-batch counters are then rescaled (:func:`rescale_micro_batch_counts`).
 
 DeepSpeed reads its files with ``torch.load(weights_only=False)``: the sha256 check guards
 against corruption, not against a crafted file (unlike trainlab's own ``state.pt`` format).
