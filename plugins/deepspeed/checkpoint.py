@@ -11,7 +11,8 @@ never resumed from and is removed at the next start, as for every other plugin.
 Loading verifies the checksums first. A folder written by another number of ranks is converted
 once to DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) next to it,
 in ``<checkpoint.dir>/.universal/``, and loaded from there with ``load_universal``; Lightning's
-per-rank micro-batch counters are then rescaled (:func:`rescale_micro_batch_counts`).
+per-rank micro-batch counters are rescaled by the checkpoint callback
+(:func:`framework.checkpoint.reshard.rescale_batch_progress`), as for every plugin.
 
 DeepSpeed reads its files with ``torch.load(weights_only=False)``: the sha256 check guards
 against corruption, not against a crafted file (unlike trainlab's own ``state.pt`` format).
@@ -161,28 +162,4 @@ def load_folder(strategy: Any, path: Any) -> dict[str, Any]:
         engine._config.load_universal_checkpoint = False
     if client is None:
         raise CheckpointError(f"{load_dir}: DeepSpeed found no checkpoint under tag {TAG!r}")
-    if universal:
-        rescale_micro_batch_counts(client, strategy.lightning_module.trainer.accumulate_grad_batches)
-    return client
-
-
-def rescale_micro_batch_counts(checkpoint: dict[str, Any], grad_accum_steps: int) -> None:
-    """Make Lightning's per-rank micro-batch counters fit another ``grad_accum_steps``, in place.
-
-    Lightning counts micro-batches per rank (``epoch_loop.batch_progress``) and decides where
-    an optimizer step ends by that count modulo ``accumulate_grad_batches``. At another world
-    size and the same global batch, the number of micro-batches per step changes (2 ranks x 2
-    -> 1 rank x 4): 15 steps x 2 = 30 counted micro-batches would put a 1-rank run 2 micro-batches
-    into its next step (30 mod 4), so every later step would mix two global batches. Each
-    counter keeps its offset from the step boundary and is moved to ``steps * grad_accum_steps``.
-    """
-    loop = checkpoint.get("loops", {}).get("fit_loop", {})
-    progress = loop.get("epoch_loop.batch_progress")
-    steps = loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step", {}).get(
-        "total", {}).get("completed", 0)
-    if not progress or steps <= 0:
-        return
-    saved_accum = progress["total"]["ready"] // steps
-    for part in ("total", "current"):
-        for key, value in progress[part].items():
-            progress[part][key] = value - steps * saved_accum + steps * grad_accum_steps
+    return client  # Lightning's micro-batch counters are rescaled by PeriodicCheckpoint (framework.checkpoint.reshard)
