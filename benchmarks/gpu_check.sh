@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # GPU check on one CUDA device: the CUDA-only test, then GPT-2 small (124M) at seq_len 1024 in
 # bf16 through the real driver with `single` (eager and torch.compile), `ddp` and `fsdp`
-# (mixed_precision=bf16) on 1 GPU (NCCL). Prints each run's tokens/s, MFU and step time.
-# Usage: bash benchmarks/gpu_check.sh [OUT_DIR]   (needs trainlab's dependencies importable)
+# (mixed_precision=bf16) and DeepSpeed ZeRO-2/3 on 1 GPU (NCCL). Prints each run's tokens/s, MFU
+# and step time.
+# Usage: bash benchmarks/gpu_check.sh [OUT_DIR [RUN...]]   (needs trainlab's dependencies importable)
+#   RUN: single_bf16 single_bf16_compile ddp1_bf16 fsdp1_bf16 zero2_bf16 zero3_bf16 (default: all)
 set -uo pipefail
 OUT=${1:-gpu_check_out}
+shift || true
+RUNS=${*:-single_bf16 single_bf16_compile ddp1_bf16 fsdp1_bf16 zero2_bf16 zero3_bf16}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
@@ -24,7 +28,15 @@ run() {  # run NAME OVERRIDES...
   tail -n 12 "$OUT/$name.log"
   cp "outputs/gpu_check/$name/summary.json" "$OUT/$name.summary.json" 2>/dev/null || true
 }
-run single_bf16 parallelism=single trainer.precision=bf16-mixed
-run single_bf16_compile parallelism=single trainer.precision=bf16-mixed trainer.compile=true
-run ddp1_bf16 parallelism=ddp parallelism.world_size=1 trainer.precision=bf16-mixed
-run fsdp1_bf16 parallelism=fsdp parallelism.world_size=1 parallelism.mixed_precision=bf16
+declare -A ARGS=(
+  [single_bf16]="parallelism=single trainer.precision=bf16-mixed"
+  [single_bf16_compile]="parallelism=single trainer.precision=bf16-mixed trainer.compile=true"
+  [ddp1_bf16]="parallelism=ddp parallelism.world_size=1 trainer.precision=bf16-mixed"
+  [fsdp1_bf16]="parallelism=fsdp parallelism.world_size=1 parallelism.mixed_precision=bf16"
+  [zero2_bf16]="parallelism=zero2 parallelism.world_size=1 trainer.precision=bf16-mixed"
+  [zero3_bf16]="parallelism=zero3 parallelism.world_size=1 trainer.precision=bf16-mixed"
+)
+for name in $RUNS; do
+  # shellcheck disable=SC2086  # ARGS values are lists of overrides
+  run "$name" ${ARGS[$name]}
+done

@@ -10,6 +10,9 @@ run-level values trainlab logs at the end of a run (``perf/tokens_per_sec_mean``
 ``perf/mfu_mean``, ``perf/<category>_frac_mean``, ``train/loss_final``) and the last logged
 ``perf/comm_bytes`` and ``mem/peak_bytes`` (max over ranks).
 
+When runs logged recovery figures (fault injection), a second table puts them side by side
+(:mod:`framework.faults.report`; ``compare_recovery.csv``, appended to ``compare.md``).
+
 Writes ``compare.csv``, ``compare.md`` and three PNGs (``loss.png``: train loss vs step;
 ``throughput.png``: tokens/s and MFU by run; ``breakdown.png``: stacked step-time fractions)
 to ``--out`` (default ``reports/<experiment>``), and logs them as artifacts of a run of its own
@@ -205,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or Path("reports") / args.experiment)
     out.mkdir(parents=True, exist_ok=True)
     paths = write_tables(runs, rows, table, out) + write_plots(client, runs, rows, out)
+    from framework.faults.report import format_recovery_table, recovery_rows, write_recovery
+
+    recovery = recovery_rows(runs)
+    if recovery:  # runs with injected faults: their recovery figures side by side
+        recovery_table = format_recovery_table(recovery)
+        print("\nrecovery\n" + recovery_table)
+        paths += write_recovery(recovery, recovery_table, out)
     print(f"\nwrote {', '.join(p.name for p in paths)} to {out}")
     if not args.no_log:
         run_id = log_report(client, experiment_id, paths)

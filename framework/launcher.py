@@ -38,8 +38,10 @@ def write_launch_file(path: Path, launch: dict[str, Any]) -> Path:
     return path
 
 
-def launch_ranks(resolved: ResolvedRun, launch_file: Path, log_dir: Path) -> None:
+def launch_ranks(resolved: ResolvedRun, launch_file: Path, log_dir: Path, max_restarts: int | None = None) -> None:
     """Run every rank of this node to completion.
+
+    ``max_restarts``: elastic restarts of the ranks; None = ``trainer.max_restarts``.
 
     Raises:
         ChildFailedError: a rank failed and ``trainer.max_restarts`` restarts did not help.
@@ -50,6 +52,10 @@ def launch_ranks(resolved: ResolvedRun, launch_file: Path, log_dir: Path) -> Non
     run = resolved.run
     nproc = resolved.nproc_per_node
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc, run.trainer.threads_per_rank))
+    # Restarted ranks must not share the agent's rendezvous TCPStore: its keys outlive a round, so
+    # a restarted rank can read a dead peer's gloo address (connection refused). Unshared, rank 0
+    # hosts a fresh store each round.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -57,7 +63,7 @@ def launch_ranks(resolved: ResolvedRun, launch_file: Path, log_dir: Path) -> Non
         run_id=uuid.uuid4().hex[:12],
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        max_restarts=run.trainer.max_restarts,
+        max_restarts=run.trainer.max_restarts if max_restarts is None else max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),

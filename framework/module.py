@@ -50,6 +50,10 @@ class LMModule(pl.LightningModule):
         self.step_micro_batches = 0
         self.last_grad_norm = float("nan")
         self.last_lr = float("nan")
+        # Fault-injection hooks (framework/faults): a loss -> loss map applied to every micro-batch
+        # loss (inf_loss, loss_spike), and a request to end the epoch at the next batch (rollback).
+        self.loss_transform: Any = None
+        self.end_epoch_requested = False
 
     def configure_model(self) -> None:
         """Build the GPT (seeded, identical on every rank) and let the plugin apply itself.
@@ -72,9 +76,15 @@ class LMModule(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self.model(x, y)
+        if self.loss_transform is not None:
+            loss = self.loss_transform(loss)
         self.step_loss_sum = self.step_loss_sum.to(loss.device) + loss.detach().float()
         self.step_micro_batches += 1
         return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        # -1 tells Lightning to end the epoch here; the next one re-iterates the loader (rollback).
+        return -1 if self.end_epoch_requested else None
 
     def take_step_loss(self) -> torch.Tensor:
         """This rank's mean micro-batch loss over the optimizer step just finished; resets the sum."""

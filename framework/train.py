@@ -103,6 +103,13 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
     print("\n".join(lines), flush=True)
 
 
+def _in_sweep() -> bool:
+    """Whether this job is one of a Hydra multirun (``-m`` or a preset with ``hydra.mode: MULTIRUN``)."""
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def run_job(cfg: DictConfig, run_dir: Path) -> None:
     """Run one Hydra job (one MLflow run). Exits with code 2 on a configuration error."""
     from framework.checkpoint.format import find_latest_valid, list_checkpoints, read_manifest, verify
@@ -155,7 +162,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     if resume_from:
         print(f"trainlab: resuming from {resume_from}", flush=True)
     else:  # a fresh start: metrics of an earlier attempt without checkpoints must not mix in
-        for stale in ("metrics.jsonl", "summary.json"):
+        for stale in ("metrics.jsonl", "summary.json", "faults.jsonl"):
             (run_dir / stale).unlink(missing_ok=True)
     # The step of the checkpoint actually resumed (a newer corrupt one does not count).
     resume_step = read_manifest(resume_from)["step"] if resume_from else 0
@@ -204,7 +211,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from framework.launcher import launch_ranks, write_launch_file
+    from framework.faults.supervisor import supervise
+    from framework.launcher import write_launch_file
 
     launch = {
         "config": run_to_dict(run),
@@ -223,7 +231,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     status = "FAILED"
     t0 = time.time()
     try:
-        launch_ranks(resolved, launch_file, run_dir / "elastic")
+        supervise(resolved, launch, launch_file, run_dir, tracker)  # launch_ranks + restarts/shrink (framework/faults)
         status = "FINISHED"
     except (KeyboardInterrupt, SignalException):  # the elastic agent turns SIGINT/SIGTERM into SignalException
         status = "KILLED"
@@ -231,7 +239,9 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         raise SystemExit(130)
     except Exception as err:
         print(f"trainlab: error: training failed: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        if not _in_sweep():  # in a sweep the run ends FAILED and the next job starts (e.g. a fault x policy grid)
+            raise SystemExit(1)
+        return
     finally:
         if monitor is not None:
             monitor.finish()

@@ -152,6 +152,9 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         step_metrics,
         ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=validation_time),
     ]
+    from framework.faults.guard import build_fault_callbacks
+
+    callbacks += build_fault_callbacks(resolved, launch, rank=rank)  # [] without faults/policy; before checkpointing
     # Checkpointing: the folder CheckpointIO plugin and its callbacks (after the others: they save
     # once everything else of a step is done). on_time_spent gets the seconds the step was held.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(
@@ -187,7 +190,9 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         use_distributed_sampler=False,
         default_root_dir=str(run_dir),
     )
-    ckpt_path = launch.get("resume_from")
+    from framework.faults.supervisor import resume_path
+
+    ckpt_path = resume_path(launch, resolved, rank)  # after an elastic restart: the newest valid checkpoint
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         summary = {**step_metrics.summary, "flops_per_token": float(flops_per_token), "peak_flops": peak}

@@ -39,6 +39,22 @@ class FSDP2Strategy(ShardedCheckpointing, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy, checkpointing through trainlab's sharded (DCP) folders."""
 
 
+PAYLOAD_KWARG = {"allgather": "output_tensor", "reduce_scatter": "input"}
+"""Keyword of the payload tensor in the functions of :func:`fsdp2_collectives` (same in both torch generations)."""
+
+
+def fsdp2_collectives() -> list[tuple[str, str, int]]:
+    """``(torch.distributed function name, kind, positional index of the payload tensor)`` of the
+    collectives FSDP2 calls in this torch: ``all_gather_single`` / ``reduce_scatter_single`` where
+    they exist (torch 2.13), else ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (torch
+    2.4-2.11, e.g. the CUDA image of the GPU check). Both take (output, input, ...)."""
+    import torch.distributed as dist
+
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    return [(gather, "allgather", 0), (scatter, "reduce_scatter", 1)]
+
+
 @dataclass
 class FSDPConfig(ParallelConfig):
     """FSDP2 options."""
@@ -122,9 +138,9 @@ class FSDPPlugin:
         return -(-per_param * psi // resolved.layout.dp) + 4 * stats.num_param_tensors
 
     def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
-        """Meter FSDP2's collectives by wrapping ``torch.distributed.all_gather_single`` and
-        ``reduce_scatter_single`` (what FSDP2 calls) for this process: payload = the gathered
-        output / the reduced input, in bytes. Completion is marked when the call returns."""
+        """Meter FSDP2's collectives by wrapping the ``torch.distributed`` functions it calls
+        (:func:`fsdp2_collectives`) for this process: payload = the gathered output / the reduced
+        input, in bytes. Completion is marked when the call returns."""
         import torch.distributed as dist
 
         def wrap(name: str, kind: str, payload_arg: int):
@@ -133,7 +149,7 @@ class FSDPPlugin:
                 inner = inner._trainlab_inner
 
             def metered(*args, **kwargs):
-                t = args[payload_arg] if len(args) > payload_arg else kwargs["output_tensor" if kind == "allgather" else "input"]
+                t = args[payload_arg] if len(args) > payload_arg else kwargs[PAYLOAD_KWARG[kind]]
                 rec = meter.launch(kind, t.numel() * t.element_size())
                 out = inner(*args, **kwargs)
                 meter.complete(rec)
@@ -143,8 +159,8 @@ class FSDPPlugin:
             metered._trainlab_inner = inner
             setattr(dist, name, metered)
 
-        wrap("all_gather_single", "allgather", 0)
-        wrap("reduce_scatter_single", "reduce_scatter", 1)
+        for name, kind, payload_arg in fsdp2_collectives():
+            wrap(name, kind, payload_arg)
 
     def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
         """Shard each transformer block, then the root (embeddings, final norm, tied head)."""

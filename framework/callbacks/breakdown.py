@@ -35,7 +35,8 @@ plugin's collectives through :class:`~framework.metrics.timing.CommMeter`), by k
 ``perf/comm_bytes_<kind>``, ring bytes on the wire ``perf/comm_bytes_wire`` (derived from the
 measured payload), and the plugin's model ``perf/comm_bytes_model`` /
 ``perf/comm_bytes_wire_model``; ``mem/peak_bytes`` (max over ranks),
-``mem/model_states_bytes`` (max over ranks) and ``mem/model_states_bytes_model``. At the end,
+``mem/model_states_bytes`` (the largest sample of a logged step -- after each backward, before
+the optimizer step and at the step's end --, max over ranks) and ``mem/model_states_bytes_model``. At the end,
 over all timed steps: ``perf/<category>_frac_mean``, ``perf/<category>_s_mean``,
 ``perf/step_time_std_s_run`` (standard deviation of the step times) and
 ``perf/breakdown_step_s_mean`` (which, less ``perf/ckpt_blocking_s_mean``, is StepMetrics'
@@ -99,6 +100,7 @@ class StepBreakdown(pl.Callback):
         self._walls: list[float] = []  # wall time of every timed step (s), for the run's spread
         self._window: list[_Step] = []
         self._hook_handle = None
+        self._states_peak = 0  # largest model-state bytes sampled within the current logged step
         self._reset_step()
 
     # -- told by other callbacks ----------------------------------------------------------
@@ -137,10 +139,24 @@ class StepBreakdown(pl.Callback):
             for sink in self.sinks:
                 sink(metrics, step)
 
+    def _states_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        return model_states_bytes(pl_module.parameters(), trainer.optimizers[0] if trainer.optimizers else None)["total"]
+
+    def _sample_states(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Keep the largest model-state bytes seen within a step that will be logged.
+
+        Sampled after each backward and before the optimizer step as well as at the step's end:
+        some plugins hold gradients only within the step (DeepSpeed ZeRO frees them after it).
+        """
+        step = trainer.global_step + 1
+        if step % self.log_every == 0 or step == trainer.max_steps:
+            self._states_peak = max(self._states_peak, self._states_now(trainer, pl_module))
+
     def _memory(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Peak memory and model-state bytes of this rank, max over ranks (a collective: call on all ranks)."""
-        states = model_states_bytes(pl_module.parameters(), trainer.optimizers[0] if trainer.optimizers else None)
-        local = torch.tensor([peak_memory_bytes(pl_module.device), states["total"]], dtype=torch.float64, device=pl_module.device)
+        states = max(self._states_peak, self._states_now(trainer, pl_module))
+        self._states_peak = 0
+        local = torch.tensor([peak_memory_bytes(pl_module.device), states], dtype=torch.float64, device=pl_module.device)
         peak, total = trainer.strategy.reduce(local, reduce_op="max").tolist()
         return {"mem/peak_bytes": peak, "mem/model_states_bytes": total}
 
@@ -150,7 +166,10 @@ class StepBreakdown(pl.Callback):
         self.meter = CommMeter(self.clock)
         self.plugin.install_comm_meter(trainer.strategy.model, self.meter)
         if trainer.optimizers:
-            self._hook_handle = trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)
+            opt = trainer.optimizers[0]
+            if not hasattr(opt, "register_step_post_hook"):  # a wrapper (DeepSpeed ZeRO): time the torch optimizer inside
+                opt = opt.optimizer
+            self._hook_handle = opt.register_step_post_hook(self._after_optimizer_step)
         stats = model_stats(pl_module)
         est = self.plugin.comm_volume(stats, self.resolved)
         self.group_size = est.group_size
@@ -177,6 +196,7 @@ class StepBreakdown(pl.Callback):
         self._launch_before = self.meter.last_launch()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sample_states(trainer, pl_module)
         t = self.clock.mark()
         launched = self.meter.last_launch()
         if launched is not None and launched is not self._launch_before:
@@ -187,6 +207,7 @@ class StepBreakdown(pl.Callback):
         self._last = t
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._sample_states(trainer, pl_module)
         t = self.clock.mark()
         self._span("other", self._last, t)
         self._last = self._opt_start = t

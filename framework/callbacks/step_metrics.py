@@ -101,6 +101,10 @@ class StepMetrics(pl.Callback):
         if self._timed_t0 is not None:
             self._timed_t0 += seconds
 
+    def on_rollback(self, step: int) -> None:
+        """Training was rewound to optimizer step ``step`` (framework.faults rollback); the next step end is ``step + 1``."""
+        self._seen_step = step
+
     # -- hooks ---------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = self._start_step = trainer.global_step

@@ -181,6 +181,11 @@ class FolderCheckpointIO(CheckpointIO):
         with self._lock:
             self._results.append(result)
 
+    def record(self, result: SaveResult) -> None:
+        """Report a save written by someone else (a strategy that writes its own folders) to :meth:`pop_results`."""
+        with self._lock:
+            self._results.append(result)
+
     def wait(self) -> None:
         """Block until the save in flight (if any) has finished, successfully or not."""
         if self._thread is not None:

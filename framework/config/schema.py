@@ -251,6 +251,85 @@ class TrackingConfig:
         )
 
 
+# ---- faults and resilience (framework/faults/) ------------------------------------------------
+FAULT_KINDS = ("nan_grad", "inf_loss", "loss_spike", "rank_crash", "hang", "slow_rank", "ckpt_write_error",
+               "ckpt_corrupt", "bad_batch")
+RESILIENCE_POLICIES = ("none", "skip_step", "rollback", "restart", "shrink", "abort")
+
+
+@dataclass
+class FaultEventConfig:
+    """One scheduled fault: ``kind`` fires once, during optimizer step ``step`` (1-based), on ``ranks``."""
+
+    kind: str = "nan_grad"  # one of FAULT_KINDS
+    step: int = 1  # optimizer step (1-based) in which it fires; never again when the step is replayed
+    ranks: list[int] = field(default_factory=lambda: [1])  # global ranks it hits (checkpoint faults: the writer, rank 0)
+    factor: float = 10.0  # loss_spike: multiplier of the loss on the faulty ranks
+    delay_s: float = 0.5  # slow_rank: extra seconds per step; hang: seconds the rank stops answering
+    duration_steps: int = 1  # slow_rank: steps the rank stays slow
+
+    def __post_init__(self) -> None:
+        _require(self.kind in FAULT_KINDS, f"fault.events.kind={self.kind!r} is not a fault kind; allowed: {', '.join(FAULT_KINDS)}")
+        _require(self.step >= 1, f"fault.events.step={self.step} must be >= 1 (optimizer steps count from 1)")
+        _require(len(self.ranks) > 0 and all(r >= 0 for r in self.ranks), f"fault.events.ranks={list(self.ranks)} must be a non-empty list of ranks >= 0")
+        _require(self.factor > 0, f"fault.events.factor={self.factor} must be > 0")
+        _require(self.delay_s >= 0, f"fault.events.delay_s={self.delay_s} must be >= 0")
+        _require(self.duration_steps >= 1, f"fault.events.duration_steps={self.duration_steps} must be >= 1")
+
+
+@dataclass
+class FaultConfig:
+    """What goes wrong, and when: a list of events and/or a seeded random process (MTBF in steps)."""
+
+    name: str = "none"  # preset name (== conf/fault/<name>.yaml), logged as a param
+    events: list[FaultEventConfig] = field(default_factory=list)  # scheduled faults, each fires once
+    mtbf_steps: float = 0.0  # random process: mean optimizer steps between faults (exponential gaps); 0 = off
+    random_kinds: list[str] = field(default_factory=lambda: ["rank_crash"])  # kinds the random process draws from
+    random_seed: int = 0  # seed of the random process (same schedule every time)
+
+    def __post_init__(self) -> None:
+        _require(self.mtbf_steps >= 0, f"fault.mtbf_steps={self.mtbf_steps} must be >= 0 (0 = no random faults)")
+        bad = [k for k in self.random_kinds if k not in FAULT_KINDS]
+        _require(not bad, f"fault.random_kinds has {bad[0] if bad else ''!r}; allowed: {', '.join(FAULT_KINDS)}")
+
+
+@dataclass
+class ResilienceConfig:
+    """How faults are detected and what is done about them (see framework/faults/)."""
+
+    name: str = "none"  # preset name (== conf/resilience/<name>.yaml), logged as a param
+    policy: str = "none"  # one of RESILIENCE_POLICIES
+    max_faults: Optional[int] = None  # abort (run FAILED) once more faults than this are detected; None = no limit
+    max_restarts: int = 3  # restart/shrink: elastic-agent restarts at one world size (none: trainer.max_restarts)
+    min_world_size: int = 1  # shrink: never fewer ranks than this
+    rewarmup_steps: int = 0  # shrink: linear LR re-warm-up over this many steps after shrinking; 0 = off
+    skip_steps: list[int] = field(default_factory=list)  # optimizer steps whose update is always dropped (known-bad data)
+    rollback_skip_window: bool = False  # rollback: drop the offending step's update when it is replayed (PaLM-style)
+    grad_spike_factor: float = 0.0  # grad L2 norm > factor x its running mean = a fault; 0 = off (NaN/Inf always are)
+    loss_spike_factor: float = 3.0  # step loss > factor x its running mean = a fault; 0 = off
+    stat_warmup_steps: int = 5  # steps after a (re)start before spikes and stragglers are judged
+    stat_beta: float = 0.9  # running mean: m = beta * m + (1 - beta) * x over accepted steps
+    hang_timeout_s: float = 0.0  # watchdog: a rank without step progress this long exits (restart follows); 0 = off
+    straggler_factor: float = 2.0  # a rank whose step time to the health check > factor x the others' median is a straggler; 0 = off
+    straggler_min_s: float = 0.05  # ... and is at least this many seconds slower (ignores noise on ms steps)
+
+    def __post_init__(self) -> None:
+        _require(self.policy in RESILIENCE_POLICIES,
+                 f"resilience.policy={self.policy!r} is not a policy; allowed: {', '.join(RESILIENCE_POLICIES)}")
+        _require(self.max_faults is None or self.max_faults >= 0, f"resilience.max_faults={self.max_faults} must be >= 0 or null")
+        _require(self.max_restarts >= 0, f"resilience.max_restarts={self.max_restarts} must be >= 0")
+        _require(self.min_world_size >= 1, f"resilience.min_world_size={self.min_world_size} must be >= 1")
+        _require(self.rewarmup_steps >= 0, f"resilience.rewarmup_steps={self.rewarmup_steps} must be >= 0")
+        _require(all(s >= 1 for s in self.skip_steps), f"resilience.skip_steps={list(self.skip_steps)} must hold steps >= 1")
+        for key in ("grad_spike_factor", "loss_spike_factor", "straggler_factor"):
+            v = getattr(self, key)
+            _require(v == 0 or v > 1, f"resilience.{key}={v} must be > 1 (or 0 = off)")
+        _require(self.stat_warmup_steps >= 0, f"resilience.stat_warmup_steps={self.stat_warmup_steps} must be >= 0")
+        _require(0 <= self.stat_beta < 1, f"resilience.stat_beta={self.stat_beta} must be in [0, 1)")
+        _require(self.straggler_min_s >= 0, f"resilience.straggler_min_s={self.straggler_min_s} must be >= 0")
+        _require(self.hang_timeout_s >= 0, f"resilience.hang_timeout_s={self.hang_timeout_s} must be >= 0 (0 = off)")
+
+
 RESUME_MODES = ("auto", "never")
 
 
@@ -265,6 +344,8 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)  # injected faults (framework/faults/)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)  # detection and recovery policy
     experiment_name: str = "default"  # MLflow experiment; experiment presets set it
     run_name: str = "default"  # MLflow run name and checkpoint sub-folder (from the overrides)
     resume: str = "auto"  # auto (newest valid checkpoint in checkpoint.dir) | never | <path to a checkpoint folder>

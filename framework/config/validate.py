@@ -220,6 +220,10 @@ def validate(run: RunConfig) -> ResolvedRun:
             errors.append("trainer.accelerator='cuda' but no CUDA device is visible; allowed here: auto, cpu")
     plugin = get_plugin_class(run.parallelism.name)(run.parallelism)
     check(lambda: plugin.validate(run))
+    if layout is not None:
+        from framework.faults.schedule import check_fault_config
+
+        check(lambda: check_fault_config(run, layout.world_size, layout.tp, layout.pp))
     if errors:
         raise ConfigError("; ".join(errors))
     mbs, acc, gbs = batch

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("allreduce", "allgather", "reduce_scatter", "p2p")
+KINDS = ("allreduce", "allgather", "reduce_scatter", "reduce", "broadcast", "p2p")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ def ring_wire_bytes(kind: str, payload_bytes: float, n: int) -> float:
     """Bytes one rank sends for a ring collective of ``payload_bytes`` over ``n`` ranks.
 
     all-reduce ``2(n-1)/n * S``; all-gather / reduce-scatter ``(n-1)/n * S`` (S = the full
-    gathered / reduced size); p2p ``S``. Source: nccl-tests PERFORMANCE.md (bus bandwidth).
+    gathered / reduced size); reduce / broadcast of S bytes ``(n-1)/n * S`` (a pipelined chain:
+    every rank but one forwards S, averaged over the n ranks); p2p ``S``. Source: nccl-tests PERFORMANCE.md (bus bandwidth).
 
     Raises:
         ValueError: unknown ``kind`` or ``n < 1``.
@@ -53,7 +54,7 @@ def ring_wire_bytes(kind: str, payload_bytes: float, n: int) -> float:
         raise ValueError(f"n={n} ranks must be >= 1")
     if kind == "allreduce":
         return 2.0 * (n - 1) / n * payload_bytes
-    if kind in ("allgather", "reduce_scatter"):
+    if kind in ("allgather", "reduce_scatter", "reduce", "broadcast"):
         return (n - 1) / n * payload_bytes
     if kind == "p2p":
         return float(payload_bytes)

@@ -44,8 +44,49 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) 
     return total
 
 
-def model_states_bytes(params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+def _held_tensors(obj: object, depth: int = 0) -> Iterable[torch.Tensor]:
+    """Tensors in ``obj`` when it is a tensor or a (nested, up to 3 deep) list/tuple/dict of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 3 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _held_tensors(v, depth + 1)
+    elif depth < 3 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _held_tensors(v, depth + 1)
+
+
+def _optimizer_tensors(optimizer: object) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(gradient-like, state)`` tensors an optimizer holds beyond the module's parameters.
+
+    A torch optimizer holds its ``param_groups`` (the module's parameters, or the fp32 master
+    partitions a ZeRO optimizer hands it), their gradients and its ``state``. A wrapper that
+    owns such an optimizer in ``.optimizer`` (DeepSpeed's ZeRO optimizers) also holds flat
+    buffers as attributes (partitioned master weights and gradients); those are walked too.
+    The caller dedupes by storage, so views into the same buffer count once.
+    """
+    grads: list[torch.Tensor] = []
+    state: list[torch.Tensor] = []
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):  # a wrapper: its own flat buffers, then the inner optimizer
+        for value in vars(optimizer).values():
+            state.extend(_held_tensors(value))
+        optimizer = inner
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            for q in group["params"]:
+                state.append(q)
+                if q.grad is not None:
+                    grads.append(q.grad)
+        state.extend(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return grads, state
+
+
+def model_states_bytes(params: Iterable[torch.nn.Parameter], optimizer: object | None) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state held by this rank.
+
+    Counts the module's parameters (a ZeRO-3 parameter's partition, ``ds_tensor``, included),
+    their gradients, and every tensor the optimizer holds (see :func:`_optimizer_tensors`).
 
     Returns:
         ``{"params", "grads", "optimizer", "total"}`` in bytes; each tensor storage counted once
@@ -53,11 +94,13 @@ def model_states_bytes(params: Iterable[torch.nn.Parameter], optimizer: torch.op
     """
     params = list(params)
     seen: set[tuple[str, int]] = set()
-    p = _storage_bytes(params, seen)
+    p = _storage_bytes(params, seen) + _storage_bytes((q.ds_tensor for q in params if hasattr(q, "ds_tensor")), seen)
     g = _storage_bytes((q.grad for q in params if q.grad is not None), seen)
     o = 0
     if optimizer is not None:
-        o = _storage_bytes((v for state in optimizer.state.values() for v in state.values()), seen)
+        opt_grads, opt_state = _optimizer_tensors(optimizer)
+        g += _storage_bytes(opt_grads, seen)
+        o = _storage_bytes(opt_state, seen)
     return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
 
 
@@ -67,7 +110,7 @@ def model_stats(module: torch.nn.Module) -> ModelStats:
     if not params:
         raise ValueError("the module has no trainable parameters")
     return ModelStats(
-        num_params=sum(p.numel() for p in params),
+        num_params=sum(getattr(p, "ds_numel", p.numel()) for p in params),  # ZeRO-3: the full size (p.data is empty)
         num_param_tensors=len(params),
         param_bytes=params[0].element_size(),
         grad_bytes=params[0].element_size(),

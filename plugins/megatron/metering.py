@@ -121,12 +121,14 @@ def meter_stage_sends(stage: Any) -> None:
 
 
 def install_fsdp_meter() -> None:
-    """Wrap ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` (what FSDP2 calls on the
-    ``dp`` mesh dimension) so each call reports to :data:`GATE`: all-gather payload = the gathered
+    """Wrap the ``torch.distributed`` collectives FSDP2 calls (:func:`plugins.fsdp.fsdp2_collectives`) on the
+    ``dp`` mesh dimension, so each call reports to :data:`GATE`: all-gather payload = the gathered
     output, reduce-scatter payload = the input. Idempotent."""
     import torch.distributed as dist
 
-    for name, kind, arg in (("all_gather_single", "allgather", 0), ("reduce_scatter_single", "reduce_scatter", 1)):
+    from plugins.fsdp import PAYLOAD_KWARG, fsdp2_collectives
+
+    for name, kind, arg in fsdp2_collectives():
         inner = getattr(dist, name, None)
         if inner is None or getattr(inner, "_trainlab_gated", False):
             continue
@@ -134,7 +136,7 @@ def install_fsdp_meter() -> None:
         def make(inner=inner, kind=kind, arg=arg):
             @functools.wraps(inner)
             def metered(*args: Any, **kwargs: Any):
-                t = args[arg] if len(args) > arg else kwargs["output_tensor" if kind == "allgather" else "input"]
+                t = args[arg] if len(args) > arg else kwargs[PAYLOAD_KWARG[kind]]
                 GATE.report(kind, t.numel() * t.element_size())
                 return inner(*args, **kwargs)
 

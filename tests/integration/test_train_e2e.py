@@ -109,7 +109,7 @@ def test_bad_input_fails_before_any_rank_with_one_line(runner):
     proc = runner.run("parallelism.name=nope", check=False)
     assert proc.returncode == 2
     err_lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert err_lines == ["trainlab: error: parallelism.name='nope' is not a known plugin; available: ddp, fsdp, pp, single, tp"]
+    assert err_lines == ["trainlab: error: parallelism.name='nope' is not a known plugin; available: ddp, deepspeed, fsdp, pp, single, tp"]
     assert not list(runner.workdir.glob("outputs/**/launch.json"))
     db = runner.workdir / "mlruns.db"
     if db.exists():

@@ -72,7 +72,7 @@ def test_every_conf_option_composes_and_validates(compose, group, option, tmp_pa
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["parallelism.name=nope"], "parallelism.name='nope' is not a known plugin; available: ddp, fsdp, pp, single, tp"),
+        (["parallelism.name=nope"], "parallelism.name='nope' is not a known plugin; available: ddp, deepspeed, fsdp, pp, single, tp"),
         (["trainer.global_batch_size=15"], "trainer.global_batch_size=15 is not divisible"),
         (["data.seq_len=512"], "data.seq_len=512 is longer than model.max_seq_len=256"),
         (["optim.lr=0"], "optim.lr=0.0 must be > 0"),

@@ -29,8 +29,9 @@ def test_ring_wire_bytes_follow_nccl_tests_bus_factors():
     assert ring_wire_bytes("allgather", S, 4) == pytest.approx(750.0)  # (n-1)/n
     assert ring_wire_bytes("reduce_scatter", S, 4) == pytest.approx(750.0)
     assert ring_wire_bytes("p2p", S, 4) == S
-    with pytest.raises(ValueError, match="kind='broadcast'"):
-        ring_wire_bytes("broadcast", S, 2)
+    assert ring_wire_bytes("reduce", S, 4) == ring_wire_bytes("broadcast", S, 4) == pytest.approx(750.0)  # chain, mean per rank
+    with pytest.raises(ValueError, match="kind='gather'"):
+        ring_wire_bytes("gather", S, 2)
     with pytest.raises(ValueError, match="n=0"):
         ring_wire_bytes("allreduce", S, 0)
 

@@ -12,14 +12,15 @@ from framework.train import check_group_choices
 from tests.conftest import CONF_DIR
 
 
-@pytest.mark.parametrize("name", ["single", "ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "deepspeed"])
 def test_builtin_plugins_come_from_entry_points_and_conf(name):
     assert name in available_plugins()
     cls = get_plugin_class(name)
     assert cls.name == name
     assert issubclass(cls.config_cls, ParallelConfig)
     assert isinstance(cls(cls.config_cls()), ParallelPlugin)
-    assert (CONF_DIR / "parallelism" / f"{name}.yaml").exists(), "every plugin has conf/parallelism/<name>.yaml"
+    presets = [p for p in (CONF_DIR / "parallelism").glob("*.yaml") if f"name: {name}\n" in p.read_text()]
+    assert presets, "every plugin has a conf/parallelism/*.yaml preset (deepspeed: zero1, zero2, zero3)"
 
 
 def test_unknown_plugin_lists_available_names():
@@ -45,7 +46,7 @@ def test_unknown_group_option_is_one_line_before_hydra(capsys):
         check_group_choices(["parallelism=single,zero9", "trainer.max_steps=3"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, fsdp, pp, single, tp"
+    assert err == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, fsdp, pp, single, tp, zero1, zero2, zero3"
     check_group_choices(["parallelism=single,ddp", "model=gpt2_124m", "experiment=null", "data.paths=[a,b]"])  # fine
 
 

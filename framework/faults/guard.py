@@ -1,0 +1,269 @@
+"""The resilience policy, per rank: detect faults each step and skip, roll back or abort.
+
+:class:`FaultGuard` runs in every rank after the injector. In ``on_before_optimizer_step``
+(gradients complete, optimizer not yet stepped) it gathers the step's health
+(:func:`~framework.faults.detect.gather_health`: one collective), and on a fault applies
+``resilience.policy``:
+
+- ``skip_step`` (also ``restart``/``shrink``, whose own business is crashes): drop the update on
+  every rank: all gradients become ``None``, so AdamW changes neither weights nor moments; the
+  LR schedule and the data position still advance (the batch is consumed, as in a skipped step
+  of Megatron-LM's ``--check-for-nan-in-loss-and-grad``-style guards).
+- ``rollback``: drop the update, then go back to the in-memory snapshot
+  (:class:`~framework.checkpoint.memory.MemorySnapshot`) and replay the steps after it with the
+  same batches (``rollback_skip_window``: without the offending step's update). See
+  :func:`rewind_to_snapshot` for how the step counter and the data stream are rewound.
+- ``abort``: like ``skip_step`` until ``max_faults`` faults were detected (``max_faults``:
+  null = 0), then every rank raises :class:`FaultAbort`; the run ends FAILED.
+- ``none``: detections are logged, nothing else happens.
+
+``resilience.skip_steps`` drops the listed steps' updates unconditionally (a known-bad data
+window; also the fault-free reference of a skipped step). Crashes and hangs are the driver's
+and the elastic agent's business (:mod:`framework.faults.supervisor`); the watchdog lives here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+
+from framework.checkpoint.memory import MemorySnapshot
+from framework.config.schema import ResilienceConfig
+from framework.faults.detect import RunningMean, Watchdog, gather_health, local_grad_norm
+from framework.faults.events import FaultLog
+
+
+class FaultAbort(RuntimeError):
+    """The resilience policy gave up: more faults than ``resilience.max_faults``."""
+
+
+def rewind_to_snapshot(trainer: pl.Trainer, step: int) -> None:
+    """Set Lightning's optimizer-step counter to ``step`` and restart the data stream there.
+
+    Lightning has no public "go back N steps"; this touches two things only: the automatic
+    optimization's step counter (``trainer.global_step`` reads it; it is what checkpoints save)
+    and the start step of trainlab's own batch sampler; callbacks with an ``on_rollback(step)``
+    method are told. The caller then ends the epoch
+    (``LMModule.end_epoch_requested``): the next epoch re-iterates the loader from ``step``
+    with fresh in-epoch counters, so gradient accumulation stays aligned to step boundaries.
+    """
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    progress.ready = progress.completed = step
+    trainer.train_dataloader.batch_sampler.start_step = step
+    for cb in trainer.callbacks:  # callbacks that track step ends (StepMetrics) are told
+        hook = getattr(cb, "on_rollback", None)
+        if callable(hook):
+            hook(step)
+
+
+def align_batch_counter(trainer: pl.Trainer) -> bool:
+    """Make Lightning's in-epoch micro-batch counter a whole number of current optimizer steps.
+
+    Call in the first ``on_train_batch_start`` of a (resumed) fit. Lightning cuts optimizer steps
+    where that counter is a multiple of ``accumulate_grad_batches``, and a checkpoint stores it
+    in micro-batches of the run that saved it: after a shrink (grad_accum_steps 2 -> 4) the
+    first step would end after half a global batch. The counter is set to ``global_step *
+    grad_accum_steps`` (as if the epoch began at step 0, which the sampler's length assumes),
+    plus the batch whose start hook is running. Returns whether it had to change.
+    """
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    done = trainer.global_step * trainer.accumulate_grad_batches
+    if (current.ready - 1) % trainer.accumulate_grad_batches == 0:
+        return False
+    current.ready, current.started, current.processed, current.completed = done + 1, done, done, done
+    return True
+
+
+class FaultGuard(pl.Callback):
+    """Per-step detection and the in-process part of the resilience policy (see the module docstring).
+
+    Args:
+        cfg: ``resilience`` config.
+        rank: global rank (rank 0 writes the shared records).
+        log: the run's fault log.
+        segment: ``"<launch>.<restart>"``, which (re)start of the ranks this is.
+        launch_index: driver relaunch count (0 until the first shrink).
+        shrunk_at_step: step the run resumed from after its last shrink (LR re-warm-up), or None.
+    """
+
+    def __init__(self, *, cfg: ResilienceConfig, rank: int, log: FaultLog, segment: str, launch_index: int,
+                 shrunk_at_step: Optional[int] = None) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.fault_log = log
+        self.segment = segment
+        self.launch_index = launch_index
+        self.shrunk_at = shrunk_at_step
+        self.skip_steps = set(cfg.skip_steps)
+        self.max_faults = cfg.max_faults if cfg.max_faults is not None else (0 if cfg.policy == "abort" else None)
+        self.faults = sum(1 for r in log.read() if r.get("ev") == "detected" and r.get("action") not in (None, "none")
+                          and r.get("rank") == 0)
+        self.loss_stat = RunningMean(cfg.stat_beta, cfg.stat_warmup_steps)
+        self.grad_stat = RunningMean(cfg.stat_beta, cfg.stat_warmup_steps)
+        self.watchdog = Watchdog(cfg.hang_timeout_s, self._hung) if cfg.hang_timeout_s > 0 else None
+        self.snapshot: Optional[MemorySnapshot] = None
+        self._trainer: Optional[pl.Trainer] = None
+        self._step = -1
+        self._t_step = 0.0
+        self._skipped = False
+        self._rollback_to: Optional[int] = None
+        self._restore: Optional[str] = None  # rollback restore: await_epoch -> next_batch -> done
+        self._straggling = False
+        self._accepted = 0
+
+    # -- records ----------------------------------------------------------------------------
+    def _record(self, ev: str, **fields: Any) -> None:
+        if self.rank == 0:
+            self.fault_log.append(ev, seg=self.segment, **fields)
+
+    def _hung(self, stalled_s: float) -> None:
+        step = self._trainer.global_step + 1 if self._trainer is not None else -1
+        self.fault_log.append("detected", detector="hang_watchdog", step=step, rank=self.rank, seg=self.segment,
+                        stalled_s=stalled_s, action="restart")
+        print(f"trainlab: fault: rank {self.rank} made no progress for {stalled_s:.1f} s (step {step});"
+              f" exiting for a restart", file=sys.stderr, flush=True)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trainer = trainer
+        self.snapshot = next((c for c in trainer.callbacks if isinstance(c, MemorySnapshot)), None)
+        self._record("start", launch=self.launch_index, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                     world_size=trainer.world_size, grad_accum_steps=trainer.accumulate_grad_batches,
+                     step=trainer.global_step)
+        if self.watchdog is not None:
+            self.watchdog.start()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.end_epoch_requested = False  # a new epoch began (the old one may have ended by itself)
+        if self._restore == "await_epoch":
+            self._restore = "next_batch"
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat()
+        if pl_module.end_epoch_requested:
+            return  # this batch is dropped: the module ends the epoch (rollback)
+        if self._step == -1 and self._restore is None and align_batch_counter(trainer) and self.rank == 0:
+            print(f"trainlab: resumed at grad_accum_steps={trainer.accumulate_grad_batches}: micro-batch counter"
+                  f" re-aligned to step {trainer.global_step}", file=sys.stderr, flush=True)
+        if self._restore == "next_batch":
+            # First batch of the epoch after a rollback: the new loader iterator exists (its creation
+            # draws from torch's RNG) and Lightning's extra scheduler step at the epoch end is past.
+            self._restore = None
+            self.snapshot.restore(trainer)
+        elif self.cfg.policy == "rollback" and self.snapshot is not None and self.snapshot.step is None:
+            self.snapshot.take(trainer)  # something to roll back to before the first periodic snapshot
+        step = trainer.global_step + 1
+        if step != self._step:
+            self._step, self._t_step, self._skipped = step, time.perf_counter(), False
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        step = self._step
+        n = max(1, pl_module.step_micro_batches)
+        health = gather_health(
+            grad_norm=local_grad_norm(pl_module.parameters()),
+            loss=float(pl_module.step_loss_sum) / n, busy_s=time.perf_counter() - self._t_step, device=pl_module.device,
+        )
+        if self.watchdog is not None:
+            self.watchdog.beat()
+        straggler = health.straggler(self.cfg.straggler_factor, self.cfg.straggler_min_s) if self._accepted >= self.cfg.stat_warmup_steps else None
+        if straggler is not None and not self._straggling:
+            self._record("detected", detector="straggler", step=step, rank=straggler, action="none",
+                         busy_s=health.busy_s)
+        self._straggling = straggler is not None
+        detector = None
+        if health.nonfinite:
+            detector = "nonfinite_grad" if health.grad_nonfinite else "nonfinite_loss"
+        elif self.loss_stat.is_spike(health.loss, self.cfg.loss_spike_factor):
+            detector = "loss_spike"
+        elif self.grad_stat.is_spike(health.grad_norm, self.cfg.grad_spike_factor):
+            detector = "grad_spike"
+        if detector is not None:
+            self._on_fault(detector, step, health, pl_module)
+        elif step in self.skip_steps:
+            self._drop_update(pl_module, step, "skip_steps")
+        else:
+            self._accepted += 1
+            self.loss_stat.update(health.loss)
+            self.grad_stat.update(health.grad_norm)
+        if self.shrunk_at is not None and self.cfg.rewarmup_steps > 0:
+            k = trainer.global_step - self.shrunk_at
+            if 0 <= k < self.cfg.rewarmup_steps:  # the scheduler resets lr every step: no compounding
+                for group in optimizer.param_groups:
+                    group["lr"] *= (k + 1) / self.cfg.rewarmup_steps
+
+    def _on_fault(self, detector: str, step: int, health: Any, pl_module: Any) -> None:
+        policy = self.cfg.policy
+        action = {"none": "none", "rollback": "rollback"}.get(policy, "skip_step")
+        self.faults += 1 if action != "none" else 0
+        self._record("detected", detector=detector, step=step, rank=0, action=action, loss=health.loss,
+                     grad_norm=health.grad_norm)
+        if self.rank == 0:
+            print(f"trainlab: fault: {detector} detected in step {step} (loss {health.loss:.4g}, grad norm"
+                  f" {health.grad_norm:.4g}); policy {policy}: {action}", file=sys.stderr, flush=True)
+        if self.max_faults is not None and self.faults > self.max_faults:
+            self._record("abort", step=step, faults=self.faults)
+            raise FaultAbort(f"resilience: {self.faults} faults detected > resilience.max_faults={self.max_faults}"
+                             f" (last: {detector} in step {step}); aborting")
+        if action == "none":
+            return
+        self._drop_update(pl_module, step, detector)
+        if action == "rollback":
+            self._rollback_to = self.snapshot.step if self.snapshot is not None else None
+
+    def _drop_update(self, pl_module: Any, step: int, reason: str) -> None:
+        for p in pl_module.parameters():
+            p.grad = None
+        self._skipped = True
+        self.fault_log.append("skipped", step=step, rank=self.rank, reason=reason, seg=self.segment)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self._step:
+            return  # inside gradient accumulation
+        if self.watchdog is not None:
+            self.watchdog.beat()
+        if self._rollback_to is not None:
+            to, self._rollback_to = self._rollback_to, None
+            if self.cfg.rollback_skip_window:
+                self.skip_steps.add(self._step)
+            self._record("rollback", from_step=self._step, to_step=to)
+            rewind_to_snapshot(trainer, to)
+            pl_module.end_epoch_requested = True
+            self._restore = "await_epoch"
+            self._step = -1
+            return
+        self._record("step", step=self._step, d=time.perf_counter() - self._t_step, skipped=self._skipped)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self._record("end", step=trainer.global_step)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+
+def build_fault_callbacks(resolved: Any, launch: dict[str, Any], *, rank: int) -> list[pl.Callback]:
+    """``[FaultInjector, FaultGuard]`` for this rank, or ``[]`` when the run has no faults and no policy.
+
+    Put them after the metric callbacks and before the checkpoint callbacks (a rollback must
+    rewind the step before a save or snapshot of that step is taken).
+    """
+    from framework.faults.inject import FaultInjector
+    from framework.faults.schedule import faults_enabled
+
+    run = resolved.run
+    if not faults_enabled(run):
+        return []
+    log = FaultLog(launch["run_dir"])
+    segment = f"{launch.get('launch_index', 0)}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return [
+        FaultInjector(schedule=launch.get("fault_schedule", []), rank=rank, log=log, checkpoint_dir=resolved.checkpoint_dir),
+        FaultGuard(cfg=run.resilience, rank=rank, log=log, segment=segment, launch_index=launch.get("launch_index", 0),
+                   shrunk_at_step=launch.get("shrunk_at_step")),
+    ]

@@ -1,0 +1,74 @@
+"""The recovery table of the compare report (``python -m framework.compare``).
+
+Printed (and written as ``compare_recovery.csv``, appended to ``compare.md``) when at least one
+run of the experiment logged recovery figures: one row per run with the fault kinds it injected and its
+resilience policy next to ``fault/*``, ``recovery/*`` and ``goodput`` (see
+:mod:`framework.faults.accounting` for their definitions).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+# (column, source kind, key, format)
+RECOVERY_COLUMNS: list[tuple[str, str, str, str]] = [
+    ("run", "id", "", "s"),
+    ("faults", "tag", "fault.kinds", "s"),
+    ("resilience", "tag", "resilience.policy", "s"),
+    ("status", "status", "", "s"),
+    ("injected", "metric", "fault/injected", ".0f"),
+    ("detected", "metric", "fault/detected", ".0f"),
+    ("detect_latency_steps", "metric", "fault/detect_latency_steps", ".1f"),
+    ("restarts", "metric", "recovery/restarts", ".0f"),
+    ("rollbacks", "metric", "recovery/rollbacks", ".0f"),
+    ("skipped_steps", "metric", "recovery/skipped_steps", ".0f"),
+    ("recomputed_steps", "metric", "recovery/recomputed_steps", ".0f"),
+    ("recovery_time_s", "metric", "recovery/time_s", ".2f"),
+    ("goodput", "metric", "goodput", ".3f"),
+    ("final_loss", "metric", "train/loss_final", ".4f"),
+]
+
+
+def recovery_rows(runs: list[Any]) -> list[dict[str, Any]]:
+    """One row per run that logged ``fault/injected`` (an empty list when none did)."""
+    rows = []
+    for run in runs:
+        if "fault/injected" not in run.data.metrics:
+            continue
+        row: dict[str, Any] = {}
+        for col, kind, key, _ in RECOVERY_COLUMNS:
+            if kind == "id":
+                row[col] = run.info.run_id[:8]
+            elif kind == "tag":
+                row[col] = run.data.tags.get(key)
+            elif kind == "status":
+                row[col] = run.info.status
+            else:
+                row[col] = run.data.metrics.get(key)
+        rows.append(row)
+    return rows
+
+
+def format_recovery_table(rows: list[dict[str, Any]]) -> str:
+    """Fixed-width text table; ``n/a`` where a value is missing."""
+    cells = [[c for c, *_ in RECOVERY_COLUMNS]]
+    for row in rows:
+        cells.append(["n/a" if row[c] is None or (isinstance(row[c], float) and math.isnan(row[c])) else format(row[c], spec)
+                      for c, _, _, spec in RECOVERY_COLUMNS])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(RECOVERY_COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) if i > 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells)
+
+
+def write_recovery(rows: list[dict[str, Any]], table: str, out: Path) -> list[Path]:
+    """``compare_recovery.csv`` in ``out``; the table is appended to ``compare.md``. Returns the CSV path."""
+    path = out / "compare_recovery.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[c for c, *_ in RECOVERY_COLUMNS])
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(out / "compare.md", "a") as f:
+        f.write("\nRecovery (framework/faults)\n```\n" + table + "\n```\n")
+    return [path]

@@ -1,0 +1,162 @@
+"""The driver's side of recovery: restart and shrink relaunches, and where a restarted rank resumes.
+
+- ``restart``: the elastic agent (:func:`framework.launcher.launch_ranks`) restarts all ranks up
+  to ``resilience.max_restarts`` times when one exits (crash, watchdog, failed save); every
+  restarted rank resumes from the newest *valid* checkpoint (:func:`resume_path`), not from the
+  one the driver started with.
+- ``shrink``: once those restarts are used up, the driver relaunches with fewer ranks (one less,
+  or fewer still if the global batch would not divide), keeping ``global_batch_size`` and
+  ``micro_batch_size`` and re-deriving ``grad_accum_steps``; the DDP checkpoint loads at the new
+  world size (replicated weights and optimizer state; the data position is global, in samples);
+  per-rank RNG states are mapped as the checkpoint code maps them for any resume at another
+  world size (:class:`~framework.checkpoint.periodic.PeriodicCheckpoint`), and Lightning's
+  micro-batch counter is re-aligned to the new ``grad_accum_steps``
+  (:func:`framework.faults.guard.align_batch_counter`). Each shrink gets ``max_restarts``
+  restarts of its own.
+- ``none``: ``trainer.max_restarts`` as without this package; every other policy: no restarts
+  (a crash ends the run FAILED).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from framework.faults.events import FaultLog
+
+
+def _warn(msg: str) -> None:
+    print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def resume_path(launch: dict[str, Any], resolved: Any, rank: int) -> Optional[str]:
+    """The checkpoint this rank starts from: the launch file's, or after an elastic restart the newest valid one.
+
+    A corrupt checkpoint passed over is warned about and, on rank 0, logged as a detection.
+    """
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return launch.get("resume_from")
+    from framework.checkpoint.format import find_latest_valid
+
+    log = FaultLog(launch["run_dir"])
+    segment = f"{launch.get('launch_index', 0)}.{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+
+    def warn(msg: str) -> None:
+        if rank == 0:
+            _warn(msg)
+            log.append("resume_skipped_corrupt", seg=segment, detail=msg)
+
+    latest = find_latest_valid(resolved.checkpoint_dir, warn=warn)
+    if rank == 0:
+        print(f"trainlab: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from {latest or 'the start'}",
+              file=sys.stderr, flush=True)
+    return str(latest) if latest else None
+
+
+def max_restarts_for(run: Any) -> int:
+    """Elastic restarts per launch under ``run.resilience.policy`` (see the module docstring)."""
+    policy = run.resilience.policy
+    if policy == "none":
+        return run.trainer.max_restarts
+    return run.resilience.max_restarts if policy in ("restart", "shrink") else 0
+
+
+def shrunk_run(run: Any, world_size: int) -> Optional[Any]:
+    """``run`` at the largest world size below ``world_size`` (>= ``min_world_size``) that divides the global batch.
+
+    The listed faults are dropped from the copy (the schedule already lives in the launch file;
+    ranks that no longer exist cannot be checked against the new world size). None if no size fits.
+    """
+    from framework.config.schema import ConfigError
+    from framework.config.validate import validate
+
+    t = run.trainer
+    for w in range(world_size - 1, run.resilience.min_world_size - 1, -1):
+        new = dataclasses.replace(
+            run,
+            parallelism=dataclasses.replace(run.parallelism, world_size=w, dp_degree=-1),
+            trainer=dataclasses.replace(t, grad_accum_steps=None),
+            fault=dataclasses.replace(run.fault, events=[], mtbf_steps=0.0),
+        )
+        try:
+            validate(new)
+        except ConfigError:
+            continue
+        return new
+    return None
+
+
+def supervise(resolved: Any, launch: dict[str, Any], launch_file: Path, run_dir: Path, tracker: Any = None) -> None:
+    """Run the ranks to completion under the resilience policy, then log the recovery figures.
+
+    Without faults or a policy this is exactly :func:`framework.launcher.launch_ranks`.
+
+    Raises:
+        ChildFailedError: the ranks failed and the policy has no recovery left.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from framework.config.validate import run_to_dict
+    from framework.faults.schedule import build_schedule, faults_enabled
+    from framework.launcher import launch_ranks, write_launch_file
+
+    run = resolved.run
+    if not faults_enabled(run):
+        launch_ranks(resolved, launch_file, run_dir / "elastic")
+        return
+    log = FaultLog(run_dir)
+    launch = {**launch, "fault_schedule": build_schedule(run, resolved.world_size), "launch_index": 0}
+    write_launch_file(launch_file, launch)
+    log.append("driver_start", world_size=resolved.world_size)
+    if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
+        kinds = sorted({e["kind"] for e in launch["fault_schedule"]})
+        tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
+    try:
+        while True:
+            try:
+                launch_ranks(resolved, launch_file, run_dir / "elastic", max_restarts=max_restarts_for(run))
+                return
+            except ChildFailedError:
+                aborts = [r for r in log.read() if r.get("ev") == "abort"]
+                if aborts:
+                    print(f"trainlab: error: the resilience policy aborted the run in step {aborts[-1]['step']}:"
+                          f" {aborts[-1]['faults']} faults detected > resilience.max_faults", file=sys.stderr, flush=True)
+                if aborts or run.resilience.policy != "shrink":
+                    raise
+                new = shrunk_run(run, resolved.world_size)
+                if new is None:
+                    _warn(f"resilience: cannot shrink below world_size={resolved.world_size}"
+                          f" (min_world_size={run.resilience.min_world_size}, global batch must divide)")
+                    raise
+                from framework.checkpoint.format import find_latest_valid, read_manifest
+                from framework.config.validate import validate
+
+                new_resolved = validate(new)
+                latest = find_latest_valid(resolved.checkpoint_dir, warn=_warn)
+                step = read_manifest(latest)["step"] if latest else 0
+                log.append("shrink", from_world=resolved.world_size, to_world=new_resolved.world_size, step=step,
+                           grad_accum_steps=new_resolved.grad_accum_steps)
+                print(f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
+                      f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}", file=sys.stderr, flush=True)
+                launch = {**launch, "config": run_to_dict(new), "resume_from": str(latest) if latest else None,
+                          "launch_index": launch["launch_index"] + 1, "shrunk_at_step": step}
+                write_launch_file(launch_file, launch)
+                run, resolved = new, new_resolved
+    finally:
+        log.append("driver_end")
+        _report(log, tracker)
+
+
+def _report(log: FaultLog, tracker: Any) -> None:
+    from framework.faults.accounting import recovery_figures
+
+    figures = recovery_figures(log.read())
+    print("trainlab: recovery | " + " | ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
+    if tracker is not None:
+        try:
+            tracker.log_metrics(figures, step=0)
+        except Exception as err:  # tracking never masks the training outcome
+            _warn(f"could not log the recovery figures to MLflow: {err}")

@@ -1,0 +1,165 @@
+"""DeepSpeed checkpoints inside trainlab's step folders (:mod:`framework.checkpoint.format`).
+
+A save is ``engine.save_checkpoint`` of every rank (DeepSpeed's own files: one model-state
+file with Lightning's loop / scheduler / data / RNG state as client state, and one ZeRO
+optimizer-state file per rank) written into a hidden ``.step%08d.tmp-*`` folder; once every
+rank is done, rank 0 checksums every file, writes ``manifest.json`` (format, step, layout,
+config hash, sha256 + bytes per file), fsyncs and renames the folder to ``step%08d``, and
+prunes to ``checkpoint.keep_last_k``. A kill midway leaves only a hidden folder, which is
+never resumed from and is removed at the next start, as for every other plugin.
+
+Loading verifies the checksums first. A folder written by another number of ranks is converted
+once to DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) next to it,
+in ``<checkpoint.dir>/.universal/``, and loaded from there with ``load_universal``; Lightning's
+per-rank micro-batch counters are rescaled by the checkpoint callback
+(:func:`framework.checkpoint.reshard.rescale_batch_progress`), as for every plugin.
+
+DeepSpeed reads its files with ``torch.load(weights_only=False)``: the sha256 check guards
+against corruption, not against a crafted file (unlike trainlab's own ``state.pt`` format).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from framework.checkpoint.format import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    _fsync_dir,
+    _sha256,
+    prune,
+    read_manifest,
+    verify,
+)
+from framework.checkpoint.io import SaveResult
+
+TAG = "deepspeed"  # DeepSpeed's sub-folder (its "tag") inside a step folder
+
+
+def _finalize(tmp: Path, final: Path, step: int, manifest_fields: dict[str, Any], tokens_per_step: int) -> int:
+    """Checksum every file under ``tmp``, write the manifest last, rename ``tmp`` to ``final``; return bytes."""
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+        files[str(f.relative_to(tmp))] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+    manifest = {**manifest_fields, "kind": "deepspeed", "base": None, "tokens_seen": step * tokens_per_step,
+                "format": FORMAT, "step": step, "created_unix": time.time(), "files": files,
+                "bytes": sum(m["bytes"] for m in files.values())}
+    with open(tmp / MANIFEST, "w") as fh:
+        json.dump(manifest, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
+        _fsync_dir(d)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    return manifest["bytes"]
+
+
+def save_folder(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
+    """Write ``checkpoint`` (Lightning's dict) as step folder ``filepath`` on every rank; see the module docstring.
+
+    Raises:
+        OSError: a write failed (the hidden temporary folder is removed).
+    """
+    io = strategy.checkpoint_io
+    final = Path(strategy.broadcast(str(filepath)))
+    step = int(checkpoint["global_step"])
+    t0 = time.perf_counter()
+    tmp = None
+    if strategy.is_global_zero:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    tmp = Path(strategy.broadcast(tmp))
+    client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    try:
+        strategy.deepspeed_engine.save_checkpoint(str(tmp), client_state=client, tag=TAG)
+        strategy.barrier()
+        if strategy.is_global_zero:
+            nbytes = _finalize(tmp, final, step, io.manifest_fields, io.tokens_per_step)
+            prune(final.parent, io.keep_last_k)
+            io.record(SaveResult(step=step, kind="full", save_s=time.perf_counter() - t0, bytes=nbytes, path=final))
+    except BaseException:
+        if strategy.is_global_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    strategy.barrier()
+
+
+def universal_folder(path: Path) -> Path:
+    """DeepSpeed universal checkpoint of step folder ``path`` (converted once, then reused).
+
+    Made with DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``: every
+    parameter's fp32 weights and AdamW moments merged from the per-rank ZeRO shards) into
+    ``<checkpoint.dir>/.universal/step%08d``, written to a temporary folder and renamed. Call on
+    one rank; the others wait at a barrier.
+    """
+    out = path.parent / ".universal" / path.name
+    if not out.is_dir():
+        import argparse
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=out.parent))
+        try:
+            ds_to_universal(argparse.Namespace(
+                input_folder=str(path / TAG), output_folder=str(tmp / TAG), num_extract_workers=1, num_merge_workers=1,
+                keep_temp_folder=False, strict=True,
+                inject_missing_state=True,  # the parameter-shape info Megatron-DeepSpeed adds; built from the files here
+            ))
+            os.rename(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out
+
+
+def load_folder(strategy: Any, path: Any) -> dict[str, Any]:
+    """Verify step folder ``path`` and load it into the DeepSpeed engine; return Lightning's client state.
+
+    Written by the same number of ranks: DeepSpeed's per-rank files are loaded directly.
+    Otherwise the folder is converted to DeepSpeed's universal checkpoint
+    (:func:`universal_folder`) and loaded from there, which repartitions parameters and
+    optimizer state for this world size.
+
+    Raises:
+        CheckpointError: checksums do not match, or DeepSpeed finds no checkpoint.
+    """
+    path = Path(path)
+    problems = verify(path)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    saved = read_manifest(path).get("layout", {}).get("world_size")
+    engine = strategy.deepspeed_engine
+    load_dir, universal = path, saved != strategy.world_size
+    if universal:
+        if strategy.is_global_zero:
+            universal_folder(path)
+        strategy.barrier()
+        load_dir = path.parent / ".universal" / path.name
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    fitting = strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
+    # DeepSpeed reads this flag (config "checkpoint": {"load_universal": ...}) only while loading.
+    engine._config.load_universal_checkpoint = universal
+    try:
+        _, client = engine.load_checkpoint(
+            str(load_dir), tag=TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False,
+            load_module_strict=strategy.lightning_module.strict_loading,
+        )
+    finally:
+        engine._config.load_universal_checkpoint = False
+    if client is None:
+        raise CheckpointError(f"{load_dir}: DeepSpeed found no checkpoint under tag {TAG!r}")
+    return client  # Lightning's micro-batch counters are rescaled by PeriodicCheckpoint (framework.checkpoint.reshard)

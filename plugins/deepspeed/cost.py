@@ -1,0 +1,140 @@
+"""What DeepSpeed ZeRO costs: model-state bytes per rank, bytes per collective, and the meter.
+
+Notation (ZeRO, Rajbhandari et al. 2020): Ψ parameters, N = dp_degree ranks, K optimizer
+bytes per parameter, a = grad_accum_steps micro-batches per optimizer step.
+
+**Model states per rank** (§5, Fig. 1; fp32 training). DeepSpeed keeps an fp32 master copy of
+each rank's partition next to the model's own parameters even when those are fp32, so its
+optimizer state is K = 12 bytes/param (master weights 4 + AdamW ``exp_avg`` 4 +
+``exp_avg_sq`` 4), partitioned from stage 1 on; parameters and gradients are 4 bytes each:
+
+======= ============================ ==============================================
+stage   formula (bytes)              what a rank holds
+======= ============================ ==============================================
+0       4Ψ + 4Ψ + 8Ψ                 plain data parallelism: AdamW on the parameters
+1       4Ψ + 4Ψ + 12Ψ/N   (a > 1)    full gradients between micro-batches; reduced
+        4Ψ + 4Ψ/N + 12Ψ/N (a = 1)    into this rank's partition at the boundary (a = 1:
+                                     full gradients exist only inside backward)
+2       4Ψ + 4Ψ/N + 12Ψ/N            gradients reduced into the partition every micro-batch
+3       4Ψ/N + 4Ψ/N + 12Ψ/N          parameters partitioned too (gathered only to run)
+======= ============================ ==============================================
+
+Measured (:func:`framework.metrics.memory.model_states_bytes`, the largest sample within a
+logged step) as the distinct storages of the parameters, their gradients, and the ZeRO
+optimizer's flat buffers and inner AdamW state. Left out of the model: AdamW's step counters
+(4 bytes per parameter group) and the padding of partitions to equal sizes.
+
+**Communication per optimizer step** (payload bytes handed to the collectives, per rank):
+
+======= ==================================================================================
+stage   collectives
+======= ==================================================================================
+0       all-reduce of the gradients, 4Ψ (once per step)
+1       all-reduce 4Ψ at the boundary, then all-gather of the updated parameters 4Ψ
+2       all-reduce 4Ψ on *every* micro-batch (a · 4Ψ), then all-gather 4Ψ
+3       per micro-batch: all-gather 4Ψ for forward (and again 4Ψ for backward when the
+        parameters were released in between), reduce-scatter of the gradients 4Ψ
+======= ==================================================================================
+
+DeepSpeed's stages 1 and 2 reduce gradients with bucketed *all-reduces* and keep only their
+own partition (``use_multi_rank_bucket_allreduce``), not with the reduce-scatter of the
+paper's §7.2, so on a ring they send 3Ψ·(N-1)/N·4 bytes per step instead of the paper's 2Ψ.
+Stage 3 keeps gathered parameters live from forward to backward while fewer than
+``max_live_parameters`` elements are live and a parameter is reused within
+``max_reuse_distance`` elements; the model counts one gather per micro-batch when both are >= Ψ
+and two (the paper's 3Ψ per micro-batch) otherwise. DeepSpeed's scalar all-reduces (global
+gradient norm and overflow check: 4-16 bytes per step) are measured but not modelled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from framework.metrics.comm import CommEstimate, ModelStats
+
+
+def zero_model_states_bytes(stats: ModelStats, cfg: Any, resolved: Any) -> int:
+    """Modelled model-state bytes of one rank for ``cfg.zero_stage`` (table in the module docstring).
+
+    ``stats``: Ψ and bytes per element (4 in fp32); ``resolved``: dp degree N and grad_accum_steps a.
+    """
+    psi, n, a = stats.num_params, resolved.layout.dp, resolved.grad_accum_steps
+    p, g = stats.param_bytes * psi, stats.grad_bytes * psi
+    if cfg.zero_stage == 0:
+        return p + g + 8 * psi
+    master = stats.param_bytes * psi  # DeepSpeed's fp32 master copy (K = 12 with AdamW's 8)
+    optimizer = (master + 8 * psi) / n
+    if cfg.zero_stage == 1:
+        return int(p + (g if a > 1 else g / n) + optimizer)
+    if cfg.zero_stage == 2:
+        return int(p + g / n + optimizer)
+    return int((p + g) / n + optimizer)
+
+
+def zero_comm_volume(stats: ModelStats, cfg: Any, resolved: Any) -> CommEstimate:
+    """Modelled payload bytes per rank per optimizer step, by collective (module docstring table)."""
+    n, a = resolved.layout.dp, resolved.grad_accum_steps
+    if n <= 1:
+        return CommEstimate(group_size=1)
+    params = stats.num_params * stats.param_bytes
+    grads = stats.num_params * stats.grad_bytes
+    if cfg.zero_stage == 0:
+        payload = {"allreduce": grads}
+    elif cfg.zero_stage == 1:
+        payload = {"allreduce": grads, "allgather": params}
+    elif cfg.zero_stage == 2:
+        payload = {"allreduce": a * grads, "allgather": params}
+    else:
+        kept = min(cfg.max_live_parameters, cfg.max_reuse_distance) >= stats.num_params
+        payload = {"allgather": a * params * (1 if kept else 2), "reduce_scatter": a * grads}
+    return CommEstimate(payload_bytes=payload, group_size=n)
+
+
+# DeepSpeed's communication backend (``deepspeed.comm.comm.cdb``, a TorchBackend) methods
+# that move tensors, with the kind they are counted as and how to find the payload:
+# (positional index, keyword) of the tensor (or list of tensors) whose size is the payload
+# (all-gather: the gathered output; reduce-scatter: the input being reduced).
+_METERED = {
+    "all_reduce": ("allreduce", 0, "tensor"),
+    "all_reduce_coalesced": ("allreduce", 0, "tensors"),
+    "inference_all_reduce": ("allreduce", 0, "tensor"),
+    "reduce": ("reduce", 0, "tensor"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "all_gather": ("allgather", 0, "tensor_list"),
+    "all_gather_into_tensor": ("allgather", 0, "output_tensor"),
+    "all_gather_coalesced": ("allgather", 0, "output_tensors"),
+    "reduce_scatter": ("reduce_scatter", 1, "input_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input_tensor"),
+}
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(t) for t in obj)
+    return obj.numel() * obj.element_size()
+
+
+def meter_deepspeed_comm(meter: Any) -> None:
+    """Make every tensor collective of DeepSpeed's backend report to ``meter``.
+
+    Every ``deepspeed.comm`` function (which ZeRO calls) goes through one backend object,
+    ``deepspeed.comm.comm.cdb``; its methods are wrapped on that instance (idempotent: a second
+    call replaces the meter). Payload as in :data:`_METERED`; completion is marked when the call
+    returns (asynchronous calls: when they were issued).
+    """
+    from deepspeed.comm import comm as ds_comm
+
+    cdb = ds_comm.cdb
+    for method, (kind, index, keyword) in _METERED.items():
+        inner = getattr(type(cdb), method, None)
+        if inner is None:
+            continue
+
+        def metered(*args: Any, _inner=inner, _kind=kind, _index=index, _keyword=keyword, **kwargs: Any) -> Any:
+            payload = args[_index] if len(args) > _index else kwargs[_keyword]
+            rec = meter.launch(_kind, _nbytes(payload))
+            out = _inner(cdb, *args, **kwargs)
+            meter.complete(rec)
+            return out
+
+        setattr(cdb, method, metered)

@@ -1,0 +1,143 @@
+"""Fault schedule, config rules, detectors and the recovery accounting (no ranks started)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from framework.config.schema import ConfigError
+from framework.config.validate import load_run_config, validate
+from framework.faults.accounting import recovery_figures
+from framework.faults.detect import RunningMean, StepHealth, gather_health
+from framework.faults.events import FaultLog
+from framework.faults.schedule import build_schedule
+from tests.conftest import CONF_DIR
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("option", _options("fault"))
+def test_every_fault_preset_composes_and_validates(compose, option):
+    extra = ["resilience=restart"] if option == "hang" else []
+    run = validate(load_run_config(compose(f"fault={option}", *extra))).run
+    assert run.fault.name == option
+    if option not in ("none", "random"):
+        assert [e.kind for e in run.fault.events][-1] in (option, "rank_crash")
+        assert option in [e.kind for e in run.fault.events]
+
+
+@pytest.mark.parametrize("option", _options("resilience"))
+def test_every_resilience_preset_composes_and_validates(compose, option):
+    extra = ["checkpoint=memory"] if option == "rollback" else []
+    run = validate(load_run_config(compose(f"resilience={option}", *extra))).run
+    assert run.resilience.name == option and run.resilience.policy == option
+
+
+def test_issue_default_scenarios(compose):
+    """The presets hold the issue's scenarios: nan_grad rank 1 at 30, rank_crash rank 1 at 40."""
+    nan = load_run_config(compose("fault=nan_grad")).fault.events
+    crash = load_run_config(compose("fault=rank_crash")).fault.events
+    assert [(e.kind, e.step, list(e.ranks)) for e in nan] == [("nan_grad", 30, [1])]
+    assert [(e.kind, e.step, list(e.ranks)) for e in crash] == [("rank_crash", 40, [1])]
+
+
+def test_fault_recovery_preset_sweeps_kinds_by_policies(compose):
+    from omegaconf import OmegaConf
+
+    preset = OmegaConf.load(CONF_DIR / "experiment" / "fault_recovery.yaml")
+    sweep = preset.hydra.sweeper.params
+    assert set(sweep["fault"].split(",")) == set(_options("fault")) - {"none", "random"}
+    assert set(sweep["resilience"].split(",")) == set(_options("resilience")) - {"none"}
+    for fault in sweep["fault"].split(","):  # every sweep point is a valid run (one line each, else)
+        for policy in sweep["resilience"].split(","):
+            run = validate(load_run_config(compose("experiment=fault_recovery", f"fault={fault}", f"resilience={policy}"))).run
+            assert run.checkpoint.every_n_steps == 25 and run.experiment_name == "fault_recovery"
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["fault.events=[{kind:nan_grud,step:3}]"], "fault.events.kind='nan_grud' is not a fault kind; allowed: nan_grad"),
+        (["fault.events=[{kind:nan_grad,step:0}]"], "fault.events.step=0 must be >= 1"),
+        (["fault.events=[{kind:nan_grad,step:9999}]"], "fault.events[0].step=9999 is after trainer.max_steps=800"),
+        (["fault.events=[{kind:rank_crash,step:3,ranks:[5]}]"], "rank 5 does not exist (world_size=2"),
+        (["fault=hang"], "fault kind 'hang' needs the watchdog: set resilience.hang_timeout_s > 0"),
+        (["resilience.policy=retry"], "resilience.policy='retry' is not a policy; allowed: none, skip_step"),
+        (["resilience=rollback"], "resilience.policy=rollback needs in-memory snapshots"),
+        (["resilience=rollback", "checkpoint=memory", "checkpoint.every_n_steps=25"],
+         "checkpoint.every_n_steps=25 must be a multiple of checkpoint.memory_every_n_steps=10"),
+        (["resilience=shrink", "resilience.min_world_size=3"], "world_size=2 < resilience.min_world_size=3"),
+        (["resilience.loss_spike_factor=0.5"], "resilience.loss_spike_factor=0.5 must be > 1 (or 0 = off)"),
+        (["fault.mtbf_steps=-1"], "fault.mtbf_steps=-1.0 must be >= 0"),
+    ],
+)
+def test_bad_fault_config_is_one_line(compose, overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        validate(load_run_config(compose(*overrides)))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_random_schedule_is_seeded_and_exponential(compose):
+    run = load_run_config(compose("fault.mtbf_steps=20", "fault.random_seed=7", "trainer.max_steps=20000",
+                                  "fault.random_kinds=[rank_crash,nan_grad]"))
+    a, b = build_schedule(run, world_size=4), build_schedule(run, world_size=4)
+    assert a == b and len(a) > 100
+    steps = [e["step"] for e in a]
+    assert steps == sorted(steps) and steps[-1] <= 20000
+    gaps = [y - x for x, y in zip([0] + steps, steps)]
+    assert sum(gaps) / len(gaps) == pytest.approx(20, rel=0.15)  # mean gap = MTBF (ceil adds < 1 step)
+    assert {e["kind"] for e in a} == {"rank_crash", "nan_grad"} and {r for e in a for r in e["ranks"]} == {0, 1, 2, 3}
+    other = load_run_config(compose("fault.mtbf_steps=20", "fault.random_seed=8", "trainer.max_steps=20000"))
+    assert [e["step"] for e in build_schedule(other, world_size=4)] != steps
+
+
+def test_fault_log_survives_and_lists_fired(tmp_path):
+    log = FaultLog(tmp_path)
+    log.append("injected", id="e0", kind="nan_grad", step=3, rank=1)
+    log.append("injected", id="e1", kind="rank_crash", step=5, rank=0)
+    with open(log.path, "a") as f:
+        f.write('{"ev": "torn')  # a record cut by a crash mid-write is ignored
+    assert FaultLog(tmp_path).fired_ids() == {"e0@1", "e1@0"}
+
+
+def test_health_and_spike_statistics():
+    h = gather_health(grad_norm=float("nan"), loss=2.0, busy_s=0.1, device=torch.device("cpu"))
+    assert h.grad_nonfinite and h.nonfinite and not h.loss_nonfinite and h.grad_norm == 0.0
+    assert StepHealth(False, False, 1.0, 2.0, [0.1, 0.5, 0.1]).straggler(2.0) == 1
+    assert StepHealth(False, False, 1.0, 2.0, [0.1, 0.15]).straggler(2.0) is None
+    assert StepHealth(False, False, 1.0, 2.0, [0.05, 0.55]).straggler(2.0) == 1  # 2 ranks: vs the other one
+    m = RunningMean(beta=0.5, warmup=2)
+    m.update(2.0)
+    assert not m.is_spike(100.0, 3.0)  # not warmed up yet
+    m.update(4.0)  # mean = 3
+    assert m.mean == 3.0 and m.is_spike(9.1, 3.0) and not m.is_spike(8.9, 3.0) and not m.is_spike(1e9, 0.0)
+
+
+def _rec(ev, t, **kw):
+    return {"ev": ev, "t": float(t), **kw}
+
+
+def test_accounting_of_a_crash_restart_and_a_rollback():
+    recs = [_rec("driver_start", 0.0)]
+    recs += [_rec("start", 1, launch=0, restart=0, step=0)]
+    recs += [_rec("step", 1 + s, step=s, d=0.5) for s in range(1, 8)]
+    recs += [_rec("injected", 8.2, id="e0", kind="rank_crash", step=8, rank=1)]
+    recs += [_rec("start", 20, launch=0, restart=1, step=5)]  # resumed from step 5 after the crash in step 8
+    recs += [_rec("step", 20 + s, step=s, d=0.5) for s in range(6, 11)]
+    recs += [_rec("injected", 30.1, id="e1", kind="loss_spike", step=11, rank=1),
+             _rec("detected", 30.5, detector="loss_spike", step=11, seg="0.1"),
+             _rec("skipped", 30.5, step=11, rank=0), _rec("rollback", 30.6, from_step=11, to_step=10)]
+    recs += [_rec("step", 31, step=11, d=0.5), _rec("step", 32, step=12, d=0.5), _rec("end", 32.5, step=12)]
+    recs += [_rec("driver_end", 40.0)]
+    f = recovery_figures(recs)
+    assert f["fault/injected"] == 2 and f["fault/detected"] == 2  # the loss spike + the rank failure (seen at restart)
+    assert f["recovery/restarts"] == 1 and f["recovery/rollbacks"] == 1
+    assert f["recovery/recomputed_steps"] == (7 + 1 - 5) + (11 - 10)
+    assert f["fault/detect_latency_steps"] == 0
+    assert f["recovery/time_s"] == pytest.approx((28 - 8.2) + (31 - 30.1))  # to the end of step 8 again; of step 11
+    assert f["goodput"] == pytest.approx(12 * 0.5 / 40.0)  # the last execution of each of the 12 steps, over 40 s
+    assert math.isfinite(f["fault/detect_latency_s"])
