@@ -1,7 +1,8 @@
 """Sharded, reshardable checkpoints with torch Distributed Checkpoint (DCP), in trainlab's folder format.
 
-For any plugin whose parameters are DTensors (FSDP2 today; tensor/pipeline parallel plugins
-the same way): every rank writes only the shards it holds, and a checkpoint written at one
+For any plugin whose parameters are DTensors (FSDP2, tensor parallel) or whose ranks hold
+different plain tensors (pipeline stages: :mod:`plugins.megatron.checkpoint`, which keys them by
+the unsplit model's names): every rank writes only the shards it holds, and a checkpoint written at one
 world size loads at any other, into a sharded run (DCP reshards on load) or into a plain one
 (``single``, ``ddp``: the shards are gathered into one full state).
 
@@ -65,6 +66,7 @@ KIND = "dcp"  # manifest "kind" of a sharded checkpoint
 DCP_DIR = "dcp"  # sub-folder holding DCP's files
 MODEL_KEY = "state_dict"  # Lightning's key of the LightningModule state
 OPTIM_KEY = "optimizer_states"  # Lightning's key of the list of optimizer states
+SHARDED_KEY = "trainlab_sharded"  # set by ShardedCheckpointing: save as DCP even without DTensors (pipeline stages)
 
 
 def is_dtensor(x: Any) -> bool:
@@ -77,6 +79,12 @@ def is_dtensor(x: Any) -> bool:
 def holds_dtensors(checkpoint: dict[str, Any]) -> bool:
     """True when the model state of a Lightning checkpoint dict holds any DTensor (a sharded plugin's)."""
     return any(is_dtensor(v) for v in checkpoint.get(MODEL_KEY, {}).values())
+
+
+def wants_sharded(checkpoint: dict[str, Any]) -> bool:
+    """True when ``checkpoint`` is to be saved as DCP: it holds DTensors, or its strategy marked it
+    (:data:`SHARDED_KEY`, removed here: ranks that hold different plain tensors, e.g. pipeline stages)."""
+    return bool(checkpoint.pop(SHARDED_KEY, False)) or holds_dtensors(checkpoint)
 
 
 # -- flat DCP dict <-> Lightning's checkpoint dict ---------------------------------------------
@@ -382,6 +390,7 @@ class ShardedCheckpointing:
         return get_optimizer_state_dict(self.lightning_module, _unwrap(optimizer))  # keyed by parameter name
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        checkpoint[SHARDED_KEY] = True  # every rank writes its part, DTensors or not
         self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

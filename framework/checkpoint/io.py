@@ -14,7 +14,8 @@ Policies:
   training step waits for) and a background thread writes, fsyncs, renames and prunes. At most
   one save is in flight: a new save first waits for the previous one. A failed background save
   leaves no folder behind and is reported through :meth:`pop_results`.
-- sharded state (the model state holds DTensors: FSDP2, TP): every rank calls
+- sharded state (the model state holds DTensors: FSDP2, TP; or the strategy marked it
+  ``SHARDED_KEY``: pipeline stages holding plain tensors): every rank calls
   ``save_checkpoint`` and writes its own shards with torch DCP
   (:mod:`framework.checkpoint.dcp`); synchronous, full saves only.
 - ``full_every_n_saves = K > 1`` (incremental): the first save of a process and then every
@@ -35,7 +36,7 @@ import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from framework.checkpoint.dcp import KIND as DCP_KIND
-from framework.checkpoint.dcp import holds_dtensors, save_sharded
+from framework.checkpoint.dcp import save_sharded, wants_sharded
 from framework.checkpoint.delta import child_of, encode_delta
 from framework.checkpoint.format import load_state, prune, write_checkpoint
 
@@ -117,7 +118,7 @@ class FolderCheckpointIO(CheckpointIO):
         t0 = time.perf_counter()
         path = Path(path)
         step = int(checkpoint["global_step"])
-        if holds_dtensors(checkpoint):  # a sharded plugin: every rank writes its shards (DCP), synchronously
+        if wants_sharded(checkpoint):  # a sharded plugin: every rank writes its shards (DCP), synchronously
             self._save_sharded(path.parent, step, checkpoint, t0)
             return
         if self.asynchronous or self.full_every > 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from framework.checkpoint.dcp import check_policy
 from framework.config.schema import ConfigError, ParallelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -60,7 +61,8 @@ def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_st
     Raises:
         ConfigError: TP degree not dividing heads / hidden / MLP width (or seq_len with sequence
             parallelism), more pipeline stages than layers, too few micro-batches for the
-            schedule, or checkpointing (not yet supported by these plugins).
+            schedule, or a checkpoint policy the sharded (DCP) format does not implement (async,
+            incremental) or in-memory snapshots.
     """
     m = run.model
     t = cfg.tp_degree
@@ -91,7 +93,7 @@ def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_st
                 f" max(1, grad_accum_steps // pp_degree)"
             )
     ck = run.checkpoint
-    if ck.every_n_steps > 0 or ck.save_last or ck.memory_every_n_steps > 0:
-        raise ConfigError(
-            f"checkpoint: plugin {cfg.name!r} cannot save checkpoints yet (DCP for tp/pp is pending); use checkpoint=none"
-        )
+    if ck.memory_every_n_steps > 0:
+        raise ConfigError(f"checkpoint.memory_every_n_steps={ck.memory_every_n_steps}: plugin {cfg.name!r} does not keep"
+                          " in-memory snapshots (not tested with pipeline stages); allowed: 0")
+    check_policy(run, cfg.name)  # sharded (DCP) checkpoints: sync, full saves

@@ -100,6 +100,8 @@ class MegatronPlugin:
     def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
         """Split (pp), shard (tp) and wrap (dp) ``model``; returns what ``LMModule.model`` becomes."""
         self.mesh = module.device_mesh
+        # checkpoint names and their order are the unsplit GPT's (plugins/megatron/checkpoint.py)
+        module.trainer.strategy.param_order = [f"model.{n}" for n, _ in model.named_parameters()]
         resolved = module.resolved
         lay = resolved.layout
         if lay.pp == 1:

@@ -22,7 +22,8 @@ per-micro-batch forward / ``backward()`` / accumulate cycle. The route taken her
   ``training_step`` and ``backward``) is left to the runner, which zeroes before each schedule step;
 
 so the optimizer step, LR scheduler, gradient clipping hook, callbacks (StepMetrics,
-ValidationLoss, StepBreakdown) and MLflow logging run exactly as for every other plugin.
+ValidationLoss, StepBreakdown), checkpoints (:mod:`plugins.megatron.checkpoint`) and MLflow
+logging run exactly as for every other plugin.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ from typing import Any
 import torch
 from pytorch_lightning.strategies import ModelParallelStrategy
 
+from plugins.megatron.checkpoint import MeshCheckpointing
+
 MESH_DIMS = ("pp", "dp", "tp")
 
 
-class MeshStrategy(ModelParallelStrategy):
+class MeshStrategy(MeshCheckpointing, ModelParallelStrategy):
     """ModelParallelStrategy on a ``pp x dp x tp`` mesh; ``pipelined`` skips Lightning's backward call.
+
+    Checkpoints are sharded (DCP) and keyed by the unsplit GPT's names
+    (:mod:`plugins.megatron.checkpoint`).
 
     Args:
         pp, dp, tp: mesh degrees (their product is the world size).

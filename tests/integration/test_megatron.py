@@ -8,6 +8,8 @@ tied-embedding all-reduce) must equal the cost model byte for byte at every logg
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -113,7 +115,7 @@ def test_four_rank_layouts(mrun):
 
 
 def test_multirun_tp_pp_records_two_finished_runs(runner):
-    runner.run("-m", "parallelism=tp,pp", "trainer.max_steps=30", "checkpoint=none")
+    runner.run("-m", "parallelism=tp,pp", "trainer.max_steps=30")  # the default checkpoint policy (interval)
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     by_plugin = {r.data.tags["plugin"]: r for r in runs}
@@ -126,6 +128,10 @@ def test_multirun_tp_pp_records_two_finished_runs(runner):
             assert key in r.data.metrics, key
         assert r.data.metrics["perf/comm_bytes"] == r.data.metrics["perf/comm_bytes_model"]
     assert "perf/pp_bubble_frac" in by_plugin["pp"].data.metrics and "perf/pp_bubble_frac_model" in by_plugin["pp"].data.metrics
+    # save_last wrote one sharded (DCP) checkpoint of step 30 per run
+    manifests = [json.loads(p.read_text()) for p in runner.workdir.glob("checkpoints/**/step00000030/manifest.json")]
+    assert sorted((m["layout"]["tp"], m["layout"]["pp"]) for m in manifests) == [(1, 2), (2, 1)], manifests
+    assert all(m["kind"] == "dcp" for m in manifests)
 
 
 def test_bad_layout_fails_before_any_rank_with_one_line(runner):

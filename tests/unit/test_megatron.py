@@ -93,7 +93,9 @@ def test_presets_compose(compose):
         (["parallelism=tp", "parallelism.data_parallel=zero"], "parallelism.data_parallel='zero' is not allowed; allowed: fsdp, ddp"),
         (["parallelism=tp", "parallelism.sequence_parallel=true", "data.seq_len=63", "model.max_seq_len=256"],
          "parallelism.sequence_parallel=true needs data.seq_len=63 divisible by tp_degree=2"),
-        (["parallelism=tp", "checkpoint=interval"], "checkpoint: plugin 'tp' cannot save checkpoints yet"),
+        (["parallelism=pp", "checkpoint=async"], "checkpoint.mode='async': plugin 'pp' saves sharded (DCP) checkpoints"),
+        (["parallelism=tp", "checkpoint=incremental"], "checkpoint.full_every_n_saves=4: plugin 'tp' saves sharded (DCP)"),
+        (["parallelism=tp", "checkpoint=memory"], "checkpoint.memory_every_n_steps=10: plugin 'tp' does not keep in-memory snapshots"),
     ],
 )
 def test_bad_layouts_are_one_line_errors(compose, overrides, fragment):
