@@ -62,7 +62,12 @@ class LMModule(pl.LightningModule):
         """
         if self.model is not None:
             return
-        with torch.random.fork_rng(devices=[]):
+        # Initialised on the CPU whatever the accelerator: Lightning builds the model under the
+        # strategy's device (CUDA for single/ddp, CPU for ModelParallelStrategy), and CUDA's
+        # generator draws other numbers than the CPU's for the same seed, so on a GPU fsdp and
+        # single started from different weights (seen on an H200: step-5 loss 8.065 vs 8.129).
+        # Every plugin moves or shards the model to its device afterwards.
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(self.resolved.run.trainer.seed)
             model = GPT(self.resolved.run.model, vocab_size=self.vocab_size)
         apply = getattr(self.plugin, "configure_model", None)
