@@ -68,32 +68,39 @@ def training_runs(client: Any, experiment: str) -> tuple[str, list[Any]]:
     return exp.experiment_id, sorted(runs, key=lambda r: r.info.run_name or r.info.run_id)
 
 
-def row_of(run: Any) -> dict[str, Any]:
-    """One table row (column -> value; None where the run did not record it)."""
+def row_of(run: Any, columns: list[tuple[str, str, str, str]] = COLUMNS) -> dict[str, Any]:
+    """One table row (column -> value; None where the run did not record it).
+
+    ``columns``: ``(column, source kind, key, format)`` with kind ``id`` (short run id), ``tag``,
+    ``param``, ``status`` (the MLflow run status) or ``metric``.
+    """
     row: dict[str, Any] = {}
-    for col, kind, key, _ in COLUMNS:
+    for col, kind, key, _ in columns:
         if kind == "id":
             row[col] = run.info.run_id[:8]
         elif kind == "tag":
             row[col] = run.data.tags.get(key)
         elif kind == "param":
             row[col] = run.data.params.get(key)
+        elif kind == "status":
+            row[col] = run.info.status
         else:
             row[col] = run.data.metrics.get(key)
     return row
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Fixed-width text table; ``n/a`` where a value is missing."""
-    cells = [[c for c, *_ in COLUMNS]]
+def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str, str]] = COLUMNS, text_columns: int = 1) -> str:
+    """Fixed-width text table; ``n/a`` where a value is missing; the first ``text_columns`` left-aligned."""
+    cells = [[c for c, *_ in columns]]
     for row in rows:
         line = []
-        for col, _, _, spec in COLUMNS:
+        for col, _, _, spec in columns:
             v = row[col]
             line.append("n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec))
         cells.append(line)
-    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.rjust(w) if i >= text_columns else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in cells)
 
 
 def _labels(rows: list[dict[str, Any]]) -> list[str]:

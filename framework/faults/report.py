@@ -9,9 +9,10 @@ resilience policy next to ``fault/*``, ``recovery/*`` and ``goodput`` (see
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 from typing import Any
+
+from framework.compare import format_table, row_of
 
 # (column, source kind, key, format)
 RECOVERY_COLUMNS: list[tuple[str, str, str, str]] = [
@@ -34,32 +35,12 @@ RECOVERY_COLUMNS: list[tuple[str, str, str, str]] = [
 
 def recovery_rows(runs: list[Any]) -> list[dict[str, Any]]:
     """One row per run that logged ``fault/injected`` (an empty list when none did)."""
-    rows = []
-    for run in runs:
-        if "fault/injected" not in run.data.metrics:
-            continue
-        row: dict[str, Any] = {}
-        for col, kind, key, _ in RECOVERY_COLUMNS:
-            if kind == "id":
-                row[col] = run.info.run_id[:8]
-            elif kind == "tag":
-                row[col] = run.data.tags.get(key)
-            elif kind == "status":
-                row[col] = run.info.status
-            else:
-                row[col] = run.data.metrics.get(key)
-        rows.append(row)
-    return rows
+    return [row_of(run, RECOVERY_COLUMNS) for run in runs if "fault/injected" in run.data.metrics]
 
 
 def format_recovery_table(rows: list[dict[str, Any]]) -> str:
     """Fixed-width text table; ``n/a`` where a value is missing."""
-    cells = [[c for c, *_ in RECOVERY_COLUMNS]]
-    for row in rows:
-        cells.append(["n/a" if row[c] is None or (isinstance(row[c], float) and math.isnan(row[c])) else format(row[c], spec)
-                      for c, _, _, spec in RECOVERY_COLUMNS])
-    widths = [max(len(r[i]) for r in cells) for i in range(len(RECOVERY_COLUMNS))]
-    return "\n".join("  ".join(c.rjust(w) if i > 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells)
+    return format_table(rows, RECOVERY_COLUMNS, text_columns=4)
 
 
 def write_recovery(rows: list[dict[str, Any]], table: str, out: Path) -> list[Path]:
