@@ -23,7 +23,8 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 CASES = [
-    PluginCase("ddp", select=("parallelism=ddp",)),
+    # ddp's parity, bytes and same-layout round trip are test_train_e2e / test_perf_e2e / test_checkpoint_resume.
+    PluginCase("ddp", select=("parallelism=ddp",), checks=("resume_other_world_size",)),
     # fsdp at 2 ranks resumes at 1 rank as plain `single` and as fsdp world_size=1 (and from single).
     PluginCase("fsdp", select=("parallelism=fsdp",),
                resume_as=(("parallelism=single",), ("parallelism=fsdp", "parallelism.world_size=1"))),
