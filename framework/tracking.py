@@ -108,6 +108,11 @@ class DriverRun:
         for k, v in tags.items():
             self.client.set_tag(self.run_id, sanitize_key(k), str(v))
 
+    def clear_tag(self, key: str) -> None:
+        """Remove tag ``key`` from the run if it has it."""
+        if key in self.client.get_run(self.run_id).data.tags:
+            self.client.delete_tag(self.run_id, key)
+
     def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
 

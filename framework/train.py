@@ -229,6 +229,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
 
         monitor = start_system_metrics(run.tracking.uri, run_id, run.tracking.system_metrics_interval_s, resume=bool(resume_from))
     status = "FAILED"
+    error: str | None = None
+    (run_dir / "error.txt").unlink(missing_ok=True)  # a resumed run starts without its last failure
     t0 = time.time()
     try:
         supervise(resolved, launch, launch_file, run_dir, tracker)  # launch_ranks + restarts/shrink (framework/faults)
@@ -238,7 +240,10 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
         raise SystemExit(130)
     except Exception as err:
+        error = str(err).strip()
         print(f"trainlab: error: training failed: {err}", file=sys.stderr, flush=True)
+        # Kept with the run: in a sweep the driver's stderr scrolls past (or is captured and lost).
+        (run_dir / "error.txt").write_text(error + "\n")
         if not _in_sweep():  # in a sweep the run ends FAILED and the next job starts (e.g. a fault x policy grid)
             raise SystemExit(1)
         return
@@ -251,6 +256,11 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
                 metrics_file = run_dir / "metrics.jsonl"
                 if metrics_file.exists():
                     tracker.log_artifact(metrics_file)
+                if error is not None:  # why a FAILED run failed, next to its metrics in the MLflow UI
+                    tracker.set_tags({"error": error[-4000:]})
+                    tracker.log_artifact(run_dir / "error.txt")
+                elif resume_from:
+                    tracker.clear_tag("error")  # an earlier attempt failed; this one did not
                 if (run_dir / "profile").is_dir():  # trainer.profile_steps traces, one per rank
                     tracker.client.log_artifacts(tracker.run_id, str(run_dir / "profile"), artifact_path="profile")
                 tracker.end(status)

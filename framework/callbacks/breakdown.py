@@ -37,7 +37,8 @@ measured payload), and the plugin's model ``perf/comm_bytes_model`` /
 ``perf/comm_bytes_wire_model``; ``mem/peak_bytes`` (max over ranks),
 ``mem/model_states_bytes`` (the largest sample of a logged step -- after each backward, before
 the optimizer step and at the step's end --, max over ranks) and ``mem/model_states_bytes_model``. At the end,
-over all timed steps: ``perf/<category>_frac_mean``, ``perf/<category>_s_mean``,
+``mem/model_states_bytes`` is the largest of the logged steps' values (not a sample taken after
+training, when ZeRO has freed its gradient partitions), and over all timed steps: ``perf/<category>_frac_mean``, ``perf/<category>_s_mean``,
 ``perf/step_time_std_s_run`` (standard deviation of the step times) and
 ``perf/breakdown_step_s_mean`` (which, less ``perf/ckpt_blocking_s_mean``, is StepMetrics'
 ``perf/step_time_s_mean`` up to this callback's last metric write). Per logged window the two
@@ -101,6 +102,7 @@ class StepBreakdown(pl.Callback):
         self._window: list[_Step] = []
         self._hook_handle = None
         self._states_peak = 0  # largest model-state bytes sampled within the current logged step
+        self._states_run_peak = 0.0  # largest logged mem/model_states_bytes (max over ranks) of the run
         self._reset_step()
 
     # -- told by other callbacks ----------------------------------------------------------
@@ -158,6 +160,7 @@ class StepBreakdown(pl.Callback):
         self._states_peak = 0
         local = torch.tensor([peak_memory_bytes(pl_module.device), states], dtype=torch.float64, device=pl_module.device)
         peak, total = trainer.strategy.reduce(local, reduce_op="max").tolist()
+        self._states_run_peak = max(self._states_run_peak, total)
         return {"mem/peak_bytes": peak, "mem/model_states_bytes": total}
 
     # -- hooks ---------------------------------------------------------------------------
@@ -275,6 +278,9 @@ class StepBreakdown(pl.Callback):
             self._hook_handle.remove()
             self._hook_handle = None
         metrics = self._memory(trainer, pl_module)
+        # After training ZeRO-1/2 hold no gradient partition (freed after each step): keep the
+        # run's largest logged value rather than overwrite it with this after-training sample.
+        metrics["mem/model_states_bytes"] = self._states_run_peak
         total = sum(self._totals.values())
         if total > 0:
             metrics.update({f"perf/{k}_frac_mean": v / total for k, v in self._totals.items()})

@@ -49,11 +49,15 @@ def test_the_sweep_records_three_finished_mlflow_runs(zero_runs):
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert sorted(r.data.params["parallelism.zero_stage"] for r in runs) == ["1", "2", "3"]
     for r in runs:
-        assert r.info.status == "FINISHED"
+        assert r.info.status == "FINISHED", r.data.tags.get("error")
         assert r.data.tags["plugin"] == "deepspeed"
         for key in ("train/loss", "perf/comm_bytes", "mem/model_states_bytes", "mem/model_states_bytes_model"):
             assert key in r.data.metrics, key
         assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")][-1] == 20
+        # The value the MLflow comparison shows (the latest) is a training step's, not a sample
+        # taken after training, when ZeRO-1/2 have freed their gradients.
+        m = r.data.metrics
+        assert m["mem/model_states_bytes"] == pytest.approx(m["mem/model_states_bytes_model"], rel=0.05)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -101,31 +105,33 @@ def test_resume_auto_continues_a_zero3_run_exactly(zero_runs):
         assert got[step] == pytest.approx(ref[step], rel=1e-6), f"zero3 resumed at 15, step {step}"
 
 
-def _resumed_losses_match(zero_runs: Runner, run: str) -> None:
-    ref = losses(zero_runs.metrics(_run_name(zero_runs, 1)))
-    got = losses(zero_runs.metrics(run))
-    assert min(got) == 16, run
-    for step in range(16, 19):  # another split of the same global batch: float32 rounding only
-        assert got[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"{run}, step {step}"
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_checkpoint_resumes_at_1_rank_and_back_at_2_ranks(zero_runs, stage):
+    """2 ranks -> 1 rank -> 2 ranks through DeepSpeed's universal checkpoint, global batch 8 throughout.
 
-
-def test_zero1_checkpoint_from_1_rank_resumes_at_2_ranks(zero_runs):
-    """1 rank -> 2 ranks through DeepSpeed's universal checkpoint, at the same global batch 8."""
-    zero_runs.run("parallelism=zero1", "parallelism.world_size=1", "trainer.micro_batch_size=2", "run_name=one",
-                  "trainer.max_steps=15", "checkpoint.every_n_steps=15", "tracking=none", *COMMON[1:])
-    one = zero_runs.workdir / "checkpoints" / "default" / "one" / "step00000015"
-    zero_runs.run("parallelism=zero1", "trainer.micro_batch_size=2", "run_name=to2", f"resume='{one}'", "checkpoint=none",
-                  "tracking=none", *RESUMED)
-    assert (one.parent / ".universal" / one.name).is_dir()
-    _resumed_losses_match(zero_runs, "to2")
-
-
-def test_zero1_checkpoint_from_2_ranks_resumes_at_1_rank(zero_runs):
-    """2 ranks x 2 micro-batches -> 1 rank x 4: Lightning's micro-batch counters are rescaled (15 x 2 -> 15 x 4)."""
-    two = zero_runs.workdir / "checkpoints" / "default" / _run_name(zero_runs, 1) / "step00000015"
-    zero_runs.run("parallelism=zero1", "parallelism.world_size=1", "trainer.micro_batch_size=2", "run_name=to1",
-                  f"resume='{two}'", "checkpoint=none", "tracking=none", *RESUMED)
-    _resumed_losses_match(zero_runs, "to1")
+    The sweep's step-15 checkpoint (2 ranks x micro 2 x accum 2) resumes on 1 rank (micro 2 x
+    accum 4: Lightning's micro-batch counters rescaled 15 x 2 -> 15 x 4) for steps 16-18 and
+    saves step 18 at world size 1; that resumes on 2 ranks at micro 4 x accum 1 (another split
+    again) for steps 19-20. Every step's loss must be the uninterrupted sweep run's, and the
+    accum-1 steps check the memory model where ZeRO-1/2 hold only a gradient partition.
+    """
+    name = _run_name(zero_runs, stage)
+    ref = losses(zero_runs.metrics(name))
+    two = zero_runs.workdir / "checkpoints" / "default" / name / "step00000015"
+    zero_runs.run(f"parallelism=zero{stage}", "parallelism.world_size=1", "trainer.micro_batch_size=2", f"run_name=to1_{stage}",
+                  f"resume='{two}'", "checkpoint.every_n_steps=15", "tracking=none", *RESUMED)
+    assert (two.parent / ".universal" / two.name).is_dir()
+    one = zero_runs.workdir / "checkpoints" / "default" / f"to1_{stage}" / "step00000018"
+    zero_runs.run(f"parallelism=zero{stage}", "trainer.micro_batch_size=4", f"run_name=to2_{stage}", f"resume='{one}'",
+                  "checkpoint=none", "tracking=none", *COMMON)
+    got = {**losses(zero_runs.metrics(f"to1_{stage}")), **losses(zero_runs.metrics(f"to2_{stage}"))}
+    assert sorted(got) == list(range(16, 21))
+    for step in got:  # other splits of the same global batch: float32 rounding only
+        assert got[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"zero{stage}, step {step}"
+    at_accum_1 = [r for r in zero_runs.metrics(f"to2_{stage}") if "perf/comm_bytes" in r]
+    assert at_accum_1
+    for r in at_accum_1:
+        assert r["mem/model_states_bytes"] == pytest.approx(r["mem/model_states_bytes_model"], rel=0.05), r
 
 
 def test_bad_zero_stage_fails_before_any_rank(runner):

@@ -137,3 +137,6 @@ def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
+    # Why it failed is kept with the run (a sweep's stderr is gone by the time someone reads the UI).
+    (run_dir,) = {p.parent for p in runner.workdir.glob("outputs/default/*/launch.json")}
+    assert "refused to load" in runs[0].data.tags["error"] == (run_dir / "error.txt").read_text().strip()
