@@ -8,6 +8,7 @@ LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), which Lightning rea
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -219,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m framework.worker LAUNCH_JSON")
+    # A rank killed by a fatal signal (SIGABRT from a C++ std::terminate, SIGSEGV) prints every
+    # thread's Python stack to stderr first; the elastic agent reports only the signal.
+    faulthandler.enable(all_threads=True)
     _die_with_parent()
     _quiet_libraries()
     launch = json.loads(Path(argv[0]).read_text())

@@ -4,9 +4,21 @@ The driver calls :func:`prepare_data` once before any rank starts; each rank bui
 :class:`TextDataModule`, which only opens the cache's memmaps.
 """
 
-from framework.data.datamodule import TextDataModule
+from typing import Any
+
 from framework.data.dataset import WindowDataset
 from framework.data.sampler import StepBatchSampler
 from framework.data.tokens import TokenCache, load_token_cache, prepare_data
+
+
+
+def __getattr__(name: str) -> Any:
+    # TextDataModule needs Lightning (~2 s to import): only the ranks import it, not the driver.
+    if name == "TextDataModule":
+        from framework.data.datamodule import TextDataModule
+
+        return TextDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["prepare_data", "load_token_cache", "TokenCache", "TextDataModule", "WindowDataset", "StepBatchSampler"]

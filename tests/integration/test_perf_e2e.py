@@ -38,6 +38,27 @@ def _records(runner, run) -> list[dict]:
     return runner.metrics(run.info.run_name, experiment=EXPERIMENT)
 
 
+def test_the_sweep_records_two_finished_comparable_runs(sweep):
+    runner, client, runs = sweep
+    assert set(runs) == {"single", "ddp"} and len(runs) == 2
+    for plugin, r in runs.items():
+        assert r.info.status == "FINISHED", r.data.tags.get("error")
+        assert r.data.tags["world_size"] == ("1" if plugin == "single" else "2")
+        assert r.data.tags["git_commit"]
+        assert r.data.params["parallelism.name"] == plugin
+        assert r.data.params["derived.global_batch_size"] == "8"
+        assert r.data.params["derived.grad_accum_steps"] == ("4" if plugin == "single" else "2")
+        assert r.data.params["mfu.peak_flops_method"]
+        for key in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu", "perf/step_time_s", "val/loss"):
+            assert key in r.data.metrics, (plugin, key)
+        assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")][-1] == 12
+        assert "resolved_config.yaml" in [a.path for a in client.list_artifacts(r.info.run_id)]
+    # no stray folders: one output folder per job, nothing from other ranks
+    out = sorted(p.name for p in (runner.workdir / "outputs" / EXPERIMENT).iterdir() if p.is_dir())
+    assert len(out) == 2 and "parallelism=ddp" in out[0] and "parallelism=single" in out[1], out
+    assert {r.info.run_name for r in runs.values()} == set(out)
+
+
 @pytest.mark.parametrize("plugin", ["single", "ddp"])
 def test_breakdown_fractions_add_up_and_match_the_step_time(sweep, plugin):
     runner, client, runs = sweep

@@ -46,33 +46,6 @@ def test_batch_splits_ddp_and_fsdp_give_the_same_losses(runner):
         assert fsdp[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"fsdp 2 ranks mbs2 x accum2, step {step}"
 
 
-def test_multirun_records_two_finished_runs(runner):
-    runner.run("-m", "parallelism=single,ddp", "trainer.max_steps=30")
-    client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
-    exp = client.get_experiment_by_name("default")
-    runs = client.search_runs([exp.experiment_id])
-    assert len(runs) == 2
-    by_plugin = {r.data.tags["plugin"]: r for r in runs}
-    assert set(by_plugin) == {"single", "ddp"}
-    for plugin, r in by_plugin.items():
-        assert r.info.status == "FINISHED"
-        assert r.data.tags["world_size"] == ("1" if plugin == "single" else "2")
-        assert r.data.tags["git_commit"]
-        assert r.data.params["parallelism.name"] == plugin
-        assert r.data.params["derived.global_batch_size"] == "16"
-        assert r.data.params["derived.grad_accum_steps"] == ("2" if plugin == "single" else "1")
-        assert r.data.params["mfu.peak_flops_method"]
-        for key in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu", "perf/step_time_s", "val/loss"):
-            assert key in r.data.metrics, (plugin, key)
-        assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")][-1] == 30
-        arts = [a.path for a in client.list_artifacts(r.info.run_id)]
-        assert "resolved_config.yaml" in arts
-    # no stray folders: one output folder per job, nothing from other ranks
-    out = sorted(p.name for p in (runner.workdir / "outputs" / "default").iterdir() if p.is_dir())
-    assert len(out) == 2 and "parallelism=ddp" in out[0] and "parallelism=single" in out[1], out
-    assert {r.info.run_name for r in runs} == set(out)
-
-
 def test_ctrl_c_run_resumes_to_the_same_losses(runner):
     """Ctrl-C -> exit 130, MLflow KILLED; the same command resumes the same MLflow run to FINISHED with the
     uninterrupted losses. (SIGKILL of the driver, ranks dying with it and the bitwise resume after it:
