@@ -8,7 +8,11 @@ and the cap only limits the host-side thread pool.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
+from typing import NoReturn
 
 import torch
 
@@ -46,3 +50,27 @@ def cap_threads(n: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(n)
     os.environ["MKL_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with exit status ``code`` without the interpreter's finalization.
+
+    The driver and every rank call this last, once their work is done and their files are
+    closed (a rank also after destroying its process group). Non-daemon threads are joined and
+    ``atexit`` handlers run, as at a normal exit; what is skipped is finalization proper --
+    module teardown and the C++ static destructors of torch, gloo and sqlite. Measured on the
+    2-core machine: 1.5 s per driver process and about 1 s per rank (a 1-step 2-rank run took
+    13.7 s, now 10.5 s). And finished CPU ranks aborted at exit, after their last step was
+    logged (SIGABRT, "terminate called without an active exception"; 2 runs in one full test
+    suite, none in 90 plain runs), which turned finished runs into failed ones.
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
+            pass
+    os._exit(code)

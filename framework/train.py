@@ -361,9 +361,25 @@ def precheck(argv: list[str]) -> None:
 
 
 def main() -> None:
-    """Console entry point: one Hydra job per call (``-m`` runs one per sweep point)."""
-    precheck(sys.argv[1:])
-    _hydra_main()
+    """Console entry point: one Hydra job per call (``-m`` runs one per sweep point).
+
+    Ends the process through :func:`framework.distributed.exit_process` (no interpreter
+    finalization) with the exit status the jobs asked for: 0, 1 (training failed), 2 (bad
+    input), 130 (interrupted).
+    """
+    try:
+        precheck(sys.argv[1:])
+        _hydra_main()
+        code = 0
+    except SystemExit as done:
+        if done.code is None or isinstance(done.code, int):
+            code = done.code or 0
+        else:  # sys.exit("message"): printed to stderr, status 1, as Python does
+            print(done.code, file=sys.stderr)
+            code = 1
+    from framework.distributed import exit_process
+
+    exit_process(code)
 
 
 if __name__ == "__main__":

@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     launch = json.loads(Path(argv[0]).read_text())
     build_trainer_and_fit(launch)
     _shutdown_process_group()
+    from framework.distributed import exit_process
+
+    exit_process(0)
 
 
 if __name__ == "__main__":
