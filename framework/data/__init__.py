@@ -11,7 +11,6 @@ from framework.data.sampler import StepBatchSampler
 from framework.data.tokens import TokenCache, load_token_cache, prepare_data
 
 
-
 def __getattr__(name: str) -> Any:
     # TextDataModule needs Lightning (~2 s to import): only the ranks import it, not the driver.
     if name == "TextDataModule":
