@@ -103,6 +103,9 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
     print("\n".join(lines), flush=True)
 
 
+_FAILED_JOBS: list[str] = []  # run names of this process's sweep jobs that ended FAILED
+
+
 def _in_sweep() -> bool:
     """Whether this job is one of a Hydra multirun (``-m`` or a preset with ``hydra.mode: MULTIRUN``)."""
     from hydra.types import RunMode
@@ -246,6 +249,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
         (run_dir / "error.txt").write_text(error + "\n")
         if not _in_sweep():  # in a sweep the run ends FAILED and the next job starts (e.g. a fault x policy grid)
             raise SystemExit(1)
+        _FAILED_JOBS.append(run.run_name)  # the sweep's exit status says so at the end (main)
         return
     finally:
         if monitor is not None:
@@ -257,7 +261,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
                 if metrics_file.exists():
                     tracker.log_artifact(metrics_file)
                 if error is not None:  # why a FAILED run failed, next to its metrics in the MLflow UI
-                    tracker.set_tags({"error": error[-4000:]})
+                    # MLflow caps a tag's length: keep the head (exception, failed rank) and the tail.
+                    tracker.set_tags({"error": error if len(error) <= 4000 else f"{error[:1500]}\n...\n{error[-2400:]}"})
                     tracker.log_artifact(run_dir / "error.txt")
                 elif resume_from:
                     tracker.clear_tag("error")  # an earlier attempt failed; this one did not
@@ -319,7 +324,8 @@ def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
         from hydra import compose, initialize_config_dir
 
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            groups = [o for o in overrides if "=" in o and "." not in o.split("=")[0] and "," not in o]  # e.g. parallelism=fsdp
+            groups = [o for o in overrides  # e.g. parallelism=fsdp, to suggest that plugin's keys (not nosuchkey=1)
+                      if "=" in o and "," not in o and (CONF_DIR / o.split("=")[0].lstrip("+~")).is_dir()]
             defaults = compose(config_name="config", overrides=["run_name=x", *groups])  # suggest the chosen plugin's keys
         from framework.tracking import flatten
 
@@ -364,13 +370,20 @@ def main() -> None:
     """Console entry point: one Hydra job per call (``-m`` runs one per sweep point).
 
     Ends the process through :func:`framework.distributed.exit_process` (no interpreter
-    finalization) with the exit status the jobs asked for: 0, 1 (training failed), 2 (bad
-    input), 130 (interrupted).
+    finalization) with the exit status the jobs asked for: 0, 1 (training failed; in a sweep:
+    at least one job failed, after every job has run), 2 (bad input), 130 (interrupted).
     """
     try:
         precheck(sys.argv[1:])
         _hydra_main()
         code = 0
+        if _FAILED_JOBS:
+            print(f"trainlab: {len(_FAILED_JOBS)} sweep job(s) FAILED: {', '.join(_FAILED_JOBS)}"
+                  " (each run's error.txt and MLflow tag 'error' say why)", file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:  # Ctrl-C before the ranks start (while composing, tokenizing, importing)
+        print("trainlab: interrupted before training started", file=sys.stderr)
+        code = 130
     except SystemExit as done:
         if done.code is None or isinstance(done.code, int):
             code = done.code or 0

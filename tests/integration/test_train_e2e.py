@@ -93,6 +93,13 @@ def test_bad_input_fails_before_any_rank_with_one_line(runner):
     assert missing.returncode == 2
     assert "data.paths" in missing.stderr and "/nonexistent/*.txt" in missing.stderr
 
+    # An unknown top-level key (not a config group) got Hydra's 77-line traceback and exit 1.
+    unknown = runner.run("nosuchkey=1", check=False)
+    assert unknown.returncode == 2
+    assert [ln for ln in unknown.stderr.splitlines() if ln.strip()] == [
+        "trainlab: error: nosuchkey is not a config key; see conf/ and framework/config/schema.py for the keys"
+        " (to add a new key write +nosuchkey=...)"]
+
 
 def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
     # An intact checkpoint folder (checksums match) whose state file carries a code-running
@@ -113,3 +120,11 @@ def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
     # Why it failed is kept with the run (a sweep's stderr is gone by the time someone reads the UI).
     (run_dir,) = {p.parent for p in runner.workdir.glob("outputs/default/*/launch.json")}
     assert "refused to load" in runs[0].data.tags["error"] == (run_dir / "error.txt").read_text().strip()
+
+    # In a sweep the failed job does not stop the others, but the sweep's exit status reports it.
+    sweep = runner.run("-m", "parallelism=single", "trainer.global_batch_size=8", "trainer.max_steps=5", f"resume={bad}",
+                       "experiment_name=sweep", check=False)
+    assert sweep.returncode == 1, sweep.stderr[-3000:]
+    assert "trainlab: 1 sweep job(s) FAILED" in sweep.stderr
+    (swept,) = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
+    assert swept.info.status == "FAILED" and "refused to load" in swept.data.tags["error"]

@@ -20,6 +20,13 @@ from plugins.deepspeed.cost import zero_comm_volume, zero_model_states_bytes
         ("parallelism.offload_param=cpu", "parallelism.offload_param='cpu' needs parallelism.zero_stage=3 (got 2)"),
         ("parallelism.offload_optimizer=nvme", "parallelism.offload_optimizer='nvme' is not allowed; allowed: none, cpu"),
         ("parallelism.reduce_bucket_size=0", "parallelism.reduce_bucket_size=0 must be > 0"),
+        # Found by trying: async/incremental were silently saved as full sync checkpoints, and a
+        # rollback to an in-memory snapshot crashed in DeepSpeed's optimizer load (KeyError).
+        ("checkpoint=async", "checkpoint.mode='async': plugin 'deepspeed' saves DeepSpeed's own checkpoint files"
+                             " synchronously; allowed: sync"),
+        ("checkpoint=incremental", "plugin 'deepspeed' saves full checkpoints only (no deltas); allowed: 1"),
+        ("checkpoint=memory", "plugin 'deepspeed' keeps no in-memory snapshots (a rollback loads the last checkpoint);"
+                              " allowed: 0"),
     ],
 )
 def test_bad_options_are_one_line_config_errors(compose, override, message):
