@@ -126,6 +126,12 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
             if problems:
                 raise ConfigError(f"resume={run.resume!r}: not a usable checkpoint folder ({problems[0]}); allowed: auto, never,"
                                   " or an intact checkpoint folder")
+            # DeepSpeed's own files load only into DeepSpeed, and DeepSpeed loads only those.
+            kind = read_manifest(run.resume)["kind"]
+            if (kind == "deepspeed") != (resolved.plugin_name == "deepspeed"):
+                allowed = "parallelism=zero1|zero2|zero3" if kind == "deepspeed" else "a checkpoint written by zero1|zero2|zero3"
+                raise ConfigError(f"resume={run.resume!r}: a {kind!r} checkpoint cannot be loaded by plugin"
+                                  f" {resolved.plugin_name!r}; allowed: {allowed}")
         existing = list_checkpoints(resolved.checkpoint_dir)
         if run.resume == "never" and existing:
             raise ConfigError(

@@ -134,6 +134,16 @@ def test_zero_checkpoint_resumes_at_1_rank_and_back_at_2_ranks(zero_runs, stage)
         assert r["mem/model_states_bytes"] == pytest.approx(r["mem/model_states_bytes_model"], rel=0.05), r
 
 
+def test_a_deepspeed_checkpoint_is_refused_by_other_plugins_before_any_rank(zero_runs):
+    """Found by trying: `single` accepted the folder, opened an MLflow run and failed in the rank (no state.pt)."""
+    ckpt = zero_runs.workdir / "checkpoints" / "default" / _run_name(zero_runs, 1) / "step00000015"
+    proc = zero_runs.run("parallelism=single", f"resume='{ckpt}'", "run_name=wrong_plugin", check=False)
+    assert proc.returncode == 2
+    assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [
+        f"trainlab: error: resume={str(ckpt)!r}: a 'deepspeed' checkpoint cannot be loaded by plugin 'single';"
+        " allowed: parallelism=zero1|zero2|zero3"]
+
+
 def test_bad_zero_stage_fails_before_any_rank(runner):
     proc = runner.run("parallelism=zero2", "parallelism.zero_stage=5", check=False)
     assert proc.returncode == 2
