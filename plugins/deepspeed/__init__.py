@@ -105,16 +105,10 @@ class DeepSpeedPlugin:
             raise ConfigError("trainer.precision='16-mixed' with plugin 'deepspeed' needs CUDA ranks; allowed here: 32-true, bf16-mixed")
         # Checkpoints are DeepSpeed's own files, saved by its engine: no async writer, no deltas,
         # and its ZeRO optimizers do not take back a torch state dict from an in-memory snapshot.
-        ck = run.checkpoint
-        if ck.mode != "sync":
-            raise ConfigError(f"checkpoint.mode={ck.mode!r}: plugin 'deepspeed' saves DeepSpeed's own checkpoint files"
-                              " synchronously; allowed: sync")
-        if ck.full_every_n_saves != 1:
-            raise ConfigError(f"checkpoint.full_every_n_saves={ck.full_every_n_saves}: plugin 'deepspeed' saves full"
-                              " checkpoints only (no deltas); allowed: 1")
-        if ck.memory_every_n_steps > 0:
-            raise ConfigError(f"checkpoint.memory_every_n_steps={ck.memory_every_n_steps}: plugin 'deepspeed' keeps no"
-                              " in-memory snapshots (a rollback loads the last checkpoint); allowed: 0")
+        from framework.checkpoint.dcp import check_policy
+
+        check_policy(run, "deepspeed", saves="DeepSpeed's own checkpoint files",
+                     no_snapshots="so no resilience=rollback; resilience=restart resumes from the last checkpoint")
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(dp=self.cfg.world_size)

@@ -23,10 +23,10 @@ from plugins.deepspeed.cost import zero_comm_volume, zero_model_states_bytes
         # Found by trying: async/incremental were silently saved as full sync checkpoints, and a
         # rollback to an in-memory snapshot crashed in DeepSpeed's optimizer load (KeyError).
         ("checkpoint=async", "checkpoint.mode='async': plugin 'deepspeed' saves DeepSpeed's own checkpoint files"
-                             " synchronously; allowed: sync"),
-        ("checkpoint=incremental", "plugin 'deepspeed' saves full checkpoints only (no deltas); allowed: 1"),
-        ("checkpoint=memory", "plugin 'deepspeed' keeps no in-memory snapshots (a rollback loads the last checkpoint);"
-                              " allowed: 0"),
+                             " synchronously only; allowed: sync"),
+        ("checkpoint=incremental", "plugin 'deepspeed' saves DeepSpeed's own checkpoint files without deltas; allowed: 1"),
+        ("checkpoint=memory", "plugin 'deepspeed' keeps no in-memory snapshots (so no resilience=rollback;"
+                              " resilience=restart resumes from the last checkpoint); allowed: 0"),
     ],
 )
 def test_bad_options_are_one_line_config_errors(compose, override, message):
