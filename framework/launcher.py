@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from framework.config.validate import ResolvedRun
+from framework.config.resolved import ResolvedRun
 from framework.distributed import threads_per_rank
 
 

@@ -16,8 +16,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from framework.config.validate import ResolvedRun
+from framework.config.resolved import ResolvedRun
 from framework.model import GPT
+from framework.plugin import ParallelPlugin
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -39,7 +40,7 @@ class LMModule(pl.LightningModule):
     Batches are ``(x, y)``, both ``LongTensor[micro_batch_size, seq_len]``.
     """
 
-    def __init__(self, resolved: ResolvedRun, vocab_size: int, plugin: Any) -> None:
+    def __init__(self, resolved: ResolvedRun, vocab_size: int, plugin: ParallelPlugin) -> None:
         super().__init__()
         self.resolved = resolved
         self.vocab_size = vocab_size
@@ -70,8 +71,7 @@ class LMModule(pl.LightningModule):
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(self.resolved.run.trainer.seed)
             model = GPT(self.resolved.run.model, vocab_size=self.vocab_size)
-        apply = getattr(self.plugin, "configure_model", None)
-        self.model = apply(model, self) if apply is not None else model
+        self.model = self.plugin.configure_model(model, self)
         if self.resolved.run.trainer.compile:
             self.model.compile()  # in place: parameter names (and checkpoint keys) stay the same
 
@@ -117,25 +117,15 @@ class LMModule(pl.LightningModule):
         return acc
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Gradients here are complete (after DDP's all-reduce) and not yet clipped.
-        # Sharded plugins hold DTensor gradients: their norm is a DTensor to gather.
-        # A plugin whose parameters are split over ranks (tp/pp) computes the global norm itself.
-        plugin_norm = getattr(self.plugin, "grad_norm", None)
-        if plugin_norm is not None:
-            self.last_grad_norm = float(plugin_norm(self))
-        else:
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-            self.last_grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # Gradients here are complete (after the data-parallel reduction) and not yet clipped;
+        # the plugin knows how its gradients are split over ranks (ParallelPlugin.grad_norm).
+        self.last_grad_norm = self.plugin.grad_norm(self)
         self.last_lr = float(optimizer.param_groups[0]["lr"])
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Clipping by the global norm needs the plugin's norm when parameters are split over ranks.
-        plugin_clip = getattr(self.plugin, "clip_gradients", None)
-        if plugin_clip is not None and gradient_clip_val:
-            plugin_clip(self, float(gradient_clip_val))
-            return
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        if gradient_clip_val:
+            self.plugin.clip_gradients(self, optimizer, float(gradient_clip_val))
 
     def configure_optimizers(self) -> dict[str, Any]:
         o = self.resolved.run.optim
@@ -146,7 +136,7 @@ class LMModule(pl.LightningModule):
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
-            foreach=getattr(self.plugin, "optimizer_foreach", None),  # a plugin may need the per-tensor loop (mixed DTensor/Tensor)
+            foreach=self.plugin.optimizer_foreach,  # a plugin may need the per-tensor loop (mixed DTensor/Tensor)
         )
         schedule = partial(
             warmup_cosine,

@@ -35,6 +35,24 @@ def run_name_from_overrides(override_dirname: str) -> str:
 OmegaConf.register_new_resolver("tl_run_name", run_name_from_overrides, replace=True)
 
 
+FULL_STATE_KINDS = ("full", "delta", "dcp")  # checkpoint kinds that gather into one full state
+
+
+def can_load(caps, kind: str) -> bool:
+    """Whether a plugin with capabilities ``caps`` resumes from a checkpoint of manifest kind ``kind``."""
+    return kind == caps.checkpoint_format or (caps.loads_full_state and kind in FULL_STATE_KINDS)
+
+
+def presets_writing(kind: str, conf_dir: Path | None = None) -> list[str]:
+    """``conf/parallelism`` presets whose plugin writes checkpoints of manifest kind ``kind`` (imports every plugin class)."""
+    from framework.registry import available_plugins, get_plugin_class
+
+    conf_dir = conf_dir or CONF_DIR
+    writers = {n for n in available_plugins() if get_plugin_class(n).capabilities.checkpoint_format == kind}
+    return sorted(p.stem for p in (conf_dir / "parallelism").glob("*.yaml")
+                  if re.search(r"^name:\s*(\S+)", p.read_text(), re.M).group(1) in writers)
+
+
 def _first_line(err: BaseException) -> str:
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     return lines[0] if lines else type(err).__name__
@@ -117,6 +135,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     """Run one Hydra job (one MLflow run). Exits with code 2 on a configuration error."""
     from framework.checkpoint.format import find_latest_valid, list_checkpoints, read_manifest, verify
     from framework.config.validate import load_run_config, run_to_dict, validate
+    from framework.registry import get_plugin_class
 
     try:
         run = load_run_config(cfg)
@@ -126,10 +145,13 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
             if problems:
                 raise ConfigError(f"resume={run.resume!r}: not a usable checkpoint folder ({problems[0]}); allowed: auto, never,"
                                   " or an intact checkpoint folder")
-            # DeepSpeed's own files load only into DeepSpeed, and DeepSpeed loads only those.
+            # Which checkpoint kinds a plugin loads is its declared capability (framework.plugin).
             kind = read_manifest(run.resume)["kind"]
-            if (kind == "deepspeed") != (resolved.plugin_name == "deepspeed"):
-                allowed = "parallelism=zero1|zero2|zero3" if kind == "deepspeed" else "a checkpoint written by zero1|zero2|zero3"
+            caps = get_plugin_class(resolved.plugin_name).capabilities
+            if not can_load(caps, kind):
+                writers = "|".join(presets_writing(kind))
+                allowed = (f"parallelism={writers}" if writers else f"a plugin that loads {kind!r} checkpoints") \
+                    if kind not in FULL_STATE_KINDS else f"a checkpoint written by {'|'.join(presets_writing(caps.checkpoint_format))}"
                 raise ConfigError(f"resume={run.resume!r}: a {kind!r} checkpoint cannot be loaded by plugin"
                                   f" {resolved.plugin_name!r}; allowed: {allowed}")
         existing = list_checkpoints(resolved.checkpoint_dir)

@@ -86,15 +86,12 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
     plugin = get_plugin_class(run.parallelism.name)(run.parallelism)
     cache = TokenCache.open(launch["token_cache_dir"])  # built by the driver before any rank started
     vocab_size = run.model.vocab_size or cache.vocab_size
-    dp_rank = getattr(plugin, "dp_rank", lambda r: r)(rank)
     # A plugin that owns micro-batching (a pipeline schedule) gets a step's micro-batches in one batch.
-    owns_microbatching = getattr(plugin, "owns_microbatching", False)
-    loader_batch = resolved.micro_batch_size * (resolved.grad_accum_steps if owns_microbatching else 1)
     datamodule = TextDataModule(
         run.data,
         global_batch_size=resolved.global_batch_size,
-        micro_batch_size=loader_batch,
-        dp_rank=dp_rank,
+        micro_batch_size=resolved.loader_batch_size,
+        dp_rank=resolved.layout.dp_rank(rank),  # TP and PP peers read the same data
         dp_size=resolved.layout.dp,
         max_steps=run.trainer.max_steps,
         val_sequences=run.trainer.val_sequences,
@@ -167,17 +164,17 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
 
         first, last = run.trainer.profile_steps
         callbacks.insert(0, StepProfiler(first=first, last=last, out_dir=run_dir / "profile"))
-    callbacks += getattr(plugin, "callbacks", lambda r, s: [])(resolved, sinks)  # plugin-specific metrics (e.g. pipeline bubble)
+    callbacks += plugin.callbacks(resolved, sinks)  # plugin-specific metrics (e.g. pipeline bubble)
     callbacks.append(breakdown)  # last: checkpoint and validation run inside the step it times
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=resolved.nproc_per_node,
-        num_nodes=run.parallelism.nnodes,
+        num_nodes=resolved.layout.nnodes,
         strategy=plugin.build_strategy(resolved),
         precision=run.trainer.precision,
         max_steps=run.trainer.max_steps,
         max_epochs=-1,
-        accumulate_grad_batches=1 if owns_microbatching else resolved.grad_accum_steps,
+        accumulate_grad_batches=resolved.trainer_accumulate_grad_batches,
         gradient_clip_val=run.optim.grad_clip or None,
         gradient_clip_algorithm="norm",
         callbacks=callbacks,

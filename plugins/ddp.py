@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from framework.config.schema import ConfigError, ParallelConfig
+from framework.config.schema import ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
 from framework.metrics.comm import CommEstimate, ModelStats, ddp_comm_volume, replicated_adamw_model_states_bytes
 from framework.metrics.timing import CommMeter
-from framework.registry import ParallelLayout, register_plugin
+from framework.plugin import ParallelPlugin, PluginCapabilities
+from framework.registry import register_plugin
 
 
 @dataclass
@@ -39,7 +40,6 @@ class DDPConfig(ParallelConfig):
     gradient_as_bucket_view: bool = True  # grads are views into buckets: saves one gradient copy
     find_unused_parameters: bool = False  # needed only when some parameters get no gradient
     static_graph: bool = False  # promise the graph never changes (enables more overlap)
-    timeout_s: int = 600  # collective timeout before a hung rank is reported (seconds)
 
 
 def _metered_allreduce_hook(meter, bucket):  # no annotations: DDP rejects string ones (``from __future__``)
@@ -58,25 +58,12 @@ def _metered_allreduce_hook(meter, bucket):  # no annotations: DDP rejects strin
 
 
 @register_plugin
-class DDPPlugin:
+class DDPPlugin(ParallelPlugin):
     """Data parallelism with full replicas (Li et al. 2020, PyTorch DDP)."""
 
     name = "ddp"
     config_cls = DDPConfig
-
-    def __init__(self, cfg: DDPConfig) -> None:
-        self.cfg = cfg
-
-    def validate(self, run: Any) -> None:
-        par = run.parallelism
-        if par.tp_degree != 1 or par.pp_degree != 1:
-            raise ConfigError(
-                f"parallelism.tp_degree={par.tp_degree}, pp_degree={par.pp_degree}: plugin 'ddp' is data parallel only"
-                " (allowed: 1); use a tensor/pipeline plugin"
-            )
-
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(dp=self.cfg.world_size)
+    capabilities = PluginCapabilities(mesh_axes=("dp",))  # full checkpoints, every checkpoint policy
 
     def build_strategy(self, resolved: Any) -> Any:
         accelerator = resolve_accelerator(resolved.run.trainer.accelerator)

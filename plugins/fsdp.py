@@ -6,9 +6,9 @@ the root module, so each block's parameters are all-gathered just before it runs
 after (``reshard_after_forward=True``, ZeRO-3-like: 3Ψ communicated per step), or kept
 gathered from forward to backward (``False``, ZeRO-2-like: 2Ψ, more memory).
 
-Lightning integration: ``ModelParallelStrategy`` builds the device mesh (``data_parallel`` ×
-``tensor_parallel``; here tp = 1) and calls ``LightningModule.configure_model``, which hands the
-model to :meth:`FSDPPlugin.configure_model`. Works on CPU (gloo) and CUDA (NCCL) unchanged.
+Lightning integration: :class:`~framework.mesh_strategy.LayoutStrategy` (Lightning's
+``ModelParallelStrategy`` on the run's ``("pp", "dp", "tp")`` mesh) calls
+``LightningModule.configure_model``, which hands the model to :meth:`FSDPPlugin.configure_model`. Works on CPU (gloo) and CUDA (NCCL) unchanged.
 
 Checkpoints: every rank writes its own shards with torch Distributed Checkpoint
 (:class:`~framework.checkpoint.dcp.ShardedCheckpointing` on the strategy), so a checkpoint
@@ -19,24 +19,24 @@ loads at any other world size, into ``fsdp`` (resharded) or ``single``/``ddp`` (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-from pytorch_lightning.strategies import ModelParallelStrategy
 
-from framework.checkpoint.dcp import ShardedCheckpointing, check_policy
+from framework.checkpoint.dcp import ShardedCheckpointing
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
+from framework.mesh_strategy import LayoutStrategy
 from framework.metrics.comm import CommEstimate, ModelStats
 from framework.metrics.timing import CommMeter
-from framework.registry import ParallelLayout, register_plugin
+from framework.plugin import ParallelPlugin, PluginCapabilities
+from framework.registry import register_plugin
 
 MIXED_PRECISION = ("none", "bf16")
 
 
-class FSDP2Strategy(ShardedCheckpointing, ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy, checkpointing through trainlab's sharded (DCP) folders."""
+class FSDP2Strategy(ShardedCheckpointing, LayoutStrategy):
+    """The run's mesh strategy, checkpointing through trainlab's sharded (DCP) folders."""
 
 
 PAYLOAD_KWARG = {"allgather": "output_tensor", "reduce_scatter": "input"}
@@ -63,7 +63,6 @@ class FSDPConfig(ParallelConfig):
     world_size: int = 2
     reshard_after_forward: bool = True  # True: free gathered params after forward (ZeRO-3); False: keep them (ZeRO-2-like)
     mixed_precision: str = "none"  # none | bf16 (bf16 params for compute, fp32 gradient reduction; GPU)
-    timeout_s: int = 600  # collective timeout (seconds)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -74,35 +73,21 @@ class FSDPConfig(ParallelConfig):
 
 
 @register_plugin
-class FSDPPlugin:
+class FSDPPlugin(ParallelPlugin):
     """FSDP2 over all ranks (dp = world_size)."""
 
     name = "fsdp"
     config_cls = FSDPConfig
-
-    def __init__(self, cfg: FSDPConfig) -> None:
-        self.cfg = cfg
-
-    def validate(self, run: Any) -> None:
-        par = run.parallelism
-        if par.tp_degree != 1 or par.pp_degree != 1:
-            raise ConfigError(
-                f"parallelism.tp_degree={par.tp_degree}, pp_degree={par.pp_degree}: plugin 'fsdp' shards over data"
-                " parallel ranks only (allowed: 1)"
-            )
-        check_policy(run, self.name)  # sharded (DCP) checkpoints: sync, full saves
-
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(dp=self.cfg.world_size)
+    # Sharded (DCP) checkpoints: synchronous full saves; in-memory snapshots work (DTensor state).
+    capabilities = PluginCapabilities(checkpoint_format="dcp", async_save=False, incremental_save=False, mesh_axes=("dp",))
 
     def build_strategy(self, resolved: Any) -> Any:
         accelerator = resolve_accelerator(resolved.run.trainer.accelerator)
         return FSDP2Strategy(
-            data_parallel_size=self.cfg.world_size,
-            tensor_parallel_size=1,
+            layout=resolved.layout,
             save_distributed_checkpoint=True,
             process_group_backend=process_group_backend(self.cfg.backend, accelerator),
-            timeout=timedelta(seconds=self.cfg.timeout_s),
+            timeout_s=self.cfg.timeout_s,
         )
 
     def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
@@ -166,7 +151,7 @@ class FSDPPlugin:
         """Shard each transformer block, then the root (embeddings, final norm, tied head)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = module.device_mesh["data_parallel"]
+        mesh = module.device_mesh["dp"]
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.cfg.reshard_after_forward}
         if self.cfg.mixed_precision == "bf16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from framework.config.schema import ConfigError, ParallelConfig
+from framework.config.schema import ParallelConfig
 from framework.metrics.comm import CommEstimate, ModelStats, replicated_adamw_model_states_bytes
-from framework.metrics.timing import CommMeter
-from framework.registry import ParallelLayout, register_plugin
+from framework.plugin import ParallelPlugin, PluginCapabilities
+from framework.registry import register_plugin
 
 
 @dataclass
@@ -19,25 +19,12 @@ class SingleConfig(ParallelConfig):
 
 
 @register_plugin
-class SinglePlugin:
+class SinglePlugin(ParallelPlugin):
     """One process on one device (Lightning's single-device strategy)."""
 
     name = "single"
     config_cls = SingleConfig
-
-    def __init__(self, cfg: SingleConfig) -> None:
-        self.cfg = cfg
-
-    def validate(self, run: Any) -> None:
-        par = run.parallelism
-        if (par.world_size, par.tp_degree, par.pp_degree, par.nnodes) != (1, 1, 1, 1) or par.dp_degree not in (-1, 1):
-            raise ConfigError(
-                f"parallelism.world_size={par.world_size} (and every degree) must be 1 for plugin 'single';"
-                " use parallelism=ddp for several ranks"
-            )
-
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(dp=1)
+    capabilities = PluginCapabilities(mesh_axes=())  # one rank; full checkpoints, every checkpoint policy
 
     def build_strategy(self, resolved: Any) -> Any:
         return "auto"
@@ -49,6 +36,3 @@ class SinglePlugin:
     def model_states_bytes(self, stats: ModelStats, resolved: Any) -> int:
         """fp32 parameters + gradients + AdamW state (ZeRO §3.1)."""
         return replicated_adamw_model_states_bytes(stats)
-
-    def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
-        """Nothing communicates, so nothing to instrument."""

@@ -18,7 +18,8 @@ from framework.callbacks.step_metrics import MetricSink
 from framework.checkpoint.io import FolderCheckpointIO
 from framework.checkpoint.memory import MemorySnapshot
 from framework.checkpoint.periodic import PeriodicCheckpoint
-from framework.config.validate import ResolvedRun, run_to_dict
+from framework.config.resolved import ResolvedRun
+from framework.config.validate import run_to_dict
 
 
 def config_hash(resolved: ResolvedRun) -> str:

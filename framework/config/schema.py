@@ -116,6 +116,7 @@ class ParallelConfig:
     tp_degree: int = 1  # tensor-parallel degree
     pp_degree: int = 1  # pipeline-parallel degree
     backend: str = "auto"  # process-group backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    timeout_s: int = 600  # collective timeout before a hung rank is reported (seconds)
 
     def __post_init__(self) -> None:
         _require(self.world_size > 0, f"parallelism.world_size={self.world_size} must be > 0")
@@ -127,6 +128,7 @@ class ParallelConfig:
             self.backend in ("auto", "gloo", "nccl"),
             f"parallelism.backend={self.backend!r} is not allowed; allowed: auto, gloo, nccl",
         )
+        _require(self.timeout_s > 0, f"parallelism.timeout_s={self.timeout_s} must be > 0")
 
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")

@@ -1,112 +1,26 @@
-"""Turn a composed config into a validated, frozen :class:`ResolvedRun`.
+"""Load and check a composed config into a validated, frozen :class:`ResolvedRun`.
 
-``load_run_config`` builds the typed dataclasses (single-field checks run in their
-``__post_init__``); ``validate`` applies the cross-field rules, derives the batch arithmetic
-and the parallel layout, and raises one :class:`ConfigError` listing every problem, before
-any process group, rank or MLflow run exists.
+:func:`load_run_config` (:mod:`framework.config.load`) builds the typed dataclasses (single-field
+checks run in their ``__post_init__``); :func:`validate` applies the cross-field rules, derives
+the batch arithmetic and the parallel layout (:class:`~framework.layout.ParallelLayout`), checks
+the run against the plugin's declared capabilities and its own rules, and raises one
+:class:`ConfigError` listing every problem, before any process group, rank or MLflow run exists.
+It runs once, in the driver; ranks receive the :class:`ResolvedRun`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from framework.config.load import load_run_config
+from framework.config.resolved import ResolvedRun
+from framework.config.schema import ConfigError, RunConfig
+from framework.layout import ParallelLayout
+from framework.plugin import check_capabilities
+from framework.registry import get_plugin_class
 
-from framework.config.schema import ConfigError, ParallelConfig, RunConfig
-from framework.registry import ParallelLayout, get_plugin_class
-
-
-def _omegaconf_message(err: OmegaConfBaseException) -> str:
-    """One line from an OmegaConf error: ``full.key: first line of the message``."""
-    if isinstance(err.__cause__, ConfigError):
-        return str(err.__cause__)
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if "is not a ListConfig" in first:
-        first += " (write a list: key=[a,b])"
-    key = getattr(err, "full_key", None)
-    return f"{key}: {first}" if key else first
-
-
-def _to_object(schema: Any, node: Any) -> Any:
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
-        return OmegaConf.to_object(merged)
-    except ConfigError:
-        raise
-    except OmegaConfBaseException as err:
-        raise ConfigError(_omegaconf_message(err)) from None
-
-
-def load_run_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
-    """Build typed dataclasses from a composed config (Hydra ``DictConfig`` or plain dict).
-
-    The ``parallelism`` node is converted with its plugin's ``config_cls``.
-
-    Raises:
-        ConfigError: a wrong type, an unknown key or a value out of range; one line.
-    """
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.create(dict(cfg))
-    cfg = cfg.copy()
-    OmegaConf.set_struct(cfg, False)
-    if "hydra" in cfg:
-        del cfg["hydra"]
-    par_node = cfg.pop("parallelism", None) or {"name": "single"}
-    run: RunConfig = _to_object(RunConfig, cfg)
-    name = par_node.get("name", "single")
-    plugin_cls = get_plugin_class(str(name))
-    allowed = {f.name for f in dataclasses.fields(plugin_cls.config_cls)}
-    unknown = sorted(set(par_node.keys()) - allowed)
-    if unknown:
-        raise ConfigError(
-            f"parallelism.{unknown[0]} is not an option of plugin {name!r}; allowed: {', '.join(sorted(allowed))}"
-        )
-    run.parallelism = _to_object(plugin_cls.config_cls, par_node)
-    return run
-
-
-@dataclass(frozen=True)
-class ResolvedRun:
-    """A validated run with every derived value (all counts in sequences unless noted).
-
-    ``global_batch_size = micro_batch_size * grad_accum_steps * layout.dp``;
-    ``tokens_per_step = global_batch_size * seq_len`` (tokens).
-    """
-
-    run: RunConfig
-    layout: ParallelLayout
-    micro_batch_size: int
-    grad_accum_steps: int
-    global_batch_size: int
-    checkpoint_dir: str
-
-    @property
-    def plugin_name(self) -> str:
-        return self.run.parallelism.name
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    @property
-    def nproc_per_node(self) -> int:
-        return self.layout.world_size // self.run.parallelism.nnodes
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.run.data.seq_len
-
-    def batch_summary(self) -> str:
-        """Human-readable batch arithmetic, printed at start-up."""
-        return (
-            f"global_batch_size {self.global_batch_size} = micro_batch_size {self.micro_batch_size}"
-            f" x grad_accum_steps {self.grad_accum_steps} x dp_degree {self.layout.dp}"
-            f" | tokens/step {self.tokens_per_step:,} (seq_len {self.run.data.seq_len})"
-            f" | world_size {self.world_size} = dp {self.layout.dp} x tp {self.layout.tp} x pp {self.layout.pp}"
-        )
+__all__ = ["ConfigError", "ResolvedRun", "derive_batch", "load_run_config", "run_to_dict", "validate"]
 
 
 def derive_batch(
@@ -150,27 +64,8 @@ def derive_batch(
     return mbs, acc, gbs
 
 
-def _layout(par: ParallelConfig) -> ParallelLayout:
-    tp, pp = par.tp_degree, par.pp_degree
-    if par.dp_degree == -1:
-        if par.world_size % (tp * pp):
-            raise ConfigError(
-                f"parallelism.world_size={par.world_size} is not divisible by tp_degree({tp}) x pp_degree({pp})"
-            )
-        dp = par.world_size // (tp * pp)
-    else:
-        dp = par.dp_degree
-    if dp * tp * pp != par.world_size:
-        raise ConfigError(
-            f"parallelism.world_size={par.world_size} != dp_degree({dp}) x tp_degree({tp}) x pp_degree({pp}) = {dp * tp * pp}"
-        )
-    if par.nnodes != 1:
-        raise ConfigError(f"parallelism.nnodes={par.nnodes}: only 1 node is supported yet (allowed: 1)")
-    return ParallelLayout(dp=dp, tp=tp, pp=pp)
-
-
 def validate(run: RunConfig) -> ResolvedRun:
-    """Check cross-field rules and derive batch and layout.
+    """Check cross-field rules, derive layout and batch, check the plugin's capabilities and rules.
 
     Raises:
         ConfigError: every violated rule, joined into one line with ``"; "``.
@@ -184,7 +79,9 @@ def validate(run: RunConfig) -> ResolvedRun:
             errors.append(str(err))
             return None
 
-    layout = check(lambda: _layout(run.parallelism))
+    layout = check(lambda: ParallelLayout.from_config(run.parallelism))
+    if layout is not None and layout.nnodes != 1:
+        errors.append(f"parallelism.nnodes={layout.nnodes}: only 1 node is supported yet (allowed: 1)")
     batch = None
     if layout is not None:
         t = run.trainer
@@ -207,7 +104,7 @@ def validate(run: RunConfig) -> ResolvedRun:
         import os
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        ranks = layout.world_size // run.parallelism.nnodes
+        ranks = layout.nproc_per_node
         if run.trainer.threads_per_rank * ranks > cores and run.trainer.accelerator != "cuda":
             errors.append(
                 f"trainer.threads_per_rank={run.trainer.threads_per_rank} x {ranks} ranks > {cores} cores: CPU ranks"
@@ -219,18 +116,23 @@ def validate(run: RunConfig) -> ResolvedRun:
         if not torch.cuda.is_available():
             errors.append("trainer.accelerator='cuda' but no CUDA device is visible; allowed here: auto, cpu")
     plugin = get_plugin_class(run.parallelism.name)(run.parallelism)
-    check(lambda: plugin.validate(run))
+    resolved = None
     if layout is not None:
         from framework.faults.schedule import check_fault_config
 
+        check(lambda: check_capabilities(plugin, run, layout))
         check(lambda: check_fault_config(run, layout.world_size, layout.tp, layout.pp))
+    if batch is not None:
+        mbs, acc, gbs = batch
+        resolved = ResolvedRun(
+            run=run, layout=layout, micro_batch_size=mbs, grad_accum_steps=acc, global_batch_size=gbs,
+            checkpoint_dir=run.checkpoint.dir or f"checkpoints/{run.experiment_name}/{run.run_name}",
+            owns_microbatching=plugin.capabilities.owns_microbatching_for(layout),
+        )
+        check(lambda: plugin.validate(resolved))  # the plugin's own rules see a layout and batch split that hold
     if errors:
         raise ConfigError("; ".join(errors))
-    mbs, acc, gbs = batch
-    ckpt_dir = run.checkpoint.dir or f"checkpoints/{run.experiment_name}/{run.run_name}"
-    return ResolvedRun(
-        run=run, layout=layout, micro_batch_size=mbs, grad_accum_steps=acc, global_batch_size=gbs, checkpoint_dir=ckpt_dir
-    )
+    return resolved
 
 
 def run_to_dict(run: RunConfig) -> dict[str, Any]:

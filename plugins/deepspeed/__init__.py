@@ -22,7 +22,8 @@ from typing import Any
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.metrics.comm import CommEstimate, ModelStats
 from framework.metrics.timing import CommMeter
-from framework.registry import ParallelLayout, register_plugin
+from framework.plugin import ParallelPlugin, PluginCapabilities
+from framework.registry import register_plugin
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu")
@@ -43,7 +44,6 @@ class DeepSpeedConfig(ParallelConfig):
     offload_param: str = "none"  # none | cpu: parameters in CPU memory between uses (ZeRO-Infinity; stage 3, CUDA)
     max_live_parameters: int = 1_000_000_000  # stage 3: most gathered parameter elements kept live (DeepSpeed's default)
     max_reuse_distance: int = 1_000_000_000  # stage 3: keep a gathered parameter if reused within this many elements
-    timeout_s: int = 600  # collective timeout (seconds)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,7 +62,7 @@ class DeepSpeedConfig(ParallelConfig):
                 f"parallelism.offload_optimizer={self.offload_optimizer!r} needs parallelism.zero_stage 1, 2 or 3 (got 0);"
                 " allowed with stage 0: none"
             )
-        for key in ("reduce_bucket_size", "allgather_bucket_size", "timeout_s"):
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"parallelism.{key}={getattr(self, key)} must be > 0")
         for key in ("max_live_parameters", "max_reuse_distance"):
@@ -71,29 +71,28 @@ class DeepSpeedConfig(ParallelConfig):
 
 
 @register_plugin
-class DeepSpeedPlugin:
+class DeepSpeedPlugin(ParallelPlugin):
     """ZeRO data parallelism over all ranks (dp = world_size) with DeepSpeed's engine."""
 
     name = "deepspeed"
     config_cls = DeepSpeedConfig
+    # Checkpoints are DeepSpeed's own files, saved by its engine: no async writer, no deltas, and
+    # its ZeRO optimizers do not take back a torch state dict from an in-memory snapshot.
+    capabilities = PluginCapabilities(
+        checkpoint_format="deepspeed", checkpoint_description="DeepSpeed's own checkpoint files", loads_full_state=False, async_save=False, incremental_save=False,
+        memory_snapshots=False, no_snapshots_reason="so no resilience=rollback; resilience=restart resumes from the last checkpoint",
+        mesh_axes=("dp",),
+    )
 
-    def __init__(self, cfg: DeepSpeedConfig) -> None:
-        self.cfg = cfg
-
-    def validate(self, run: Any) -> None:
-        """Raise ConfigError for layouts and settings DeepSpeed cannot run here.
+    def validate(self, resolved: Any) -> None:
+        """Raise ConfigError for settings DeepSpeed cannot run here.
 
         Offloading moves state from accelerator memory to CPU memory; on CPU ranks everything
         already lives there, and DeepSpeed's offload paths expect an accelerator device.
         """
-        par = run.parallelism
-        if par.tp_degree != 1 or par.pp_degree != 1:
-            raise ConfigError(
-                f"parallelism.tp_degree={par.tp_degree}, pp_degree={par.pp_degree}: plugin 'deepspeed' shards over"
-                " data-parallel ranks only (allowed: 1)"
-            )
         import torch
 
+        run, par = resolved.run, self.cfg
         on_cuda = run.trainer.accelerator == "cuda" or (run.trainer.accelerator == "auto" and torch.cuda.is_available())
         for key in ("offload_optimizer", "offload_param"):
             if getattr(par, key) != "none" and not on_cuda:
@@ -103,15 +102,6 @@ class DeepSpeedPlugin:
                 )
         if run.trainer.precision == "16-mixed" and not on_cuda:
             raise ConfigError("trainer.precision='16-mixed' with plugin 'deepspeed' needs CUDA ranks; allowed here: 32-true, bf16-mixed")
-        # Checkpoints are DeepSpeed's own files, saved by its engine: no async writer, no deltas,
-        # and its ZeRO optimizers do not take back a torch state dict from an in-memory snapshot.
-        from framework.checkpoint.dcp import check_policy
-
-        check_policy(run, "deepspeed", saves="DeepSpeed's own checkpoint files",
-                     no_snapshots="so no resilience=rollback; resilience=restart resumes from the last checkpoint")
-
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(dp=self.cfg.world_size)
 
     def build_strategy(self, resolved: Any) -> Any:
         from plugins.deepspeed.strategy import build_strategy

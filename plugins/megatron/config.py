@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from framework.checkpoint.dcp import check_policy
 from framework.config.schema import ConfigError, ParallelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -30,7 +29,6 @@ class MegatronConfig(ParallelConfig):
     schedule: str = "1f1b"  # PP only: gpipe | 1f1b | interleaved_1f1b
     virtual_stages: int = 1  # PP only: model chunks per pipeline rank (v); interleaved_1f1b needs >= 2
     data_parallel: str = "fsdp"  # how the dp mesh dimension syncs gradients: fsdp (FSDP2 fully_shard) | ddp (replicate)
-    timeout_s: int = 600  # collective timeout (seconds)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,18 +49,15 @@ class MegatronConfig(ParallelConfig):
                 f"parallelism.virtual_stages={self.virtual_stages}: only schedule interleaved_1f1b runs several chunks"
                 f" per rank (schedule={self.schedule}; allowed: 1)"
             )
-        if self.timeout_s <= 0:
-            raise ConfigError(f"parallelism.timeout_s={self.timeout_s} must be > 0")
 
 
-def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_steps: int | None) -> None:
+def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_steps: int) -> None:
     """Cross-field rules of a tp/pp layout against the model and batch.
 
     Raises:
         ConfigError: TP degree not dividing heads / hidden / MLP width (or seq_len with sequence
             parallelism), more pipeline stages than layers, too few micro-batches for the
-            schedule, or a checkpoint policy the sharded (DCP) format does not implement (async,
-            incremental) or in-memory snapshots.
+            schedule. (Checkpoint policies are checked against the plugin's capabilities.)
     """
     m = run.model
     t = cfg.tp_degree
@@ -82,7 +77,7 @@ def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_st
         )
     if pp_degree > 1 and cfg.sequence_parallel:
         raise ConfigError("parallelism.sequence_parallel=true with pp_degree > 1 is not supported (allowed: false)")
-    if pp_degree > 1 and grad_accum_steps is not None:
+    if pp_degree > 1:
         if cfg.schedule == "1f1b" and grad_accum_steps < pp_degree:
             raise ConfigError(
                 f"schedule 1f1b needs grad_accum_steps (micro-batches) >= pp_degree={pp_degree}; got {grad_accum_steps}"
@@ -92,8 +87,3 @@ def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_st
                 f"schedule interleaved_1f1b needs grad_accum_steps={grad_accum_steps} to be a multiple of"
                 f" max(1, grad_accum_steps // pp_degree)"
             )
-    ck = run.checkpoint
-    if ck.memory_every_n_steps > 0:
-        raise ConfigError(f"checkpoint.memory_every_n_steps={ck.memory_every_n_steps}: plugin {cfg.name!r} does not keep"
-                          " in-memory snapshots (not tested with pipeline stages); allowed: 0")
-    check_policy(run, cfg.name)  # sharded (DCP) checkpoints: sync, full saves

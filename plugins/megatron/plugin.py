@@ -27,8 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework.config.schema import ConfigError
-from framework.config.validate import derive_batch
 from framework.distributed import process_group_backend, resolve_accelerator
 from framework.metrics.comm import (
     CommEstimate,
@@ -38,7 +36,9 @@ from framework.metrics.comm import (
     tp_payload_bytes_per_microbatch,
 )
 from framework.metrics.timing import CommMeter
-from framework.registry import ParallelLayout, register_plugin
+from framework.layout import ParallelLayout
+from framework.plugin import ParallelPlugin, PluginCapabilities
+from framework.registry import register_plugin
 from plugins.megatron.config import MegatronConfig, validate_run
 from plugins.megatron.metering import GATE, install_fsdp_meter, install_funcol_meter
 
@@ -46,60 +46,44 @@ from plugins.megatron.metering import GATE, install_fsdp_meter, install_funcol_m
 _TP_SHARDED = re.compile(r"blocks\.\d+\.(attn\.qkv\.(weight|bias)|attn\.proj\.weight|mlp\.fc\.(weight|bias)|mlp\.proj\.weight)$")
 
 
-class MegatronPlugin:
+class MegatronPlugin(ParallelPlugin):
     """Tensor + pipeline parallelism composed with data parallelism on a ``pp x dp x tp`` mesh."""
 
     name = "megatron"
     config_cls = MegatronConfig
+    # Sharded (DCP) checkpoints keyed by the GPT's names: synchronous full saves, no in-memory
+    # snapshots; with pp > 1 the pipeline schedule owns micro-batching.
+    capabilities = PluginCapabilities(
+        checkpoint_format="dcp", async_save=False, incremental_save=False, memory_snapshots=False,
+        no_snapshots_reason="not tested with pipeline stages", mesh_axes=("pp", "dp", "tp"), owns_microbatching=True,
+    )
 
     def __init__(self, cfg: MegatronConfig) -> None:
-        self.cfg = cfg
+        super().__init__(cfg)
         self.runner = None  # PipelineRunner once configure_model ran (pp > 1)
         self.mesh = None
+        self.layout: ParallelLayout | None = None  # the run's, once configure_model ran
         self._local_shapes: list[tuple[str, tuple[int, ...]]] = []
         self._grad_norm: float | None = None
 
-    # -- layout and validation ------------------------------------------------------------
-    def layout(self) -> ParallelLayout:
-        c = self.cfg
-        dp = c.dp_degree if c.dp_degree != -1 else max(1, c.world_size // (c.tp_degree * c.pp_degree))
-        return ParallelLayout(dp=dp, tp=c.tp_degree, pp=c.pp_degree)
-
-    @property
-    def owns_microbatching(self) -> bool:
-        """True with a pipeline: the loader yields a step's micro-batches at once and the schedule splits them."""
-        return self.cfg.pp_degree > 1
-
-    def dp_rank(self, rank: int) -> int:
-        """Data-parallel index of global ``rank`` on the ``(pp, dp, tp)`` mesh: TP and PP peers read the same data."""
-        lay = self.layout()
-        return (rank // lay.tp) % lay.dp
-
-    def validate(self, run: Any) -> None:
-        lay = self.layout()
-        acc = None
-        try:
-            t = run.trainer
-            _, acc, _ = derive_batch(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-                                     grad_accum_steps=t.grad_accum_steps, dp_degree=lay.dp)
-        except ConfigError:
-            pass  # reported by the framework's own batch check
-        validate_run(self.cfg, run, pp_degree=self.cfg.pp_degree, grad_accum_steps=acc)
+    # -- validation -------------------------------------------------------------------------
+    def validate(self, resolved: Any) -> None:
+        validate_run(self.cfg, resolved.run, pp_degree=resolved.layout.pp, grad_accum_steps=resolved.grad_accum_steps)
 
     # -- Lightning ------------------------------------------------------------------------
     def build_strategy(self, resolved: Any) -> Any:
         from plugins.megatron.strategy import MeshStrategy
 
-        lay = resolved.layout
         accelerator = resolve_accelerator(resolved.run.trainer.accelerator)
         return MeshStrategy(
-            pp=lay.pp, dp=lay.dp, tp=lay.tp, pipelined=lay.pp > 1,
+            layout=resolved.layout, pipelined=resolved.owns_microbatching,
             process_group_backend=process_group_backend(self.cfg.backend, accelerator), timeout_s=self.cfg.timeout_s,
         )
 
     def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
         """Split (pp), shard (tp) and wrap (dp) ``model``; returns what ``LMModule.model`` becomes."""
         self.mesh = module.device_mesh
+        self.layout = module.resolved.layout
         # checkpoint names and their order are the unsplit GPT's (plugins/megatron/checkpoint.py)
         module.trainer.strategy.param_order = [f"model.{n}" for n, _ in model.named_parameters()]
         resolved = module.resolved
@@ -119,7 +103,7 @@ class MegatronPlugin:
         return self._build_pipeline(model, module)
 
     def _wrap_dp(self, mod: torch.nn.Module) -> torch.nn.Module:
-        if self.layout().dp == 1:
+        if self.layout.dp == 1:
             return mod
         mesh = self.mesh["dp"]
         if self.cfg.data_parallel == "fsdp":
@@ -208,7 +192,7 @@ class MegatronPlugin:
         """
         from torch.distributed.tensor import DTensor
 
-        lay = self.layout()
+        lay = module.resolved.layout
         local = torch.zeros((), dtype=torch.float64, device=module.device)
         for p in self._params(module):
             g = p.grad
@@ -231,7 +215,7 @@ class MegatronPlugin:
         self._grad_norm = float(local.sqrt())
         return self._grad_norm
 
-    def clip_gradients(self, module: Any, max_norm: float) -> None:
+    def clip_gradients(self, module: Any, optimizer: Any, max_norm: float) -> None:
         """Scale every gradient by ``max_norm / (norm + 1e-6)`` when below 1 (as ``torch.nn.utils.clip_grad_norm_``)."""
         norm = self._grad_norm if self._grad_norm is not None else self.grad_norm(module)
         self._grad_norm = None
@@ -285,7 +269,7 @@ class MegatronPlugin:
     def _fsdp_metered(self) -> bool:
         """FSDP2 on dp is metered and modelled without a pipeline; a pipeline stage's FSDP units
         re-gather and reshard by schedule (not modelled yet), so there it is left out of both."""
-        lay = self.layout()
+        lay = self.layout
         return lay.dp > 1 and lay.pp == 1 and self.cfg.data_parallel == "fsdp"
 
     def _planned_shapes(self, named: Any, lay: ParallelLayout) -> list[tuple[str, tuple[int, ...]]]:

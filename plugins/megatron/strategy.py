@@ -1,10 +1,9 @@
 """The Lightning strategy of the ``tp`` and ``pp`` plugins.
 
-:class:`MeshStrategy` is Lightning's ``ModelParallelStrategy`` (process group, device,
-``configure_model`` hook, optimizer set-up) with a named 3-D device mesh ``("pp", "dp", "tp")``
-instead of its 2-D ``("data_parallel", "tensor_parallel")`` one; rank
-``r = (pp_i * dp + dp_i) * tp + tp_i`` (tp innermost, as in Megatron-LM and torchtitan, so TP
-peers are neighbours).
+:class:`MeshStrategy` is the framework's :class:`~framework.mesh_strategy.LayoutStrategy`
+(Lightning's ``ModelParallelStrategy`` on the run's ``("pp", "dp", "tp")`` mesh, rank
+``r = (pp_i * dp + dp_i) * tp + tp_i``) with sharded checkpoints keyed by the GPT's names and, under
+a pipeline, Lightning's backward left to the schedule.
 
 Pipeline parallelism and Lightning's automatic optimization: a pipeline schedule runs the
 forward *and* backward of all micro-batches of a step in one call
@@ -28,56 +27,31 @@ logging run exactly as for every other plugin.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
-from pytorch_lightning.strategies import ModelParallelStrategy
 
+from framework.mesh_strategy import LayoutStrategy
 from plugins.megatron.checkpoint import MeshCheckpointing
 
-MESH_DIMS = ("pp", "dp", "tp")
 
-
-class MeshStrategy(MeshCheckpointing, ModelParallelStrategy):
-    """ModelParallelStrategy on a ``pp x dp x tp`` mesh; ``pipelined`` skips Lightning's backward call.
+class MeshStrategy(MeshCheckpointing, LayoutStrategy):
+    """The run's ``pp x dp x tp`` mesh strategy; ``pipelined`` skips Lightning's backward call.
 
     Checkpoints are sharded (DCP) and keyed by the unsplit GPT's names
     (:mod:`plugins.megatron.checkpoint`).
 
     Args:
-        pp, dp, tp: mesh degrees (their product is the world size).
+        layout: the run's layout.
         pipelined: True when a pipeline schedule does the backward inside the forward.
         process_group_backend: ``gloo`` or ``nccl``.
         timeout_s: collective timeout (seconds).
     """
 
-    def __init__(self, *, pp: int, dp: int, tp: int, pipelined: bool, process_group_backend: str, timeout_s: int) -> None:
-        super().__init__(
-            data_parallel_size=dp,
-            tensor_parallel_size=tp,
-            save_distributed_checkpoint=True,
-            process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        self.degrees = (pp, dp, tp)
+    def __init__(self, *, layout: Any, pipelined: bool, process_group_backend: str, timeout_s: int) -> None:
+        super().__init__(layout=layout, process_group_backend=process_group_backend, timeout_s=timeout_s,
+                         save_distributed_checkpoint=True)
         self.pipelined = pipelined
-
-    def setup_environment(self) -> None:
-        # Strategy.setup_environment (accelerator), then the process group, then our mesh.
-        super(ModelParallelStrategy, self).setup_environment()
-        self._setup_distributed()
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if torch.distributed.get_world_size() != self.degrees[0] * self.degrees[1] * self.degrees[2]:
-            raise RuntimeError(f"world size {torch.distributed.get_world_size()} != pp x dp x tp = {self.degrees}")
-        self._device_mesh = init_device_mesh(self.root_device.type, self.degrees, mesh_dim_names=MESH_DIMS)
-        self.lightning_module._device_mesh = self._device_mesh
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        mesh = self.device_mesh["dp"]
-        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
     def setup_optimizers(self, trainer: Any) -> None:
         """Lightning's optimizers; with a pipeline their ``zero_grad`` is a no-op (the runner zeroes before each step).

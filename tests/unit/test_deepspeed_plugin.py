@@ -25,7 +25,7 @@ from plugins.deepspeed.cost import zero_comm_volume, zero_model_states_bytes
         ("checkpoint=async", "checkpoint.mode='async': plugin 'deepspeed' saves DeepSpeed's own checkpoint files"
                              " synchronously only; allowed: sync"),
         ("checkpoint=incremental", "plugin 'deepspeed' saves DeepSpeed's own checkpoint files without deltas; allowed: 1"),
-        ("checkpoint=memory", "plugin 'deepspeed' keeps no in-memory snapshots (so no resilience=rollback;"
+        ("checkpoint=memory", "plugin 'deepspeed' does not keep in-memory snapshots (so no resilience=rollback;"
                               " resilience=restart resumes from the last checkpoint); allowed: 0"),
     ],
 )

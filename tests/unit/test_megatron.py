@@ -61,13 +61,11 @@ def test_presets_compose(compose):
     both = validate(load_run_config(compose("parallelism=pp", "checkpoint=none", "parallelism.world_size=4",
                                             "parallelism.tp_degree=2", "trainer.micro_batch_size=4")))
     assert (both.layout.dp, both.layout.tp, both.layout.pp) == (1, 2, 2)
-    from plugins.megatron import PPPlugin
-
-    plugin = PPPlugin(both.run.parallelism)
-    assert plugin.owns_microbatching
-    assert [plugin.dp_rank(r) for r in range(4)] == [0, 0, 0, 0]
-    dp2 = PPPlugin(validate(load_run_config(compose("parallelism=tp", "checkpoint=none", "parallelism.world_size=4"))).run.parallelism)
-    assert [dp2.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]  # tp innermost: TP peers read the same data
+    assert both.owns_microbatching and both.loader_batch_size == 4 * 4 and both.trainer_accumulate_grad_batches == 1
+    assert not tp.owns_microbatching  # only a pipeline schedule owns micro-batching
+    assert [both.layout.dp_rank(r) for r in range(4)] == [0, 0, 0, 0]
+    dp2 = validate(load_run_config(compose("parallelism=tp", "checkpoint=none", "parallelism.world_size=4")))
+    assert [dp2.layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]  # tp innermost: TP peers read the same data
 
 
 @pytest.mark.parametrize(

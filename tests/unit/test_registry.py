@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from framework.config.schema import ConfigError, ParallelConfig
-from framework.registry import ParallelPlugin, available_plugins, get_plugin_class, register_plugin
+from framework.plugin import ParallelPlugin
+from framework.registry import available_plugins, get_plugin_class, register_plugin
 from framework.train import check_group_choices
 from tests.conftest import CONF_DIR
 
@@ -33,12 +34,22 @@ def test_registering_a_second_class_under_a_taken_name_fails():
     class Cfg(ParallelConfig):
         name: str = "ddp"
 
-    class Impostor:
+    class Impostor(ParallelPlugin):
         name = "ddp"
         config_cls = Cfg
 
+    get_plugin_class("ddp")  # the real one, registered first
     with pytest.raises(ValueError, match="registered twice"):
         register_plugin(Impostor)
+
+
+def test_a_class_that_is_not_a_plugin_is_refused():
+    class Loose:  # the old duck-typed shape: a name and a config class, no contract
+        name = "loose"
+        config_cls = ParallelConfig
+
+    with pytest.raises(TypeError, match="is not a subclass of framework.plugin.ParallelPlugin"):
+        register_plugin(Loose)
 
 
 def test_unknown_group_option_is_one_line_before_hydra(capsys):

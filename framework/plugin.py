@@ -1,0 +1,179 @@
+"""The parallelism plugin contract: what a backend declares and what it implements.
+
+A plugin subclasses :class:`ParallelPlugin`. It declares, in :class:`PluginCapabilities`, what the
+framework needs to know without running it (the checkpoint format it writes, the checkpoint
+policies it supports, the mesh axes it can use, whether its pipeline schedule owns
+micro-batching); the framework reads those declarations (:func:`check_capabilities`, before any
+rank starts) and never names a plugin or probes one for attributes. Every hook has a working
+default here, so a plugin overrides only what it does differently.
+
+Life of a plugin object: the driver builds one from the ``parallelism`` config to validate the
+run (:meth:`ParallelPlugin.validate` gets the resolved run: layout and batch split already
+derived, nothing to re-derive); each rank builds one to train.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from framework.config.schema import ConfigError, ParallelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from framework.config.resolved import ResolvedRun
+    from framework.layout import ParallelLayout
+    from framework.metrics.comm import CommEstimate, ModelStats
+    from framework.metrics.timing import CommMeter
+
+
+@dataclass(frozen=True)
+class PluginCapabilities:
+    """What a plugin can do, read by the framework before any rank starts.
+
+    Attributes:
+        checkpoint_format: the manifest ``kind`` of the checkpoints it writes (``full``: one
+            state file, :mod:`framework.checkpoint.format`; ``dcp``: sharded,
+            :mod:`framework.checkpoint.dcp`; or a kind the plugin registers itself, e.g.
+            ``deepspeed``).
+        checkpoint_description: what those checkpoints are, for messages (default: from the format).
+        loads_full_state: it can resume from any checkpoint kind that gathers into one full
+            state (``full``, ``delta``, ``dcp``), not only from its own format.
+        async_save: supports ``checkpoint.mode=async`` (a background writer).
+        incremental_save: supports ``checkpoint.full_every_n_saves > 1`` (delta saves).
+        memory_snapshots: supports ``checkpoint.memory_every_n_steps > 0`` (in-memory
+            snapshots; ``resilience=rollback`` needs them).
+        no_snapshots_reason: said in the error when ``memory_snapshots`` is False.
+        mesh_axes: the mesh axes (of ``pp``, ``dp``, ``tp``) whose degree may exceed 1; an
+            empty tuple means exactly one rank.
+        owns_microbatching: with ``pp > 1`` its pipeline schedule runs a step's micro-batches
+            itself: the loader yields a step's ``micro_batch_size x grad_accum_steps`` sequences
+            as one batch and Lightning does not accumulate.
+    """
+
+    checkpoint_format: str = "full"
+    checkpoint_description: str = ""
+    loads_full_state: bool = True
+    async_save: bool = True
+    incremental_save: bool = True
+    memory_snapshots: bool = True
+    no_snapshots_reason: str = ""
+    mesh_axes: tuple[str, ...] = ("dp",)
+    owns_microbatching: bool = False
+
+    def owns_microbatching_for(self, layout: "ParallelLayout") -> bool:
+        """Whether the plugin runs a step's micro-batches itself on ``layout`` (a pipeline: pp > 1)."""
+        return self.owns_microbatching and layout.pp > 1
+
+
+class ParallelPlugin:
+    """Base class of every parallelism backend (built-in or from an outside package).
+
+    Class attributes to set:
+        name: registry name == ``conf/parallelism/<name>.yaml`` preset's ``name`` == MLflow tag ``plugin``.
+        config_cls: the plugin's config dataclass (a subclass of ``ParallelConfig``).
+        capabilities: a :class:`PluginCapabilities`.
+
+    Must implement: :meth:`build_strategy`, :meth:`comm_volume`, :meth:`model_states_bytes`.
+    Everything else has a default that is right for a plugin that does nothing special there.
+    """
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type[ParallelConfig]] = ParallelConfig
+    capabilities: ClassVar[PluginCapabilities] = PluginCapabilities()
+
+    def __init__(self, cfg: ParallelConfig) -> None:
+        self.cfg = cfg
+
+    # -- before any rank starts ---------------------------------------------------------------
+    def validate(self, resolved: "ResolvedRun") -> None:
+        """Raise :class:`ConfigError` (one line naming the keys) for settings this plugin cannot run.
+
+        Called by the driver once the framework's own checks passed: ``resolved`` holds the
+        layout and batch split. Capabilities (policies, mesh axes) are checked by the framework.
+        """
+
+    # -- in each rank ---------------------------------------------------------------------------
+    def build_strategy(self, resolved: "ResolvedRun") -> Any:
+        """A Lightning ``Strategy`` (object or registered name) for ``resolved.layout``."""
+        raise NotImplementedError(f"plugin {self.name!r} does not implement build_strategy")
+
+    def configure_model(self, model: "torch.nn.Module", module: Any) -> "torch.nn.Module":
+        """Shard / split / wrap the freshly built GPT (Lightning's ``configure_model`` hook); returns
+        what ``LMModule.model`` becomes. ``module`` is the LightningModule (``module.device_mesh``,
+        ``module.resolved``). Default: the model unchanged (the strategy wraps it, e.g. DDP)."""
+        return model
+
+    def callbacks(self, resolved: "ResolvedRun", sinks: list) -> list:
+        """Extra Lightning callbacks of this plugin (e.g. a pipeline-bubble meter). Default: none."""
+        return []
+
+    @property
+    def optimizer_foreach(self) -> bool | None:
+        """AdamW's ``foreach`` flag; None = torch's choice (a plugin mixing DTensor shards and plain
+        tensors in one parameter list needs False)."""
+        return None
+
+    def grad_norm(self, module: Any) -> float:
+        """The global L2 norm of the gradients of ``module`` (after the data-parallel reduction,
+        before clipping). Default: every rank holds whole gradients, or DTensor shards of them
+        (FSDP2), whose norm is gathered with ``full_tensor``."""
+        import torch
+
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def clip_gradients(self, module: Any, optimizer: Any, max_norm: float) -> None:
+        """Scale gradients so that their global norm is at most ``max_norm``. Default: Lightning's
+        norm clipping (right whenever :meth:`grad_norm`'s default is)."""
+        module.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+    # -- cost model and measurement ---------------------------------------------------------------
+    def comm_volume(self, stats: "ModelStats", resolved: "ResolvedRun") -> "CommEstimate":
+        """Modelled payload bytes per rank per optimizer step, by collective kind (:mod:`framework.metrics.comm`)."""
+        raise NotImplementedError(f"plugin {self.name!r} does not implement comm_volume")
+
+    def model_states_bytes(self, stats: "ModelStats", resolved: "ResolvedRun") -> int:
+        """Modelled bytes of parameters + gradients + optimizer state on one rank (ZeRO §3.1)."""
+        raise NotImplementedError(f"plugin {self.name!r} does not implement model_states_bytes")
+
+    def install_comm_meter(self, model: Any, meter: "CommMeter") -> None:
+        """Make this plugin's training collectives report to ``meter`` (``model``: the strategy-wrapped
+        model). Default: nothing to meter (a plugin that never communicates)."""
+
+
+_FORMAT_WORDS = {"full": "full checkpoints", "dcp": "sharded (DCP) checkpoints"}
+
+
+def check_capabilities(plugin: ParallelPlugin, run: Any, layout: "ParallelLayout") -> None:
+    """The framework's checks of a run against what ``plugin`` declares (:class:`PluginCapabilities`).
+
+    Raises:
+        ConfigError: a degree > 1 on a mesh axis the plugin does not use, or a checkpoint policy
+            (async, incremental, in-memory snapshots) its checkpoint format does not implement;
+            one line naming the key and what is allowed.
+    """
+    caps, name = plugin.capabilities, plugin.name
+    if not caps.mesh_axes and layout.world_size != 1:
+        raise ConfigError(
+            f"parallelism.world_size={layout.world_size} (and every degree) must be 1 for plugin {name!r}"
+            " (it runs one rank); use a data-parallel plugin for several ranks"
+        )
+    unused = [axis for axis in ("tp", "pp") if axis not in caps.mesh_axes and layout.degree(axis) > 1]
+    if caps.mesh_axes and unused:
+        raise ConfigError(
+            f"parallelism.tp_degree={layout.tp}, pp_degree={layout.pp}: plugin {name!r} is data parallel only"
+            f" (its mesh axes: {', '.join(caps.mesh_axes)}; allowed: 1); use a tensor/pipeline plugin"
+        )
+    ck = run.checkpoint
+    saves = caps.checkpoint_description or _FORMAT_WORDS.get(caps.checkpoint_format, f"{caps.checkpoint_format!r} checkpoints")
+    if ck.mode != "sync" and not caps.async_save:
+        raise ConfigError(f"checkpoint.mode={ck.mode!r}: plugin {name!r} saves {saves} synchronously only; allowed: sync")
+    if ck.full_every_n_saves != 1 and not caps.incremental_save:
+        raise ConfigError(f"checkpoint.full_every_n_saves={ck.full_every_n_saves}: plugin {name!r} saves {saves}"
+                          " without deltas; allowed: 1")
+    if ck.memory_every_n_steps > 0 and not caps.memory_snapshots:
+        raise ConfigError(f"checkpoint.memory_every_n_steps={ck.memory_every_n_steps}: plugin {name!r} does not keep"
+                          f" in-memory snapshots ({caps.no_snapshots_reason}); allowed: 0")
