@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from framework.tables import Column, format_table, row_of
 
 REPORT_TAG = "trainlab.report"
 REPORT_RUN_NAME = "compare-report"
 FRACTIONS = ("data_wait", "compute", "comm", "optimizer", "ckpt_blocking", "other")
 
 # (column, source kind, key, format): the table's columns and where each comes from.
-COLUMNS: list[tuple[str, str, str, str]] = [
+COLUMNS: list[Column] = [
     ("run", "id", "", "s"),  # first 8 characters of the MLflow run id (names are long; the CSV has them)
     ("plugin", "tag", "plugin", "s"),
     ("layout", "tag", "layout", "s"),
@@ -66,41 +67,6 @@ def training_runs(client: Any, experiment: str) -> tuple[str, list[Any]]:
         raise ValueError(f"--experiment {experiment!r} not found; available: {', '.join(names) or '(none)'}")
     runs = [r for r in client.search_runs([exp.experiment_id], max_results=5000) if r.data.tags.get(REPORT_TAG) != "true"]
     return exp.experiment_id, sorted(runs, key=lambda r: r.info.run_name or r.info.run_id)
-
-
-def row_of(run: Any, columns: list[tuple[str, str, str, str]] = COLUMNS) -> dict[str, Any]:
-    """One table row (column -> value; None where the run did not record it).
-
-    ``columns``: ``(column, source kind, key, format)`` with kind ``id`` (short run id), ``tag``,
-    ``param``, ``status`` (the MLflow run status) or ``metric``.
-    """
-    row: dict[str, Any] = {}
-    for col, kind, key, _ in columns:
-        if kind == "id":
-            row[col] = run.info.run_id[:8]
-        elif kind == "tag":
-            row[col] = run.data.tags.get(key)
-        elif kind == "param":
-            row[col] = run.data.params.get(key)
-        elif kind == "status":
-            row[col] = run.info.status
-        else:
-            row[col] = run.data.metrics.get(key)
-    return row
-
-
-def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str, str]] = COLUMNS, text_columns: int = 1) -> str:
-    """Fixed-width text table; ``n/a`` where a value is missing; the first ``text_columns`` left-aligned."""
-    cells = [[c for c, *_ in columns]]
-    for row in rows:
-        line = []
-        for col, _, _, spec in columns:
-            v = row[col]
-            line.append("n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec))
-        cells.append(line)
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(c.rjust(w) if i >= text_columns else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in cells)
 
 
 def _labels(rows: list[dict[str, Any]]) -> list[str]:
@@ -209,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print(f"trainlab: error: experiment {args.experiment!r} has no training runs", file=sys.stderr)
         return 2
-    rows = [row_of(r) for r in runs]
-    table = format_table(rows)
+    rows = [row_of(r, COLUMNS) for r in runs]
+    table = format_table(rows, COLUMNS)
     print(table)
     out = Path(args.out or Path("reports") / args.experiment)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,10 +12,10 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from framework.compare import format_table, row_of
+from framework.tables import Column, format_table, row_of
 
-# (column, source kind, key, format)
-RECOVERY_COLUMNS: list[tuple[str, str, str, str]] = [
+# (column, source kind, key, format): see framework.tables
+RECOVERY_COLUMNS: list[Column] = [
     ("run", "id", "", "s"),
     ("faults", "tag", "fault.kinds", "s"),
     ("resilience", "tag", "resilience.policy", "s"),
