@@ -34,11 +34,14 @@ Loading:
   optimizer state keyed by position as ``Optimizer.state_dict()`` has it), so ``single`` and
   ``ddp`` resume from a sharded checkpoint through the ordinary ``CheckpointIO`` path, and
   ``python -m framework.checkpoint convert`` writes weights or a full checkpoint from it.
-- :func:`load_into_sharded` (every rank): a sharded checkpoint is read by DCP directly into the
-  live shards (any world size); a full one (``state.pt`` of ``single``/``ddp``) is distributed
-  with ``set_state_dict(full_state_dict=True)``.
+- :func:`load_into_sharded` (every rank): a checkpoint whose kind loads into live shards
+  (:func:`load_shards` for this one; see :mod:`framework.checkpoint.kinds`) is read by DCP
+  directly into them (any world size); any other (``state.pt`` of ``single``/``ddp``, a delta)
+  is gathered into its full state and distributed with ``set_state_dict(full_state_dict=True)``.
 
-:class:`ShardedCheckpointing` plugs both into a Lightning strategy.
+The ``dcp`` kind is registered by the package (:mod:`framework.checkpoint`);
+:class:`framework.checkpoint.sharded_strategy.ShardedCheckpointing` plugs the loading and
+saving into a Lightning strategy. This module holds the file I/O only and imports no Lightning.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from framework.checkpoint.format import (
     CheckpointError,
     UnsafeCheckpointError,
     commit_folder,
+    kind_of,
+    load_state,
     new_temp_folder,
     read_manifest,
     safe_torch_load,
@@ -194,7 +199,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
-def _safe_reader(path: Path):
+def safe_reader(path: Path):
+    """A DCP ``FileSystemReader`` of DCP folder ``path`` whose index is read without running pickled code.
+
+    Its ``read_metadata`` admits only DCP's metadata classes (:class:`_MetadataUnpickler`) and
+    tensor entries.
+
+    Raises (from ``read_metadata``):
+        UnsafeCheckpointError: the index holds any other pickled object, or non-tensor entries.
+    """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
@@ -284,7 +297,7 @@ def load_full_state(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if read_manifest(path)["kind"] != KIND:
         raise CheckpointError(f"{path}: not a sharded ({KIND}) checkpoint")
-    reader = _safe_reader(path / DCP_DIR)
+    reader = safe_reader(path / DCP_DIR)
     meta = reader.read_metadata()
     tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()}
     with warnings.catch_warnings():
@@ -295,7 +308,29 @@ def load_full_state(path: str | Path) -> dict[str, Any]:
     return full
 
 
-def _live_named_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+def load_shards(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``tensors`` in place from sharded checkpoint ``path``; return the rest of its state (``state.pt``).
+
+    ``tensors``: :func:`split_checkpoint`'s flat dict of the live state (DTensor shards or plain
+    tensors); DCP reads into each exactly the part this rank holds, resharding as needed. The
+    ``dcp`` kind's ``load_into_shards``. Collective: every rank calls it. Does not verify.
+
+    Raises:
+        UnsafeCheckpointError: the checkpoint holds pickled objects other than DCP's index.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(tensors, storage_reader=safe_reader(Path(path) / DCP_DIR))
+    return _read_rest(Path(path))
+
+
+def live_named_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """This rank's live state of ``module`` and its ``optimizers`` as Lightning's dict, optimizer states keyed by name.
+
+    Model and optimizer tensors are the live ones (DTensor shards where the module is sharded),
+    from ``torch.distributed.checkpoint.state_dict``; an AdamW that has not stepped yet gets its
+    (empty) state initialised, so that a load has tensors to fill.
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     return {
@@ -306,16 +341,19 @@ def _live_named_state(module: torch.nn.Module, optimizers: list[torch.optim.Opti
 
 def load_into_sharded(path: str | Path, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                       verified: bool = False) -> dict[str, Any]:
-    """Load checkpoint ``path`` (sharded at any world size, or full) into a sharded ``module`` and its optimizers.
+    """Load checkpoint ``path`` (sharded at any world size, or any kind that gathers into a full state) into a sharded ``module``.
 
-    Collective: every rank calls it. Returns the rest of the checkpoint (loops, LR schedulers,
-    data position, callbacks, RNG) for Lightning to restore.
+    The checkpoint's kind decides (:mod:`framework.checkpoint.kinds`): one that loads into live
+    shards is read straight into them; any other is gathered into its full state
+    (:func:`~framework.checkpoint.format.load_state`) and distributed. Collective: every rank
+    calls it. Returns the rest of the checkpoint (loops, LR schedulers, data position,
+    callbacks, RNG) for Lightning to restore.
 
     Raises:
-        CheckpointError: the checkpoint is not intact (unless ``verified``) or does not match the model.
+        CheckpointError: the checkpoint is not intact (unless ``verified``), its kind is unknown
+            or loads only into its own plugin, or it does not match the model.
         UnsafeCheckpointError: it holds pickled objects other than tensors and plain containers.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     path = Path(path)
@@ -323,20 +361,17 @@ def load_into_sharded(path: str | Path, module: torch.nn.Module, optimizers: lis
         problems = verify(path)
         if problems:
             raise CheckpointError("; ".join(problems))
-    kind = read_manifest(path)["kind"]
-    if kind == KIND:
-        live = _live_named_state(module, optimizers)
+    kind = kind_of(path)
+    if kind.load_into_shards is not None:
+        live = live_named_state(module, optimizers)
         tensors, _ = split_checkpoint(live)
-        dcp.load(tensors, storage_reader=_safe_reader(path / DCP_DIR))  # into the live shards, resharding as needed
-        rest = _read_rest(path)
+        rest = kind.load_into_shards(path, tensors)  # into the live shards, resharding as needed
         state = join_checkpoint(tensors, rest)
         set_model_state_dict(module, state[MODEL_KEY])
         for opt, osd in zip(optimizers, state[OPTIM_KEY]):
             set_optimizer_state_dict(module, opt, osd)
         return rest
-    from framework.checkpoint.format import load_state
-
-    full = load_state(path)  # single / ddp: one full state file (a delta rebuilt from its base)
+    full = load_state(path)  # e.g. single / ddp: one full state file (a delta rebuilt from its base)
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(module, full.pop(MODEL_KEY), options=options)
     for opt, osd in zip(optimizers, full.pop(OPTIM_KEY, [])):
@@ -363,52 +398,13 @@ def check_policy(run: Any, plugin: str, saves: str = "sharded (DCP) checkpoints"
                           f" in-memory snapshots ({no_snapshots}); allowed: 0")
 
 
-# -- Lightning strategy integration --------------------------------------------------------------
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> torch optimizer
+def __getattr__(name: str) -> Any:
+    # Transitional alias: ShardedCheckpointing (the Lightning glue) lives in
+    # framework.checkpoint.sharded_strategy, which imports this module; plugins/fsdp.py still
+    # imports it from here. Resolved on first use, so that importing this module does not import
+    # that one. Remove once every importer uses framework.checkpoint.sharded_strategy.
+    if name == "ShardedCheckpointing":
+        import importlib
 
-
-class ShardedCheckpointing:
-    """Mix into a Lightning strategy whose parameters are DTensors (before the strategy class).
-
-    ``class MyStrategy(ShardedCheckpointing, ModelParallelStrategy): ...``. Saves go to the
-    Trainer's :class:`~framework.checkpoint.io.FolderCheckpointIO` on *every* rank (each writes
-    its shards); loads read a sharded checkpoint of any world size, or a full one, straight into
-    the live shards after the optimizers exist (``restore_checkpoint_after_setup``).
-    """
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint has restored them
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(self.lightning_module)  # this rank's shards (DTensors)
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.lightning_module, _unwrap(optimizer))  # keyed by parameter name
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        checkpoint[SHARDED_KEY] = True  # every rank writes its part, DTensors or not
-        self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(filepath))
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
-        problems = self.broadcast(verify(path) if self.global_rank == 0 else None)  # one rank reads every byte
-        if problems:
-            raise CheckpointError("; ".join(problems))
-        return load_into_sharded(path, self.lightning_module, [_unwrap(o) for o in self.optimizers], verified=True)
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Done by :meth:`load_checkpoint`."""
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Done by :meth:`load_checkpoint`."""
-
+        return importlib.import_module("framework.checkpoint.sharded_strategy").ShardedCheckpointing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

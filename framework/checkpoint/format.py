@@ -18,9 +18,11 @@ the parent folder is fsync'd. A folder without the final name (a save killed mid
 listed; :func:`remove_partial` deletes such leftovers. A complete folder whose bytes were
 changed afterwards fails :func:`verify` and is skipped by :func:`find_latest_valid`.
 
-A sharded plugin's checkpoint (``kind: dcp``, :mod:`framework.checkpoint.dcp`) holds a torch
-DCP folder ``dcp/`` (one shard file per rank) next to ``state.pt``; the manifest lists every
-file, and :func:`load_state` gathers it into one full state.
+Other kinds hold other files: a sharded plugin's checkpoint (``kind: dcp``,
+:mod:`framework.checkpoint.dcp`) a torch DCP folder ``dcp/`` (one shard file per rank) next to
+``state.pt``, a plugin's own format its own files; the manifest lists every file under the
+folder. How each kind loads is looked up in :mod:`framework.checkpoint.kinds`:
+:func:`load_state` gathers any kind that can be gathered into one full state.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from typing import Any, Callable
 
 import torch
 
+from framework.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from framework.checkpoint.kinds import CheckpointKind, get_checkpoint_kind
+
 FORMAT = "trainlab.checkpoint/1"
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
@@ -47,14 +52,6 @@ _TMP_PREFIX = ".step"
 # Test hook: "STEP:SECONDS" makes the save of that step pause for SECONDS after its state file
 # is written and before the manifest and the rename, so a test can kill a save midway.
 TEST_PAUSE_ENV = "TRAINLAB_CKPT_TEST_PAUSE"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing or bad manifest, checksum mismatch, missing base."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file holds pickled objects other than tensors and plain containers."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -97,7 +94,12 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of the file at ``path`` (read in 4 MiB blocks).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -108,9 +110,9 @@ def _sha256(path: Path) -> str:
 def verify(path: str | Path) -> list[str]:
     """Problems of checkpoint folder ``path`` (empty when it is intact).
 
-    Checks the manifest, every listed file's size and sha256, and for a delta checkpoint that
-    its base exists next to it and is intact too. Reads every byte (sha256 runs at roughly
-    1 GB/s on one core).
+    Checks the manifest, every listed file's size and sha256, and for a checkpoint that names a
+    ``base`` (a delta) that the base exists next to it and is intact too. Reads every byte
+    (sha256 runs at roughly 1 GB/s on one core).
     """
     path = Path(path)
     try:
@@ -124,9 +126,9 @@ def verify(path: str | Path) -> list[str]:
             problems.append(f"{f}: missing")
         elif f.stat().st_size != meta["bytes"]:
             problems.append(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']}")
-        elif _sha256(f) != meta["sha256"]:
+        elif file_sha256(f) != meta["sha256"]:
             problems.append(f"{f}: sha256 mismatch (corrupt)")
-    if manifest["kind"] == "delta":
+    if manifest.get("base"):
         base = path.parent / manifest["base"]
         base_problems = verify(base)
         if base_problems:
@@ -151,29 +153,36 @@ def safe_torch_load(file: str | Path) -> Any:
         ) from None
 
 
-def load_state(path: str | Path) -> dict[str, Any]:
-    """Verify checkpoint folder ``path`` and return its state (a delta is rebuilt from its base).
+def kind_of(path: str | Path) -> CheckpointKind:
+    """The :mod:`~framework.checkpoint.kinds` entry of checkpoint folder ``path``'s manifest ``kind``.
 
     Raises:
-        CheckpointError: the manifest is missing or bad, or a checksum does not match.
+        CheckpointError: no or bad manifest, or a kind that is not registered in this process.
+    """
+    return get_checkpoint_kind(read_manifest(path)["kind"])
+
+
+def load_state(path: str | Path) -> dict[str, Any]:
+    """Verify checkpoint folder ``path`` and return its whole state as one Lightning checkpoint dict.
+
+    The kind's loader (:mod:`framework.checkpoint.kinds`) reads it: ``full`` its state file, a
+    ``delta`` rebuilt from its base, a sharded ``dcp`` checkpoint gathered into full tensors.
+    Tensors come back on CPU; optimizer states keyed by position.
+
+    Raises:
+        CheckpointError: the manifest is missing or bad, a checksum does not match, or the kind
+            is unknown or does not gather into a full state (only its own plugin loads it).
         UnsafeCheckpointError: a state file holds objects other than tensors and plain containers.
     """
     path = Path(path)
     problems = verify(path)
     if problems:
         raise CheckpointError("; ".join(problems))
-    manifest = read_manifest(path)
-    if manifest["kind"] == "dcp":  # a sharded checkpoint, gathered into one full state
-        from framework.checkpoint.dcp import load_full_state
-
-        return load_full_state(path)
-    state = safe_torch_load(path / STATE_FILE)
-    if manifest["kind"] == "delta":
-        from framework.checkpoint.delta import apply_delta
-
-        base = safe_torch_load(path.parent / manifest["base"] / STATE_FILE)
-        state = apply_delta(base, state)
-    return state
+    kind = kind_of(path)
+    if kind.load_full_state is None:
+        raise CheckpointError(f"{path}: {kind.description} ({kind.name!r}) do not gather into one full state;"
+                              f" only a plugin that writes {kind.name!r} checkpoints loads them")
+    return kind.load_full_state(path)
 
 
 def find_latest_valid(dirpath: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
@@ -191,7 +200,12 @@ def find_latest_valid(dirpath: str | Path, warn: Callable[[str], None] | None = 
     return None
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync folder ``path`` itself, so that its entries (new files, renames) survive a crash.
+
+    Raises:
+        OSError: the folder cannot be opened or synced.
+    """
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -242,16 +256,19 @@ def hash_files(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> 
     for f in sorted(folder.rglob("*")):
         name = f.relative_to(folder).as_posix()
         if f.is_file() and name not in files and name != MANIFEST:
-            files[name] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+            files[name] = {"sha256": file_sha256(f), "bytes": f.stat().st_size}
     return files
 
 
-def commit_folder(tmp: Path, step: int, manifest: dict[str, Any], known: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Turn temporary folder ``tmp`` (its files already fsync'd) into checkpoint ``step%08d`` next to it.
+def commit_folder(tmp: Path, step: int, manifest: dict[str, Any], known: dict[str, dict[str, Any]] | None = None,
+                  *, fsync_files: bool = False) -> Path:
+    """Turn temporary folder ``tmp`` into checkpoint ``step%08d`` next to it; return the final path.
 
-    Lists every file under ``tmp`` with its sha256 and size (``known``: entries already hashed
-    while writing), writes the manifest last, fsyncs, renames. An existing folder of the same
-    step is replaced only after the new one is complete. Returns the final path.
+    Lists every file under ``tmp`` (sub-folders included) with its sha256 and size (``known``:
+    entries already hashed while writing), writes the manifest last, fsyncs every folder,
+    renames. The files must already be fsync'd, or ``fsync_files``: fsync each here (for files
+    written by a library that does not). An existing folder of the same step is moved aside
+    and deleted only after the new one is complete.
 
     Raises:
         OSError: the commit failed; ``tmp`` has been removed.
@@ -259,6 +276,10 @@ def commit_folder(tmp: Path, step: int, manifest: dict[str, Any], known: dict[st
     dirpath = tmp.parent
     final = dirpath / checkpoint_name(step)
     try:
+        if fsync_files:
+            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
         files = hash_files(tmp, known)
         _test_pause(step)
         full = {**manifest, "format": FORMAT, "step": step, "created_unix": time.time(), "files": files,
@@ -268,14 +289,14 @@ def commit_folder(tmp: Path, step: int, manifest: dict[str, Any], known: dict[st
             f.flush()
             os.fsync(f.fileno())
         for sub in [p for p in tmp.rglob("*") if p.is_dir()]:
-            _fsync_dir(sub)
-        _fsync_dir(tmp)
+            fsync_dir(sub)
+        fsync_dir(tmp)
         old = None
         if final.exists():  # re-saving a step: move the old one aside only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{step:08d}.tmp-old-", dir=dirpath))
             os.rename(final, old / final.name)
         os.rename(tmp, final)
-        _fsync_dir(dirpath)
+        fsync_dir(dirpath)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -342,7 +363,7 @@ def prune(dirpath: str | Path, keep_last_k: int) -> list[Path]:
             m = read_manifest(p)
         except CheckpointError:
             continue
-        if m.get("kind") == "delta":
+        if m.get("base"):
             keep.add(p.parent / m["base"])
     removed = []
     for _, p in found:

@@ -29,20 +29,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from framework.checkpoint.dcp import (
-    DCP_DIR,
-    KIND,
-    MODEL_KEY,
-    OPTIM_KEY,
-    ShardedCheckpointing,
-    _live_named_state,
-    _read_rest,
-    _safe_reader,
-    _unwrap,
-    join_checkpoint,
-    split_checkpoint,
-)
-from framework.checkpoint.format import CheckpointError, load_state, read_manifest, verify
+from framework.checkpoint.dcp import MODEL_KEY, OPTIM_KEY, join_checkpoint, live_named_state, split_checkpoint
+from framework.checkpoint.format import CheckpointError, kind_of, load_state, verify
+from framework.checkpoint.sharded_strategy import ShardedCheckpointing, unwrap_optimizer
 from plugins.megatron.pipeline import gpt_param_name
 
 PREFIX = "model."  # LMModule's attribute holding the model (or the pipeline runner)
@@ -130,37 +119,40 @@ class MeshCheckpointing(ShardedCheckpointing):
         problems = self.broadcast(verify(path) if self.global_rank == 0 else None)  # one rank reads every byte
         if problems:
             raise CheckpointError("; ".join(problems))
-        return load_by_gpt_names(path, self.lightning_module, [_unwrap(o) for o in self.optimizers], self.param_order)
+        return load_by_gpt_names(path, self.lightning_module, [unwrap_optimizer(o) for o in self.optimizers], self.param_order)
 
 
 def load_by_gpt_names(path: Path, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                       order: list[str]) -> dict[str, Any]:
     """Load checkpoint ``path`` (sharded at any layout, or a full one of ``single``/``ddp``) into a tp/pp ``module``.
 
+    The checkpoint's kind decides (:mod:`framework.checkpoint.kinds`), as in
+    :func:`framework.checkpoint.dcp.load_into_sharded`: a kind that loads into live shards is read
+    straight into them, any other is gathered into its full state and distributed by name.
     Collective: every rank calls it. Returns the rest of the checkpoint (loops, LR schedulers,
     data position, callbacks, RNG) for Lightning to restore.
 
     Raises:
-        CheckpointError: a name of this rank is missing from the checkpoint, or the optimizer's
-            parameter groups differ from the saved ones.
+        CheckpointError: a name of this rank is missing from the checkpoint, the optimizer's
+            parameter groups differ from the saved ones, or the kind is unknown or loads only
+            into its own plugin.
         UnsafeCheckpointError: the checkpoint holds pickled objects other than DCP's index.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    live = _live_named_state(module, optimizers)
+    live = live_named_state(module, optimizers)
     live_groups = [[n for g in o["param_groups"] for n in g["params"]] for o in live[OPTIM_KEY]]
-    if read_manifest(path)["kind"] == KIND:
+    kind = kind_of(path)
+    if kind.load_into_shards is not None:
         renamed = {MODEL_KEY: _rename_model(live[MODEL_KEY], load_name),
                    OPTIM_KEY: [_rename_optim(o, load_name) for o in live[OPTIM_KEY]]}
         tensors, _ = split_checkpoint(renamed)
-        dcp.load(tensors, storage_reader=_safe_reader(path / DCP_DIR))  # into the live shards, resharding as needed
-        rest = _read_rest(path)
+        rest = kind.load_into_shards(path, tensors)  # into the live shards, resharding as needed
         saved = join_checkpoint(tensors, rest)
         options = StateDictOptions()
         model_state, optim_states = saved[MODEL_KEY], saved[OPTIM_KEY]
     else:
-        rest = load_state(path)  # single / ddp: full tensors, optimizer state by position
+        rest = load_state(path)  # e.g. single / ddp: full tensors, optimizer state by position
         options = StateDictOptions(full_state_dict=True)
         model_state = rest.pop(MODEL_KEY)
         optim_states = []

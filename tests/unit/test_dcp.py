@@ -82,11 +82,11 @@ def test_dcp_index_reader_admits_only_metadata_classes(tmp_path):
 
 
 def test_a_planted_dcp_index_is_refused_without_running_it(tmp_path, capsys):
-    from framework.checkpoint.dcp import _safe_reader
+    from framework.checkpoint.dcp import safe_reader
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
     with pytest.raises(UnsafeCheckpointError, match="refused to load"):
-        _safe_reader(tmp_path).read_metadata()
+        safe_reader(tmp_path).read_metadata()
     assert "pwned" not in capsys.readouterr().out
 
 
