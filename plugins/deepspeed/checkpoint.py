@@ -3,10 +3,17 @@
 A save is ``engine.save_checkpoint`` of every rank (DeepSpeed's own files: one model-state
 file with Lightning's loop / scheduler / data / RNG state as client state, and one ZeRO
 optimizer-state file per rank) written into a hidden ``.step%08d.tmp-*`` folder; once every
-rank is done, rank 0 checksums every file, writes ``manifest.json`` (format, step, layout,
-config hash, sha256 + bytes per file), fsyncs and renames the folder to ``step%08d``, and
-prunes to ``checkpoint.keep_last_k``. A kill midway leaves only a hidden folder, which is
-never resumed from and is removed at the next start, as for every other plugin.
+rank is done, rank 0 commits it with the folder format's own
+:func:`~framework.checkpoint.format.commit_folder` (fsync every file, checksum it, write
+``manifest.json`` with format, kind ``deepspeed``, step, layout, config hash, sha256 + bytes
+per file, rename to ``step%08d``; an older folder of the same step is replaced only once the
+new one is complete) and prunes to ``checkpoint.keep_last_k``. A kill midway leaves only a
+hidden folder, which is never resumed from and is removed at the next start, as for every
+other plugin.
+
+Importing this module registers the ``deepspeed`` checkpoint kind
+(:mod:`framework.checkpoint.kinds`): DeepSpeed's files do not gather into one full state, so
+only this plugin loads them, and this plugin loads nothing else.
 
 Loading verifies the checksums first. A folder written by another number of ranks is converted
 once to DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) next to it,
@@ -20,7 +27,6 @@ against corruption, not against a crafted file (unlike trainlab's own ``state.pt
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -30,42 +36,14 @@ from typing import Any
 
 import torch
 
-from framework.checkpoint.format import (
-    FORMAT,
-    MANIFEST,
-    CheckpointError,
-    _fsync_dir,
-    _sha256,
-    prune,
-    read_manifest,
-    verify,
-)
+from framework.checkpoint.format import CheckpointError, commit_folder, new_temp_folder, prune, read_manifest, verify
 from framework.checkpoint.io import SaveResult
+from framework.checkpoint.kinds import CheckpointKind, register_checkpoint_kind
 
+KIND = "deepspeed"  # manifest "kind" of a DeepSpeed checkpoint
 TAG = "deepspeed"  # DeepSpeed's sub-folder (its "tag") inside a step folder
 
-
-def _finalize(tmp: Path, final: Path, step: int, manifest_fields: dict[str, Any], tokens_per_step: int) -> int:
-    """Checksum every file under ``tmp``, write the manifest last, rename ``tmp`` to ``final``; return bytes."""
-    files = {}
-    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-        files[str(f.relative_to(tmp))] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
-    manifest = {**manifest_fields, "kind": "deepspeed", "base": None, "tokens_seen": step * tokens_per_step,
-                "format": FORMAT, "step": step, "created_unix": time.time(), "files": files,
-                "bytes": sum(m["bytes"] for m in files.values())}
-    with open(tmp / MANIFEST, "w") as fh:
-        json.dump(manifest, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
-        _fsync_dir(d)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    return manifest["bytes"]
+register_checkpoint_kind(CheckpointKind(KIND, "DeepSpeed's own checkpoint files"))
 
 
 def save_folder(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
@@ -75,22 +53,20 @@ def save_folder(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> Non
         OSError: a write failed (the hidden temporary folder is removed).
     """
     io = strategy.checkpoint_io
-    final = Path(strategy.broadcast(str(filepath)))
+    dirpath = Path(strategy.broadcast(str(filepath))).parent  # filepath: <checkpoint.dir>/step%08d
     step = int(checkpoint["global_step"])
     t0 = time.perf_counter()
-    tmp = None
-    if strategy.is_global_zero:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)
-    tmp = Path(strategy.broadcast(tmp))
+    tmp = Path(strategy.broadcast(str(new_temp_folder(dirpath, step)) if strategy.is_global_zero else None))
     client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     try:
         strategy.deepspeed_engine.save_checkpoint(str(tmp), client_state=client, tag=TAG)
         strategy.barrier()
         if strategy.is_global_zero:
-            nbytes = _finalize(tmp, final, step, io.manifest_fields, io.tokens_per_step)
-            prune(final.parent, io.keep_last_k)
-            io.record(SaveResult(step=step, kind="full", save_s=time.perf_counter() - t0, bytes=nbytes, path=final))
+            manifest = {**io.manifest_fields, "kind": KIND, "base": None, "tokens_seen": step * io.tokens_per_step}
+            final = commit_folder(tmp, step, manifest, fsync_files=True)  # DeepSpeed writes its files with torch.save, no fsync
+            prune(dirpath, io.keep_last_k)
+            io.record(SaveResult(step=step, kind="full", save_s=time.perf_counter() - t0, bytes=read_manifest(final)["bytes"],
+                                 path=final))
     except BaseException:
         if strategy.is_global_zero:
             shutil.rmtree(tmp, ignore_errors=True)
