@@ -35,9 +35,8 @@ class PluginCapabilities:
     Attributes:
         checkpoint_format: the manifest ``kind`` of the checkpoints it writes (``full``: one
             state file, :mod:`framework.checkpoint.format`; ``dcp``: sharded,
-            :mod:`framework.checkpoint.dcp`; or a kind the plugin registers itself, e.g.
-            ``deepspeed``).
-        checkpoint_description: what those checkpoints are, for messages (default: from the format).
+            :mod:`framework.checkpoint.dcp`; or a kind the plugin registers itself in
+            :mod:`framework.checkpoint.kinds`, e.g. ``deepspeed``).
         loads_full_state: it can resume from any checkpoint kind that gathers into one full
             state (``full``, ``delta``, ``dcp``), not only from its own format.
         async_save: supports ``checkpoint.mode=async`` (a background writer).
@@ -53,7 +52,6 @@ class PluginCapabilities:
     """
 
     checkpoint_format: str = "full"
-    checkpoint_description: str = ""
     loads_full_state: bool = True
     async_save: bool = True
     incremental_save: bool = True
@@ -144,9 +142,6 @@ class ParallelPlugin:
         model). Default: nothing to meter (a plugin that never communicates)."""
 
 
-_FORMAT_WORDS = {"full": "full checkpoints", "dcp": "sharded (DCP) checkpoints"}
-
-
 def check_capabilities(plugin: ParallelPlugin, run: Any, layout: "ParallelLayout") -> None:
     """The framework's checks of a run against what ``plugin`` declares (:class:`PluginCapabilities`).
 
@@ -155,6 +150,8 @@ def check_capabilities(plugin: ParallelPlugin, run: Any, layout: "ParallelLayout
             (async, incremental, in-memory snapshots) its checkpoint format does not implement;
             one line naming the key and what is allowed.
     """
+    from framework.checkpoint.kinds import get_checkpoint_kind
+
     caps, name = plugin.capabilities, plugin.name
     if not caps.mesh_axes and layout.world_size != 1:
         raise ConfigError(
@@ -168,7 +165,7 @@ def check_capabilities(plugin: ParallelPlugin, run: Any, layout: "ParallelLayout
             f" (its mesh axes: {', '.join(caps.mesh_axes)}; allowed: 1); use a tensor/pipeline plugin"
         )
     ck = run.checkpoint
-    saves = caps.checkpoint_description or _FORMAT_WORDS.get(caps.checkpoint_format, f"{caps.checkpoint_format!r} checkpoints")
+    saves = get_checkpoint_kind(caps.checkpoint_format).description
     if ck.mode != "sync" and not caps.async_save:
         raise ConfigError(f"checkpoint.mode={ck.mode!r}: plugin {name!r} saves {saves} synchronously only; allowed: sync")
     if ck.full_every_n_saves != 1 and not caps.incremental_save:

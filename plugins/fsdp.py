@@ -11,7 +11,7 @@ Lightning integration: :class:`~framework.mesh_strategy.LayoutStrategy` (Lightni
 ``LightningModule.configure_model``, which hands the model to :meth:`FSDPPlugin.configure_model`. Works on CPU (gloo) and CUDA (NCCL) unchanged.
 
 Checkpoints: every rank writes its own shards with torch Distributed Checkpoint
-(:class:`~framework.checkpoint.dcp.ShardedCheckpointing` on the strategy), so a checkpoint
+(:class:`~framework.checkpoint.sharded_strategy.ShardedCheckpointing` on the strategy), so a checkpoint
 loads at any other world size, into ``fsdp`` (resharded) or ``single``/``ddp`` (gathered); and
 ``fsdp`` resumes from a ``single``/``ddp`` checkpoint. Synchronous full saves only.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from framework.checkpoint.dcp import ShardedCheckpointing
+from framework.checkpoint.sharded_strategy import ShardedCheckpointing
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
 from framework.mesh_strategy import LayoutStrategy

@@ -377,34 +377,3 @@ def load_into_sharded(path: str | Path, module: torch.nn.Module, optimizers: lis
     for opt, osd in zip(optimizers, full.pop(OPTIM_KEY, [])):
         set_optimizer_state_dict(module, opt, optim_state_by_name(osd, module, opt), options=options)
     return full
-
-
-def check_policy(run: Any, plugin: str, saves: str = "sharded (DCP) checkpoints", no_snapshots: str | None = None) -> None:
-    """Refuse checkpoint policies a plugin's checkpoint format does not implement (ConfigError, one line).
-
-    ``saves``: what the plugin writes, for the message. ``no_snapshots``: when not None, in-memory
-    rollback snapshots (``checkpoint.memory_every_n_steps``) are refused too, for this reason.
-    """
-    from framework.config.schema import ConfigError
-
-    ck = run.checkpoint
-    if ck.mode != "sync":
-        raise ConfigError(f"checkpoint.mode={ck.mode!r}: plugin {plugin!r} saves {saves} synchronously only; allowed: sync")
-    if ck.full_every_n_saves != 1:
-        raise ConfigError(f"checkpoint.full_every_n_saves={ck.full_every_n_saves}: plugin {plugin!r} saves {saves}"
-                          " without deltas; allowed: 1")
-    if no_snapshots is not None and ck.memory_every_n_steps > 0:
-        raise ConfigError(f"checkpoint.memory_every_n_steps={ck.memory_every_n_steps}: plugin {plugin!r} keeps no"
-                          f" in-memory snapshots ({no_snapshots}); allowed: 0")
-
-
-def __getattr__(name: str) -> Any:
-    # Transitional alias: ShardedCheckpointing (the Lightning glue) lives in
-    # framework.checkpoint.sharded_strategy, which imports this module; plugins/fsdp.py still
-    # imports it from here. Resolved on first use, so that importing this module does not import
-    # that one. Remove once every importer uses framework.checkpoint.sharded_strategy.
-    if name == "ShardedCheckpointing":
-        import importlib
-
-        return importlib.import_module("framework.checkpoint.sharded_strategy").ShardedCheckpointing
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

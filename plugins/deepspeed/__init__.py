@@ -19,11 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from framework.checkpoint.kinds import CheckpointKind, register_checkpoint_kind
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.metrics.comm import CommEstimate, ModelStats
 from framework.metrics.timing import CommMeter
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin
+
+KIND = "deepspeed"  # manifest "kind" of a DeepSpeed checkpoint: DeepSpeed's files, loaded only by this plugin
+register_checkpoint_kind(CheckpointKind(KIND, "DeepSpeed's own checkpoint files"))
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu")
@@ -79,7 +83,7 @@ class DeepSpeedPlugin(ParallelPlugin):
     # Checkpoints are DeepSpeed's own files, saved by its engine: no async writer, no deltas, and
     # its ZeRO optimizers do not take back a torch state dict from an in-memory snapshot.
     capabilities = PluginCapabilities(
-        checkpoint_format="deepspeed", checkpoint_description="DeepSpeed's own checkpoint files", loads_full_state=False, async_save=False, incremental_save=False,
+        checkpoint_format=KIND, loads_full_state=False, async_save=False, incremental_save=False,
         memory_snapshots=False, no_snapshots_reason="so no resilience=rollback; resilience=restart resumes from the last checkpoint",
         mesh_axes=("dp",),
     )

@@ -38,13 +38,9 @@ import torch
 
 from framework.checkpoint.format import CheckpointError, commit_folder, new_temp_folder, prune, read_manifest, verify
 from framework.checkpoint.io import SaveResult
-from framework.checkpoint.kinds import CheckpointKind, register_checkpoint_kind
 
-KIND = "deepspeed"  # manifest "kind" of a DeepSpeed checkpoint
+from plugins.deepspeed import KIND  # manifest "kind" of a DeepSpeed checkpoint (registered by the plugin package)
 TAG = "deepspeed"  # DeepSpeed's sub-folder (its "tag") inside a step folder
-
-register_checkpoint_kind(CheckpointKind(KIND, "DeepSpeed's own checkpoint files"))
-
 
 def save_folder(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
     """Write ``checkpoint`` (Lightning's dict) as step folder ``filepath`` on every rank; see the module docstring.
