@@ -6,9 +6,10 @@ takes the same decision without a second round (a NaN on one rank is seen by all
 have spread it anyway, a sharded or post-sync fault would not).
 
 - Non-finite: any rank's gradient L2 norm or loss is NaN/Inf.
-- Spikes: the step's value (gradient norm: mean over ranks, i.e. the global norm of replicated
-  gradients; loss: mean over ranks = the global-batch loss, since every rank holds the same
-  number of tokens) above ``factor`` x its running mean. The running mean is an exponential
+- Spikes: the step's value (gradient norm: the plugin's global norm,
+  :meth:`~framework.plugin.ParallelPlugin.grad_norm`, the run's one gradient-norm function,
+  averaged over ranks; loss: mean over ranks = the global-batch loss, since every rank holds
+  the same number of tokens) above ``factor`` x its running mean. The running mean is an exponential
   moving average over accepted steps only (``m = beta*m + (1-beta)*x``), judged only after
   ``stat_warmup_steps`` accepted steps, as in the loss-spike guards of large runs (PaLM §5.1
   restarts ~100 steps before a spike and skips the batches; OPT-175B's logbook rolls back on
@@ -48,7 +49,7 @@ class StepHealth:
 
     grad_nonfinite: bool
     loss_nonfinite: bool
-    grad_norm: float  # mean over ranks of the finite local norms (L2, all parameters)
+    grad_norm: float  # mean over ranks of their finite global norms (ParallelPlugin.grad_norm: L2, all parameters)
     loss: float  # mean over ranks of their micro-batch mean losses
     busy_s: list[float]  # per rank: seconds from the step's start to its health check
 
@@ -69,15 +70,6 @@ class StepHealth:
         med = statistics.median(b for r, b in enumerate(self.busy_s) if r != worst)
         slow = self.busy_s[worst]
         return worst if med > 0 and slow > factor * med and slow - med > min_s else None
-
-
-def local_grad_norm(parameters) -> float:
-    """L2 norm of the gradients of ``parameters`` (a DTensor norm is gathered to a full value)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return 0.0
-    norm = torch.nn.utils.get_total_norm(grads)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def gather_health(*, grad_norm: float, loss: float, busy_s: float, device: torch.device) -> StepHealth:

@@ -33,8 +33,9 @@ import pytorch_lightning as pl
 
 from framework.checkpoint.memory import MemorySnapshot
 from framework.config.schema import ResilienceConfig
-from framework.faults.detect import RunningMean, Watchdog, gather_health, local_grad_norm
+from framework.faults.detect import RunningMean, Watchdog, gather_health
 from framework.faults.events import FaultLog
+from framework.faults.lightning_adapter import align_batch_counter, set_optimizer_step
 
 
 class FaultAbort(RuntimeError):
@@ -42,40 +43,19 @@ class FaultAbort(RuntimeError):
 
 
 def rewind_to_snapshot(trainer: pl.Trainer, step: int) -> None:
-    """Set Lightning's optimizer-step counter to ``step`` and restart the data stream there.
+    """Rewind training to optimizer step ``step``: Lightning's step counter and the data stream
+    (:func:`~framework.faults.lightning_adapter.set_optimizer_step`); callbacks with an
+    ``on_rollback(step)`` method are told.
 
-    Lightning has no public "go back N steps"; this touches two things only: the automatic
-    optimization's step counter (``trainer.global_step`` reads it; it is what checkpoints save)
-    and the start step of trainlab's own batch sampler; callbacks with an ``on_rollback(step)``
-    method are told. The caller then ends the epoch
-    (``LMModule.end_epoch_requested``): the next epoch re-iterates the loader from ``step``
-    with fresh in-epoch counters, so gradient accumulation stays aligned to step boundaries.
+    The caller then ends the epoch (``LMModule.end_epoch_requested``): the next epoch re-iterates
+    the loader from ``step`` with fresh in-epoch counters, so gradient accumulation stays
+    aligned to step boundaries.
     """
-    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
-    progress.ready = progress.completed = step
-    trainer.train_dataloader.batch_sampler.start_step = step
-    for cb in trainer.callbacks:  # callbacks that track step ends (StepMetrics) are told
+    set_optimizer_step(trainer, step)
+    for cb in trainer.callbacks:  # callbacks that track step ends (the step clock) are told
         hook = getattr(cb, "on_rollback", None)
         if callable(hook):
             hook(step)
-
-
-def align_batch_counter(trainer: pl.Trainer) -> bool:
-    """Make Lightning's in-epoch micro-batch counter a whole number of current optimizer steps.
-
-    Call in the first ``on_train_batch_start`` of a (resumed) fit. Lightning cuts optimizer steps
-    where that counter is a multiple of ``accumulate_grad_batches``, and a checkpoint stores it
-    in micro-batches of the run that saved it: after a shrink (grad_accum_steps 2 -> 4) the
-    first step would end after half a global batch. The counter is set to ``global_step *
-    grad_accum_steps`` (as if the epoch began at step 0, which the sampler's length assumes),
-    plus the batch whose start hook is running. Returns whether it had to change.
-    """
-    current = trainer.fit_loop.epoch_loop.batch_progress.current
-    done = trainer.global_step * trainer.accumulate_grad_batches
-    if (current.ready - 1) % trainer.accumulate_grad_batches == 0:
-        return False
-    current.ready, current.started, current.processed, current.completed = done + 1, done, done, done
-    return True
 
 
 class FaultGuard(pl.Callback):
@@ -165,7 +145,7 @@ class FaultGuard(pl.Callback):
         step = self._step
         n = max(1, pl_module.step_micro_batches)
         health = gather_health(
-            grad_norm=local_grad_norm(pl_module.parameters()),
+            grad_norm=pl_module.plugin.grad_norm(pl_module),  # the one gradient-norm function (the run logs it too)
             loss=float(pl_module.step_loss_sum) / n, busy_s=time.perf_counter() - self._t_step, device=pl_module.device,
         )
         if self.watchdog is not None:
