@@ -18,6 +18,7 @@ import torch
 
 from framework.config.resolved import ResolvedRun
 from framework.model import GPT
+from framework.parallelize import parallelize_gpt
 from framework.plugin import ParallelPlugin
 
 
@@ -57,7 +58,7 @@ class LMModule(pl.LightningModule):
         self.end_epoch_requested = False
 
     def configure_model(self) -> None:
-        """Build the GPT (seeded, identical on every rank) and let the plugin apply itself.
+        """Build the GPT (seeded, identical on every rank) and parallelize it by the plugin's plan.
 
         Idempotent, as Lightning requires: a second call does nothing.
         """
@@ -71,9 +72,13 @@ class LMModule(pl.LightningModule):
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(self.resolved.run.trainer.seed)
             model = GPT(self.resolved.run.model, vocab_size=self.vocab_size)
+        # The plugin's plan (pipeline split, TP, DP wrapper) with activation checkpointing and
+        # compilation, in torchtitan's order; in-place throughout, so parameter names (and
+        # checkpoint keys) stay the GPT's.
+        run = self.resolved.run
+        model = parallelize_gpt(model, self.plugin.parallel_plan(model, self),
+                                activation_checkpointing=run.model.activation_checkpointing, compile=run.trainer.compile)
         self.model = self.plugin.configure_model(model, self)
-        if self.resolved.run.trainer.compile:
-            self.model.compile()  # in place: parameter names (and checkpoint keys) stay the same
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from framework.layout import ParallelLayout
     from framework.metrics.comm import CommEstimate, ModelStats
     from framework.metrics.timing import CommMeter
+    from framework.parallelize import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class ParallelPlugin:
         capabilities: a :class:`PluginCapabilities`.
 
     Must implement: :meth:`build_strategy`, :meth:`comm_volume`, :meth:`model_states_bytes`.
+    A plugin that splits, shards or wraps the model returns a plan from :meth:`parallel_plan`.
     Everything else has a default that is right for a plugin that does nothing special there.
     """
 
@@ -97,10 +99,21 @@ class ParallelPlugin:
         """A Lightning ``Strategy`` (object or registered name) for ``resolved.layout``."""
         raise NotImplementedError(f"plugin {self.name!r} does not implement build_strategy")
 
+    def parallel_plan(self, model: "torch.nn.Module", module: Any) -> "ParallelPlan":
+        """What to apply to the freshly built GPT ``model``: a :class:`~framework.parallelize.ParallelPlan`
+        (pipeline split, TP plan, DP wrapper, assembly), which
+        :func:`~framework.parallelize.parallelize_gpt` applies in torchtitan's order together with
+        activation checkpointing and compilation. ``module`` is the LightningModule
+        (``module.device_mesh``: the run's ``("pp", "dp", "tp")`` mesh; ``module.resolved``).
+        Default: an empty plan (the model stays whole; the strategy may wrap it, e.g. DDP)."""
+        from framework.parallelize import ParallelPlan
+
+        return ParallelPlan()
+
     def configure_model(self, model: "torch.nn.Module", module: Any) -> "torch.nn.Module":
-        """Shard / split / wrap the freshly built GPT (Lightning's ``configure_model`` hook); returns
-        what ``LMModule.model`` becomes. ``module`` is the LightningModule (``module.device_mesh``,
-        ``module.resolved``). Default: the model unchanged (the strategy wraps it, e.g. DDP)."""
+        """After the plan was applied: anything a plan cannot express (e.g. registering a parameter
+        used outside its module with ZeRO-3); returns what ``LMModule.model`` becomes. ``model``
+        is :func:`~framework.parallelize.parallelize_gpt`'s result. Default: ``model`` unchanged."""
         return model
 
     def callbacks(self, resolved: "ResolvedRun", sinks: list) -> list:
@@ -115,8 +128,11 @@ class ParallelPlugin:
 
     def grad_norm(self, module: Any) -> float:
         """The global L2 norm of the gradients of ``module`` (after the data-parallel reduction,
-        before clipping). Default: every rank holds whole gradients, or DTensor shards of them
-        (FSDP2), whose norm is gathered with ``full_tensor``."""
+        before clipping): the run's one gradient-norm function, logged as ``train/grad_norm`` and
+        judged by the fault guard (:mod:`framework.faults.detect`). Default: every rank holds
+        whole gradients, or DTensor shards of them (FSDP2), whose norm is gathered with
+        ``full_tensor``; 0.0 without gradients. Override when gradients are split otherwise
+        (e.g. pipeline stages, a tied weight held twice)."""
         import torch
 
         grads = [p.grad for p in module.parameters() if p.grad is not None]

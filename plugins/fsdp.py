@@ -8,7 +8,8 @@ gathered from forward to backward (``False``, ZeRO-2-like: 2Ψ, more memory).
 
 Lightning integration: :class:`~framework.mesh_strategy.LayoutStrategy` (Lightning's
 ``ModelParallelStrategy`` on the run's ``("pp", "dp", "tp")`` mesh) calls
-``LightningModule.configure_model``, which hands the model to :meth:`FSDPPlugin.configure_model`. Works on CPU (gloo) and CUDA (NCCL) unchanged.
+``LightningModule.configure_model``, which applies :meth:`FSDPPlugin.parallel_plan` with
+:func:`framework.parallelize.parallelize_gpt`. Works on CPU (gloo) and CUDA (NCCL) unchanged.
 
 Checkpoints: every rank writes its own shards with torch Distributed Checkpoint
 (:class:`~framework.checkpoint.sharded_strategy.ShardedCheckpointing` on the strategy), so a checkpoint
@@ -19,6 +20,7 @@ loads at any other world size, into ``fsdp`` (resharded) or ``single``/``ddp`` (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from framework.distributed import process_group_backend, resolve_accelerator
 from framework.mesh_strategy import LayoutStrategy
 from framework.metrics.comm import CommEstimate, ModelStats
 from framework.metrics.timing import CommMeter
+from framework.parallelize import ParallelPlan
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin
 
@@ -147,15 +150,12 @@ class FSDPPlugin(ParallelPlugin):
         for name, kind, payload_arg in fsdp2_collectives():
             wrap(name, kind, payload_arg)
 
-    def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
-        """Shard each transformer block, then the root (embeddings, final norm, tied head)."""
+    def parallel_plan(self, model: torch.nn.Module, module: Any) -> ParallelPlan:
+        """DP wrapper: ``fully_shard`` on the ``dp`` mesh (each block, then the root: embeddings,
+        final norm, tied head), with ``reshard_after_forward`` and the mixed-precision policy."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = module.device_mesh["dp"]
-        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.cfg.reshard_after_forward}
+        kwargs: dict[str, Any] = {"mesh": module.device_mesh["dp"], "reshard_after_forward": self.cfg.reshard_after_forward}
         if self.cfg.mixed_precision == "bf16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+        return ParallelPlan(dp=partial(fully_shard, **kwargs))

@@ -16,6 +16,10 @@ Tensor-parallel friendliness:
 
 Parameter counts are taken once, at construction, so they describe the whole model even
 after a plugin shards or replaces its weights.
+
+The model holds no parallelism: pipeline split, tensor parallelism, activation checkpointing
+(``model.activation_checkpointing``), compilation and data-parallel wrapping are applied from
+outside, in that order, by :func:`framework.parallelize.parallelize_gpt`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from framework.config.schema import ModelConfig
@@ -156,7 +159,7 @@ class GPT(nn.Module):
         return self.wte.weight
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Run the decoder.
+        """Run the decoder: :func:`embed_tokens`, the blocks in order, :func:`output_logits`.
 
         Args:
             idx: token ids ``[b, s]`` (int64), ``s <= max_seq_len``.
@@ -164,27 +167,16 @@ class GPT(nn.Module):
 
         Returns:
             logits ``[b, s, V]`` when ``targets`` is None; otherwise the mean cross-entropy over
-            all ``b * s`` tokens, a 0-dim fp32 tensor (also under autocast).
+            all ``b * s`` tokens (:func:`lm_loss`), a 0-dim fp32 tensor (also under autocast).
+
+        Raises:
+            ValueError: ``s > max_seq_len``.
         """
-        b, s = idx.shape
-        if s > self.max_seq_len:
-            raise ValueError(
-                f"seq_len={s} is longer than model.max_seq_len={self.max_seq_len}; "
-                "raise model.max_seq_len or shorten the sequences"
-            )
-        pos = torch.arange(s, device=idx.device)  # [s]
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # [b, s, h]
+        x = embed_tokens(idx, self.wte, self.wpe, self.drop, self.max_seq_len)  # [b, s, h]
         for block in self.blocks:
-            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                # keep only the block's input; its forward runs again in backward (HFU counts it)
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        x = self.ln_f(x)  # [b, s, h]
-        logits = F.linear(x, self.wte.weight)  # [b, s, V], tied head
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(b * s, -1), targets.reshape(b * s))
+            x = block(x)
+        logits = output_logits(x, self.ln_f, self.wte.weight)  # [b, s, V], tied head
+        return logits if targets is None else lm_loss(logits, targets)
 
     def num_params(self, *, exclude_position_embedding: bool = True) -> int:
         """Parameters of the whole model, the tied head counted once (it *is* ``wte``).
@@ -229,3 +221,36 @@ class GPT(nn.Module):
         return _flops_per_token(
             n_params=self.num_flops_params(), n_layer=self.n_layer, d_model=self.d_model, seq_len=seq_len
         )
+
+
+# The GPT's forward in pieces, shared with pipeline stages (plugins/megatron/pipeline.py), which
+# hold some of these modules each and so cannot call GPT.forward.
+
+
+def embed_tokens(idx: torch.Tensor, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout, max_seq_len: int) -> torch.Tensor:
+    """Token + learned position embeddings, then dropout: ids ``[b, s]`` -> ``[b, s, h]``.
+
+    Raises:
+        ValueError: ``s > max_seq_len``.
+    """
+    s = idx.shape[1]
+    if s > max_seq_len:
+        raise ValueError(
+            f"seq_len={s} is longer than model.max_seq_len={max_seq_len}; "
+            "raise model.max_seq_len or shorten the sequences"
+        )
+    pos = torch.arange(s, device=idx.device)  # [s]
+    return drop(wte(idx) + wpe(pos))
+
+
+def output_logits(x: torch.Tensor, ln_f: nn.LayerNorm, head_weight: torch.Tensor) -> torch.Tensor:
+    """Final LayerNorm and the output projection: ``[b, s, h]`` -> logits ``[b, s, V]``
+    (``head_weight`` ``[V, h]``: the token embedding, or a pipeline stage's copy of it)."""
+    return F.linear(ln_f(x), head_weight)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits [b, s, V]`` against next-token ids ``targets [b, s]``,
+    computed in fp32 (a 0-dim tensor, also under autocast)."""
+    b, s = targets.shape
+    return F.cross_entropy(logits.float().reshape(b * s, -1), targets.reshape(b * s))

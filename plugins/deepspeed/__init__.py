@@ -113,7 +113,8 @@ class DeepSpeedPlugin(ParallelPlugin):
         return build_strategy(self.cfg, resolved)
 
     def configure_model(self, model: Any, module: Any) -> Any:
-        """Stage 3: declare the tied output head as used outside its module.
+        """Stage 3: declare the tied output head as used outside its module (after the plan: DeepSpeed
+        shards through its engine, so the plan is empty).
 
         ZeRO-3 gathers a module's parameters only around that module's own forward; the GPT's
         head reuses ``wte.weight`` in the GPT's forward, so it is registered as an external

@@ -29,15 +29,14 @@ size; no schedule), and broadcasts the loss over the pipeline group.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from framework.metrics.timing import make_clock
+from framework.model.gpt import embed_tokens, lm_loss, output_logits
 from plugins.megatron.metering import GATE, meter_stage_sends
 
 
@@ -62,13 +61,15 @@ class GPTStage(nn.Module):
     """A slice of a GPT: ``[b, s]`` token ids (first stage) or ``[b, s, h]`` hidden states in,
     ``[b, s, h]`` hidden states or ``[b, s, V]`` logits (last stage) out.
 
+    Holds the GPT's own modules (no copies) and runs them with the GPT's own pieces
+    (:func:`~framework.model.gpt.embed_tokens`, its blocks, :func:`~framework.model.gpt.output_logits`).
     Blocks keep their GPT names (``blocks.<N>``), so a stage's parameter names are the GPT's.
     """
 
     def __init__(self, gpt: nn.Module, layer_ids: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
-        self.activation_checkpointing = gpt.cfg.activation_checkpointing
+        self.max_seq_len = gpt.max_seq_len
         if first:
             self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in layer_ids})
@@ -79,15 +80,11 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+            x = embed_tokens(x, self.wte, self.wpe, self.drop, self.max_seq_len)
         for block in self.blocks.values():
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = block(x)
         if self.last:
-            x = F.linear(self.ln_f(x), self.head)
+            x = output_logits(x, self.ln_f, self.head)
         return x
 
 
@@ -103,11 +100,6 @@ def gpt_param_name(runner_name: str) -> str | None:
         raise ValueError(f"{runner_name!r} is not a pipeline runner parameter name (chunks.<k>.<name>)")
     rest = ".".join(parts[2:])
     return None if rest == "head" else rest
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits [b, s, V]`` against ``target [b, s]`` (fp32, as ``GPT.forward``)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
 
 class PipelineRunner(nn.Module):
@@ -135,13 +127,12 @@ class PipelineRunner(nn.Module):
         d_model: int,
         vocab_size: int,
         device: torch.device,
-        wrap_stage: Callable[[nn.Module], nn.Module],
     ) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.stage_ids = sorted(stages)
-        self.chunks = nn.ModuleDict({str(k): wrap_stage(stages[k]) for k in self.stage_ids})
+        self.chunks = nn.ModuleDict({str(k): stages[k] for k in self.stage_ids})  # parallelized already
         self.num_stages, self.pp_group, self.pp_rank, self.pp_size = num_stages, pp_group, pp_rank, pp_size
         self.embed_group = embed_group
         self.d_model, self.device = d_model, device

@@ -3,9 +3,10 @@
 ``parallelism=tp`` (``conf/parallelism/tp.yaml``: 2 ranks, tp 2) and ``parallelism=pp``
 (``pp.yaml``: 2 ranks, pp 2, 1F1B) share :class:`MegatronPlugin`; any ``dp x tp x pp`` layout
 is an override away (``parallelism.tp_degree=2 parallelism.pp_degree=2
-parallelism.world_size=4``). The order of application follows torchtitan's
-``parallelize`` functions: pipeline split, then TP on each stage, then DP (FSDP2
-``fully_shard`` or ``replicate``) on the ``dp`` mesh dimension.
+parallelism.world_size=4``). The plugin supplies a plan (:meth:`MegatronPlugin.parallel_plan`:
+stage split, TP plan, DP wrapper: FSDP2 ``fully_shard`` or ``replicate`` on the ``dp`` mesh
+dimension) that :func:`framework.parallelize.parallelize_gpt` applies in torchtitan's order:
+pipeline split, TP on each stage, activation checkpointing, compile, DP.
 
 Cost model (per rank per optimizer step, :mod:`framework.metrics.comm`): TP payload per
 micro-batch x ``grad_accum_steps`` micro-batches; PP sends; the tied-embedding all-reduce
@@ -37,6 +38,7 @@ from framework.metrics.comm import (
 )
 from framework.metrics.timing import CommMeter
 from framework.layout import ParallelLayout
+from framework.parallelize import ParallelPlan
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin
 from plugins.megatron.config import MegatronConfig, validate_run
@@ -80,31 +82,31 @@ class MegatronPlugin(ParallelPlugin):
             process_group_backend=process_group_backend(self.cfg.backend, accelerator), timeout_s=self.cfg.timeout_s,
         )
 
-    def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
-        """Split (pp), shard (tp) and wrap (dp) ``model``; returns what ``LMModule.model`` becomes."""
+    def parallel_plan(self, model: torch.nn.Module, module: Any) -> ParallelPlan:
+        """Stage split (pp > 1), TP (+ SP without a pipeline) and DP (``data_parallel``) on the run's mesh."""
         self.mesh = module.device_mesh
-        self.layout = module.resolved.layout
+        self.layout = lay = module.resolved.layout
         # checkpoint names and their order are the unsplit GPT's (plugins/megatron/checkpoint.py)
         module.trainer.strategy.param_order = [f"model.{n}" for n, _ in model.named_parameters()]
-        resolved = module.resolved
-        lay = resolved.layout
+        plan = ParallelPlan(dp=self._wrap_dp if lay.dp > 1 else None)
+        if lay.tp > 1:
+            from plugins.megatron.tensor_parallel import apply_tp
+
+            sp = self.cfg.sequence_parallel  # validate_run refuses it with a pipeline
+            plan.tp = lambda piece: apply_tp(piece, self.mesh["tp"], sequence_parallel=sp)
         if lay.pp == 1:
             self._local_shapes = self._planned_shapes(model.named_parameters(), lay)
-            if lay.tp > 1:
-                from plugins.megatron.tensor_parallel import apply_tp
+        else:
+            plan.split, plan.assemble = self._pipeline_plan(model, module)
+        return plan
 
-                apply_tp(model, self.mesh["tp"], sequence_parallel=self.cfg.sequence_parallel)
-            if lay.dp > 1:
-                for block in model.blocks:
-                    self._wrap_dp(block)
-                self._wrap_dp(model)
+    def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
+        """Without a pipeline: count DTensor's collectives only in training forwards (:data:`GATE`)."""
+        if self.layout.pp == 1:
             GATE.watch(model)
-            return model
-        return self._build_pipeline(model, module)
+        return model
 
     def _wrap_dp(self, mod: torch.nn.Module) -> torch.nn.Module:
-        if self.layout.dp == 1:
-            return mod
         mesh = self.mesh["dp"]
         if self.cfg.data_parallel == "fsdp":
             from torch.distributed.fsdp import fully_shard
@@ -114,9 +116,10 @@ class MegatronPlugin(ParallelPlugin):
 
         return replicate(mod, mesh=mesh)
 
-    def _build_pipeline(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
+    def _pipeline_plan(self, model: torch.nn.Module, module: Any) -> tuple[Any, Any]:
+        """``(split, assemble)`` of the pipeline: this rank's stages of the GPT, then the
+        :class:`~plugins.megatron.pipeline.PipelineRunner` that drives them."""
         from plugins.megatron.pipeline import GPTStage, PipelineRunner, split_layers
-        from plugins.megatron.tensor_parallel import apply_tp
 
         resolved = module.resolved
         lay = resolved.layout
@@ -124,40 +127,34 @@ class MegatronPlugin(ParallelPlugin):
         pp_mesh = mesh["pp"]
         pp_rank, p = pp_mesh.get_local_rank(), lay.pp
         n_stages = p * self.cfg.virtual_stages
-        layers = split_layers(model.n_layer, n_stages)
         mine = [k for k in range(n_stages) if k % p == pp_rank]
-        stages = {k: GPTStage(model, layers[k], first=k == 0, last=k == n_stages - 1) for k in mine}
-        shapes = []
-        for k, st in stages.items():
-            shapes += self._planned_shapes(st.named_parameters(), lay)
-            if lay.tp > 1:
-                apply_tp(st, mesh["tp"], sequence_parallel=False)
-        self._local_shapes = shapes
 
-        def wrap_stage(st: torch.nn.Module) -> torch.nn.Module:
-            if lay.dp > 1:
-                for block in st.blocks.values():
-                    self._wrap_dp(block)
-                self._wrap_dp(st)
-            return st
+        def split(gpt: torch.nn.Module) -> list[torch.nn.Module]:
+            layers = split_layers(gpt.n_layer, n_stages)
+            stages = [GPTStage(gpt, layers[k], first=k == 0, last=k == n_stages - 1) for k in mine]
+            self._local_shapes = [sh for st in stages for sh in self._planned_shapes(st.named_parameters(), lay)]
+            return stages
 
-        # The embedding group of every (dp, tp) coordinate: the ranks of its first and last stage.
-        ranks = mesh.mesh  # [pp, dp, tp] global ranks
-        embed_group = None
-        for d in range(lay.dp):
-            for t in range(lay.tp):
-                pair = sorted({int(ranks[0, d, t]), int(ranks[p - 1, d, t])})
-                g = dist.new_group(pair)
-                if dist.get_rank() in pair:
-                    embed_group = g
-        device = module.trainer.strategy.root_device  # where the stages will run (the model may still be on the CPU)
-        self.runner = PipelineRunner(
-            stages, num_stages=n_stages, pp_group=pp_mesh.get_group(), pp_rank=pp_rank, pp_size=p, embed_group=embed_group,
-            schedule_name=self.cfg.schedule, n_microbatches=resolved.grad_accum_steps,
-            micro_batch_size=resolved.micro_batch_size, seq_len=resolved.run.data.seq_len, d_model=model.d_model,
-            vocab_size=model.vocab_size, device=device, wrap_stage=wrap_stage,
-        )
-        return self.runner
+        def assemble(stages: list[torch.nn.Module]) -> torch.nn.Module:
+            # The embedding group of every (dp, tp) coordinate: the ranks of its first and last stage.
+            ranks = mesh.mesh  # [pp, dp, tp] global ranks
+            embed_group = None
+            for d in range(lay.dp):
+                for t in range(lay.tp):
+                    pair = sorted({int(ranks[0, d, t]), int(ranks[p - 1, d, t])})
+                    g = dist.new_group(pair)
+                    if dist.get_rank() in pair:
+                        embed_group = g
+            device = module.trainer.strategy.root_device  # where the stages will run (the model may still be on the CPU)
+            self.runner = PipelineRunner(
+                dict(zip(mine, stages)), num_stages=n_stages, pp_group=pp_mesh.get_group(), pp_rank=pp_rank, pp_size=p,
+                embed_group=embed_group, schedule_name=self.cfg.schedule, n_microbatches=resolved.grad_accum_steps,
+                micro_batch_size=resolved.micro_batch_size, seq_len=resolved.run.data.seq_len, d_model=model.d_model,
+                vocab_size=model.vocab_size, device=device,
+            )
+            return self.runner
+
+        return split, assemble
 
     @property
     def optimizer_foreach(self) -> bool | None:

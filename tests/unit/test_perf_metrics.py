@@ -121,9 +121,13 @@ def test_cuda_event_clock_times_gpu_work():
 def test_activation_checkpointing_recomputes_without_changing_the_numbers():
     import dataclasses
 
+    from framework.parallelize import ParallelPlan, parallelize_gpt
+
     cfg = ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=16)
     ref, ckpt = (GPT(dataclasses.replace(cfg, activation_checkpointing=flag), vocab_size=300) for flag in (False, True))
     ckpt.load_state_dict(ref.state_dict())
+    # the model holds no checkpointing: parallelize_gpt applies it (the run's model.activation_checkpointing)
+    ckpt = parallelize_gpt(ckpt, ParallelPlan(), activation_checkpointing=True, compile=False)
     x = torch.randint(0, 300, (2, 16))
     losses = [m(x, x) for m in (ref, ckpt)]
     for loss in losses:
