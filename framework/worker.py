@@ -63,6 +63,7 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
     import torch
 
     from framework.callbacks.breakdown import StepBreakdown
+    from framework.callbacks.clock import StepClock
     from framework.callbacks.step_metrics import StepMetrics
     from framework.callbacks.validation import ValidationLoss
     from framework.checkpoint.policy import build_checkpointing
@@ -119,7 +120,9 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
             {"mfu.peak_flops_per_device": f"{peak:.4g}", "mfu.peak_flops_method": peak_method,
              "mfu.flops_convention": FLOPS_CONVENTION, "mfu.flops_per_token": str(flops_per_token)}
         )
+    clock = StepClock()  # step ends and the seconds outside training, for both metric callbacks
     step_metrics = StepMetrics(
+        clock=clock,
         tokens_per_step=resolved.tokens_per_step,
         flops_per_token=flops_per_token,
         peak_flops=peak,
@@ -131,24 +134,17 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         hardware_flops_per_token=hardware_flops_per_token,
     )
     breakdown = StepBreakdown(
+        clock=clock,
         plugin=plugin,
         resolved=resolved,
         log_every_n_steps=run.trainer.log_every_n_steps,
         warmup_steps_excluded=run.trainer.warmup_steps_excluded,
         sinks=sinks,
     )
-
-    def validation_time(seconds: float) -> None:
-        step_metrics.exclude_time(seconds)
-        breakdown.exclude_time(seconds)
-
-    def checkpoint_time(seconds: float) -> None:
-        step_metrics.exclude_time(seconds)
-        breakdown.add_checkpoint_time(seconds)
-
     callbacks = [
+        clock,  # first: it decides whether a batch closed a step before the others ask
         step_metrics,
-        ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=validation_time),
+        ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=clock.add_validation),
     ]
     from framework.faults.guard import build_fault_callbacks
 
@@ -156,7 +152,7 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
     # Checkpointing: the folder CheckpointIO plugin and its callbacks (after the others: they save
     # once everything else of a step is done). on_time_spent gets the seconds the step was held.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(
-        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=checkpoint_time
+        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=clock.add_checkpoint
     )
     callbacks += ckpt_callbacks
     if run.trainer.profile_steps is not None:

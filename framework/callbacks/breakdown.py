@@ -18,12 +18,15 @@ comm           exposed (not overlapped) gradient communication: from the launch 
                is logged apart as ``perf/comm_inflight_s`` (not a fraction). ``single``: 0.
 optimizer      ``on_before_optimizer_step`` -> optimizer step-post hook: grad-norm, clipping,
                AdamW update
-ckpt_blocking  seconds a checkpoint save held the step (reported by the checkpoint callback)
+ckpt_blocking  seconds a checkpoint save held the step (reported by the checkpoint callback to
+               the step clock)
 other          everything else: Lightning bookkeeping between hooks, LR scheduler, metric
                logging (StepMetrics, this callback's own writes)
 ============== ==========================================================================
 
-Validation passes are left out of the step (as from throughput). The callback must be the
+Step ends, warm-up and the seconds of validation and checkpoint saves come from the run's
+:class:`~framework.callbacks.clock.StepClock`. Validation passes are left out of the step (as
+from throughput). The callback must be the
 *last* in the Trainer's list, so that the checkpoint and validation callbacks run inside the
 step they belong to. The spans partition the step, so the fractions add to 1 up to clock
 error; ``perf/breakdown_step_s`` (their sum) can be checked against ``perf/step_time_s``.
@@ -56,6 +59,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from framework.callbacks.clock import StepClock
 from framework.callbacks.step_metrics import MetricSink
 from framework.metrics.comm import ring_wire_bytes
 from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
@@ -81,6 +85,7 @@ class StepBreakdown(pl.Callback):
     """Step-time breakdown, communication bytes and memory (see the module docstring).
 
     Args:
+        clock: the run's step clock (step ends, warm-up, validation and checkpoint seconds).
         plugin: the run's parallelism plugin (``comm_volume``, ``model_states_bytes``,
             ``install_comm_meter``).
         resolved: the validated run (passed to the plugin's cost model).
@@ -89,7 +94,9 @@ class StepBreakdown(pl.Callback):
         sinks: callables ``(metrics, step)`` called on rank 0.
     """
 
-    def __init__(self, *, plugin: Any, resolved: Any, log_every_n_steps: int, warmup_steps_excluded: int, sinks: list[MetricSink]) -> None:
+    def __init__(self, *, clock: StepClock, plugin: Any, resolved: Any, log_every_n_steps: int, warmup_steps_excluded: int,
+                 sinks: list[MetricSink]) -> None:
+        self.step_clock = clock
         self.plugin = plugin
         self.resolved = resolved
         self.log_every = log_every_n_steps
@@ -105,23 +112,15 @@ class StepBreakdown(pl.Callback):
         self._states_run_peak = 0.0  # largest logged mem/model_states_bytes (max over ranks) of the run
         self._reset_step()
 
-    # -- told by other callbacks ----------------------------------------------------------
-    def add_checkpoint_time(self, seconds: float) -> None:
-        """A checkpoint save blocked training for ``seconds`` during the current step."""
-        self._ckpt_s += seconds
-
-    def exclude_time(self, seconds: float) -> None:
-        """``seconds`` spent outside training (validation) during the current step: not part of it."""
-        self._excluded_s += seconds
-
     # -- helpers -------------------------------------------------------------------------
     def _span(self, category: str, a: Any, b: Any) -> None:
         self._spans.append((category, a, b))
 
     def _reset_step(self) -> None:
         self._spans: list = []
-        self._ckpt_s = 0.0
-        self._excluded_s = 0.0
+        # the step clock's running totals when this step began (its checkpoint and validation seconds are the growth)
+        self._ckpt_mark = self.step_clock.checkpoint_s
+        self._validation_mark = self.step_clock.validation_s
 
     def _resolve(self, step: _Step) -> tuple[dict[str, float], float]:
         """Seconds per category of one step, and the in-flight seconds of its collectives."""
@@ -182,7 +181,6 @@ class StepBreakdown(pl.Callback):
             **{f"perf/comm_bytes_{k}_model": float(v) for k, v in est.payload_bytes.items()},
             "mem/model_states_bytes_model": float(self.plugin.model_states_bytes(stats, self.resolved)),
         }
-        self._seen_step = self._start_step = trainer.global_step
         self._carry_s = 0.0
         self._reset_step()
         self._prev_end = self._last = self.clock.mark()
@@ -224,14 +222,15 @@ class StepBreakdown(pl.Callback):
         t = self.clock.mark()
         self._span("other", self._last, t)
         self._prev_end = self._last = t
-        step = trainer.global_step
-        if step == self._seen_step:
+        if not self.step_clock.step_ended:
             return  # inside gradient accumulation
-        self._seen_step = step
-        finished = _Step(self._spans, self._ckpt_s, self._excluded_s, self._carry_s, self.meter.take())
+        step = trainer.global_step
+        clock = self.step_clock
+        finished = _Step(self._spans, clock.checkpoint_s - self._ckpt_mark, clock.validation_s - self._validation_mark,
+                         self._carry_s, self.meter.take())
         self._reset_step()
         self._carry_s = 0.0
-        if step - self._start_step > self.warmup:
+        if clock.steps_since_start > self.warmup:
             self._window.append(finished)
         if not (step % self.log_every == 0 or step == trainer.max_steps):
             return

@@ -1,9 +1,9 @@
 """Per-optimizer-step metrics: loss, LR, grad norm, step time, tokens/s and MFU, plus a progress bar.
 
-An optimizer step ends at the ``on_train_batch_end`` in which ``trainer.global_step`` has
-advanced (Lightning increments it inside the optimizer step of the last micro-batch).
-``perf/step_time_s`` is the wall time between consecutive step ends, so it contains data
-wait, forward/backward, communication and the optimizer. On CUDA the device is synchronised
+Step ends, the steps since a (re)start and the seconds spent outside training (validation,
+checkpoint blocking) come from the run's :class:`~framework.callbacks.clock.StepClock`.
+``perf/step_time_s`` is the wall time between consecutive step ends less those seconds, so it
+contains data wait, forward/backward, communication and the optimizer. On CUDA the device is synchronised
 only at logging steps, so the window average is exact without stalling every step.
 
 The first ``trainer.warmup_steps_excluded`` steps after every (re)start are left out of the
@@ -23,6 +23,7 @@ from typing import Any, Callable
 import pytorch_lightning as pl
 import torch
 
+from framework.callbacks.clock import StepClock
 from framework.metrics.flops import hfu, mfu
 
 MetricSink = Callable[[dict[str, float], int], None]
@@ -32,6 +33,7 @@ class StepMetrics(pl.Callback):
     """Computes step metrics on every rank (the loss reduction is collective) and logs on rank 0.
 
     Args:
+        clock: the run's step clock (step ends, warm-up, excluded seconds).
         tokens_per_step: ``global_batch_size * seq_len`` (tokens).
         flops_per_token: model FLOPs per token (6N + 12·L·h·s, PaLM App. B).
         peak_flops: peak FLOP/s of one device.
@@ -47,6 +49,7 @@ class StepMetrics(pl.Callback):
     def __init__(
         self,
         *,
+        clock: StepClock,
         tokens_per_step: int,
         flops_per_token: float,
         peak_flops: float,
@@ -57,6 +60,7 @@ class StepMetrics(pl.Callback):
         progress_bar: bool = True,
         hardware_flops_per_token: float | None = None,
     ) -> None:
+        self.clock = clock
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.hw_flops_per_token = flops_per_token if hardware_flops_per_token is None else hardware_flops_per_token
@@ -67,11 +71,12 @@ class StepMetrics(pl.Callback):
         self.sinks = sinks
         self.show_bar = progress_bar
         self._bar = None
-        self._seen_step = 0
-        self._start_step = 0
+        # Periods are (start time, clock.excluded_s at the start): elapsed = now - t0 - excluded since.
         self._window_t0: float | None = None
+        self._window_excl = 0.0
         self._window_steps = 0
         self._timed_t0: float | None = None  # start of the post-warm-up period
+        self._timed_excl = 0.0
         self._timed_steps = 0
         self.last_loss = float("nan")
         self.summary: dict[str, float] = {}
@@ -94,23 +99,19 @@ class StepMetrics(pl.Callback):
             f"{prefix}hfu{suffix}": hfu(hardware_flops_per_token=self.hw_flops_per_token, **common),
         }
 
-    def exclude_time(self, seconds: float) -> None:
-        """Keep ``seconds`` spent outside training (validation, checkpoint saves) out of throughput."""
-        if self._window_t0 is not None:
-            self._window_t0 += seconds
-        if self._timed_t0 is not None:
-            self._timed_t0 += seconds
+    def _elapsed(self, now: float, t0: float, excl0: float) -> float:
+        """Training seconds from ``t0`` to ``now``: wall time less what the clock excluded since ``excl0``."""
+        return now - t0 - (self.clock.excluded_s - excl0)
 
-    def on_rollback(self, step: int) -> None:
-        """Training was rewound to optimizer step ``step`` (framework.faults rollback); the next step end is ``step + 1``."""
-        self._seen_step = step
+    def _start_periods(self) -> None:
+        self._timed_t0 = self._window_t0 = time.perf_counter()
+        self._timed_excl = self._window_excl = self.clock.excluded_s
 
     # -- hooks ---------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._seen_step = self._start_step = trainer.global_step
         if self.warmup == 0:
             self._sync(pl_module)
-            self._timed_t0 = self._window_t0 = time.perf_counter()
+            self._start_periods()
         if self.show_bar and trainer.is_global_zero:
             from tqdm.auto import tqdm
 
@@ -123,15 +124,14 @@ class StepMetrics(pl.Callback):
             )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if step == self._seen_step:
+        if not self.clock.step_ended:
             return  # inside gradient accumulation
-        self._seen_step = step
+        step = trainer.global_step
         local_loss = pl_module.take_step_loss()
-        steps_since_start = step - self._start_step
+        steps_since_start = self.clock.steps_since_start
         if self.warmup > 0 and steps_since_start == self.warmup:
             self._sync(pl_module)
-            self._timed_t0 = self._window_t0 = time.perf_counter()
+            self._start_periods()
             self._timed_steps = self._window_steps = 0
         elif steps_since_start > self.warmup:
             self._timed_steps += 1
@@ -147,7 +147,7 @@ class StepMetrics(pl.Callback):
         now = time.perf_counter()
         metrics = {"train/loss": self.last_loss, "train/lr": pl_module.last_lr, "train/grad_norm": pl_module.last_grad_norm}
         if self._window_t0 is not None and self._window_steps > 0:
-            step_time = (now - self._window_t0) / self._window_steps
+            step_time = self._elapsed(now, self._window_t0, self._window_excl) / self._window_steps
             tps = self.tokens_per_step / step_time
             metrics.update(
                 {
@@ -157,7 +157,7 @@ class StepMetrics(pl.Callback):
                     **self._utilization(tps, "perf/"),
                 }
             )
-            self._window_t0, self._window_steps = now, 0
+            self._window_t0, self._window_excl, self._window_steps = now, self.clock.excluded_s, 0
         self._emit(trainer, metrics, step)
         if self._bar is not None:
             self._bar.set_postfix(
@@ -171,7 +171,7 @@ class StepMetrics(pl.Callback):
         self._sync(pl_module)
         summary = {"train/loss_final": self.last_loss, "train/steps": float(trainer.global_step)}
         if self._timed_t0 is not None and self._timed_steps > 0:
-            elapsed = time.perf_counter() - self._timed_t0
+            elapsed = self._elapsed(time.perf_counter(), self._timed_t0, self._timed_excl)
             tps = self.tokens_per_step * self._timed_steps / elapsed
             summary["perf/tokens_per_sec_mean"] = tps
             summary["perf/tokens_per_sec_per_rank_mean"] = tps / self.num_devices

@@ -21,7 +21,7 @@ class ValidationLoss(pl.Callback):
     Args:
         every_n_steps: optimizer steps between evaluations.
         sinks: callables ``(metrics, step)`` called on rank 0.
-        on_time_spent: called with the seconds each evaluation took (e.g. ``StepMetrics.exclude_time``).
+        on_time_spent: called with the seconds each evaluation took (e.g. ``StepClock.add_validation``).
     """
 
     def __init__(self, *, every_n_steps: int, sinks: list[MetricSink], on_time_spent=None) -> None:
