@@ -61,7 +61,7 @@ def blocks_of(piece: nn.Module) -> list[nn.Module]:
     return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
 
 
-class CheckpointedBlock:
+class CheckpointedForward:
     """Mixin put in front of a block's class by :func:`checkpoint_blocks` (as FSDP2 does with its
     own): in training with autograd on, the block's forward runs under ``torch.utils.checkpoint``
     (non-reentrant): it keeps only its input and runs again in backward."""
@@ -80,16 +80,16 @@ def checkpoint_blocks(blocks: Iterable[nn.Module]) -> None:
     ``[b, s, h]``) keeps only its input and runs again in backward; in evaluation or under
     ``no_grad`` it runs as is. Idempotent.
 
-    The block's class becomes a subclass with :class:`CheckpointedBlock` in front (no wrapper
+    The block's class becomes a subclass with :class:`CheckpointedForward` in front (no wrapper
     module), so parameter names stay the GPT's; hooks registered on the block (TP input
     layouts, FSDP's all-gather) run outside the checkpointed region, once per forward.
     """
     for block in blocks:
         cls = type(block)
-        if issubclass(cls, CheckpointedBlock):
+        if issubclass(cls, CheckpointedForward):
             continue
         if cls not in _CHECKPOINTED:
-            _CHECKPOINTED[cls] = type(f"Checkpointed{cls.__name__}", (CheckpointedBlock, cls), {})
+            _CHECKPOINTED[cls] = type(f"Checkpointed{cls.__name__}", (CheckpointedForward, cls), {})
         block.__class__ = _CHECKPOINTED[cls]
 
 

@@ -9,7 +9,7 @@ import torch
 
 from framework.config.schema import ModelConfig
 from framework.model import GPT
-from framework.parallelize import CheckpointedBlock, ParallelPlan, blocks_of, checkpoint_blocks, parallelize_gpt
+from framework.parallelize import CheckpointedForward, ParallelPlan, blocks_of, checkpoint_blocks, parallelize_gpt
 
 CFG = ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=16)
 
@@ -29,14 +29,14 @@ def test_plan_is_applied_split_tp_checkpointing_compile_dp_assemble():
         return [gpt]
 
     def tp(piece):
-        assert not any(isinstance(b, CheckpointedBlock) for b in blocks_of(piece))
+        assert not any(isinstance(b, CheckpointedForward) for b in blocks_of(piece))
         seen.append("tp")
 
     def dp(mod):
         if mod is model:
             seen.append("dp root")
         else:  # a block: already checkpointed and compiled (in place) when it is wrapped
-            assert isinstance(mod, CheckpointedBlock) and mod._compiled_call_impl is not None
+            assert isinstance(mod, CheckpointedForward) and mod._compiled_call_impl is not None
             seen.append("dp block")
 
     def assemble(pieces):
@@ -70,7 +70,7 @@ def test_checkpointed_blocks_recompute_in_training_only_and_give_the_same_loss_a
     ref, ckpt = _gpt(), _gpt(activation_checkpointing=True)
     parallelize_gpt(ckpt, ParallelPlan(), activation_checkpointing=True, compile=False)
     checkpoint_blocks(ckpt.blocks)  # idempotent
-    assert type(ckpt.blocks[0]).__mro__[1] is CheckpointedBlock
+    assert type(ckpt.blocks[0]).__mro__[1] is CheckpointedForward
     calls = {"ref": 0, "ckpt": 0}
     ref.blocks[0].mlp.register_forward_pre_hook(lambda *a: calls.__setitem__("ref", calls["ref"] + 1))
     ckpt.blocks[0].mlp.register_forward_pre_hook(lambda *a: calls.__setitem__("ckpt", calls["ckpt"] + 1))
