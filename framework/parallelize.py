@@ -13,8 +13,9 @@
    nothing to apply (``single``, and ``ddp``, whose strategy wraps the model afterwards), the
    whole model in place instead (one graph, embeddings, head and loss included);
 5. **data-parallel wrapping** (``plan.dp``: FSDP2 ``fully_shard`` or ``replicate``), each block
-   first and then each piece's root, so each block is its own communication unit and its
-   hooks stay outside the checkpointed and compiled code;
+   first and then each piece's root, so each block is its own communication unit; its hooks
+   run outside the checkpointed region, and eagerly under compile (FSDP2 disables dynamo in
+   its hooks, ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``);
 
 and then ``plan.assemble`` builds the module the LightningModule runs from the pieces (a
 pipeline runner); without one the single piece is it. Plugins supply the plan
@@ -121,7 +122,7 @@ def parallelize_gpt(model: nn.Module, plan: ParallelPlan, *, activation_checkpoi
         else:
             for piece in pieces:
                 for block in blocks_of(piece):
-                    block.compile()  # in place, before wrapping: DP hooks stay outside the graph
+                    block.compile()  # in place (names kept), per block as torchtitan, before wrapping
     if plan.dp is not None:
         for piece in pieces:
             for block in blocks_of(piece):
