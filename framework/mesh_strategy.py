@@ -6,7 +6,7 @@
 instead of Lightning's 2-D ``("data_parallel", "tensor_parallel")`` one. A plugin that shards or
 splits the model (FSDP2, tensor and pipeline parallelism, an outside HSDP plugin) builds its
 strategy from it and finds the mesh as ``module.device_mesh`` in
-:meth:`framework.plugin.ParallelPlugin.configure_model` (``module.device_mesh["dp"]``). Works on
+:meth:`framework.plugin.ParallelPlugin.parallel_plan` (``module.device_mesh["dp"]``). Works on
 CPU (gloo) and CUDA (NCCL) unchanged. Imports Lightning: load it in the ranks only.
 """
 

@@ -99,7 +99,7 @@ class MeshCheckpointing(ShardedCheckpointing):
     """:class:`ShardedCheckpointing` with the GPT's names (see the module docstring).
 
     ``param_order``: the GPT's parameter names (with the ``model.`` prefix) in
-    ``named_parameters`` order; set by the plugin in ``configure_model`` before any save or load.
+    ``named_parameters`` order; set by the plugin in ``parallel_plan`` before any save or load.
     """
 
     param_order: list[str] = []

@@ -62,9 +62,9 @@ class MegatronPlugin(ParallelPlugin):
 
     def __init__(self, cfg: MegatronConfig) -> None:
         super().__init__(cfg)
-        self.runner = None  # PipelineRunner once configure_model ran (pp > 1)
+        self.runner = None  # PipelineRunner once the plan was applied (pp > 1)
         self.mesh = None
-        self.layout: ParallelLayout | None = None  # the run's, once configure_model ran
+        self.layout: ParallelLayout | None = None  # the run's, once parallel_plan ran
         self._local_shapes: list[tuple[str, tuple[int, ...]]] = []
         self._grad_norm: float | None = None
 
