@@ -35,15 +35,17 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from framework.parallelize import blocks_of
+
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> torch.nn.Module:
     """Shard ``model``'s blocks over ``tp_mesh`` in place (see the module docstring); returns ``model``.
+    The megatron plugin's TP plan (:attr:`framework.parallelize.ParallelPlan.tp`).
 
     ``model`` is a :class:`framework.model.GPT` or a pipeline stage holding a ``blocks``
     container of its blocks (and, with sequence parallelism, ``ln_f`` on the last stage).
     """
-    blocks = model.blocks.values() if isinstance(model.blocks, torch.nn.ModuleDict) else model.blocks
-    blocks = list(blocks)
+    blocks = blocks_of(model)
     for block in blocks:
         if sequence_parallel:
             plan = {
