@@ -26,9 +26,8 @@ other          everything else: Lightning bookkeeping between hooks, LR schedule
 
 Step ends, warm-up and the seconds of validation and checkpoint saves come from the run's
 :class:`~framework.callbacks.clock.StepClock`. Validation passes are left out of the step (as
-from throughput). The callback must be the
-*last* in the Trainer's list, so that the checkpoint and validation callbacks run inside the
-step they belong to. The spans partition the step, so the fractions add to 1 up to clock
+from throughput). The callback must be the *last* in the Trainer's list, so that the
+checkpoint and validation callbacks run inside the step they belong to. The spans partition the step, so the fractions add to 1 up to clock
 error; ``perf/breakdown_step_s`` (their sum) can be checked against ``perf/step_time_s``.
 
 Logged on rank 0 at logging steps, as means over the post-warm-up steps since the last
