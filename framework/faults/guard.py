@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import pytorch_lightning as pl
 
+from framework.callbacks.clock import StepClock
 from framework.checkpoint.memory import MemorySnapshot
 from framework.config.schema import ResilienceConfig
 from framework.faults.detect import RunningMean, Watchdog, gather_health
@@ -44,18 +45,17 @@ class FaultAbort(RuntimeError):
 
 def rewind_to_snapshot(trainer: pl.Trainer, step: int) -> None:
     """Rewind training to optimizer step ``step``: Lightning's step counter and the data stream
-    (:func:`~framework.faults.lightning_adapter.set_optimizer_step`); callbacks with an
-    ``on_rollback(step)`` method are told.
+    (:func:`~framework.faults.lightning_adapter.set_optimizer_step`), and the run's step clock
+    (:class:`~framework.callbacks.clock.StepClock`, which the metric callbacks read).
 
     The caller then ends the epoch (``LMModule.end_epoch_requested``): the next epoch re-iterates
     the loader from ``step`` with fresh in-epoch counters, so gradient accumulation stays
     aligned to step boundaries.
     """
     set_optimizer_step(trainer, step)
-    for cb in trainer.callbacks:  # callbacks that track step ends (the step clock) are told
-        hook = getattr(cb, "on_rollback", None)
-        if callable(hook):
-            hook(step)
+    for cb in trainer.callbacks:
+        if isinstance(cb, StepClock):
+            cb.on_rollback(step)
 
 
 class FaultGuard(pl.Callback):
