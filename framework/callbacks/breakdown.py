@@ -24,10 +24,9 @@ other          everything else: Lightning bookkeeping between hooks, LR schedule
                logging (StepMetrics, this callback's own writes)
 ============== ==========================================================================
 
-Step ends, warm-up and the seconds of validation and checkpoint saves come from the run's
-:class:`~framework.callbacks.clock.StepClock`. Validation passes are left out of the step (as
-from throughput). The callback must be the *last* in the Trainer's list, so that the
-checkpoint and validation callbacks run inside the step they belong to. The spans partition the step, so the fractions add to 1 up to clock
+Validation passes are left out of the step (as from throughput). The callback must be the
+*last* in the Trainer's list, so that the checkpoint and validation callbacks run inside the
+step they belong to. The spans partition the step, so the fractions add to 1 up to clock
 error; ``perf/breakdown_step_s`` (their sum) can be checked against ``perf/step_time_s``.
 
 Logged on rank 0 at logging steps, as means over the post-warm-up steps since the last
@@ -82,6 +81,9 @@ class _Step:
 
 class StepBreakdown(pl.Callback):
     """Step-time breakdown, communication bytes and memory (see the module docstring).
+
+    Step ends, warm-up and the seconds of validation and checkpoint saves come from the run's
+    :class:`~framework.callbacks.clock.StepClock`.
 
     Args:
         clock: the run's step clock (step ends, warm-up, validation and checkpoint seconds).
