@@ -55,6 +55,7 @@ def test_fsdp_bytes_on_steps_with_validation_equal_the_model(runner, ranks):
     name = f"fsdp{ranks}-val"
     runner.run("parallelism=fsdp", f"parallelism.world_size={ranks}", f"trainer.global_batch_size={4 * ranks}",
                "trainer.micro_batch_size=2", "trainer.max_steps=5", "trainer.val_every_n_steps=2", "trainer.log_every_n_steps=1",
+               "trainer.warmup_steps_excluded=1",
                "trainer.val_sequences=16", "checkpoint=none", "tracking=none", f"run_name={name}")
     records = runner.metrics(name)
     comm = {int(r["step"]): r for r in records if "perf/comm_bytes" in r}
