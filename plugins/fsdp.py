@@ -168,17 +168,18 @@ class FSDPPlugin(ParallelPlugin):
         fully_shard(model, **kwargs)
         if not self.cfg.reshard_after_forward:
             for unit in (*model.blocks, model):
-                unit.register_forward_hook(_reshard_after_evaluation)
+                unit.register_forward_hook(reshard_after_evaluation)
         return model
 
 
-def _reshard_after_evaluation(unit: Any, args: Any, output: Any) -> None:
-    """Reshard an FSDP unit after a forward without autograd (validation) when it keeps parameters gathered.
+def reshard_after_evaluation(unit: Any, args: Any, output: Any) -> None:
+    """Reshard an FSDP unit after a forward without autograd (validation); a forward hook.
 
-    With ``reshard_after_forward=False`` a unit frees its gathered parameters after backward; an
+    A unit that keeps its parameters gathered after forward (``reshard_after_forward=False``, or
+    FSDP2's root unit by default, as in ``plugins/megatron``) frees them after backward; an
     evaluation forward has none, so a validation pass left the whole model gathered until the next
     training backward (ZeRO-2-like memory turned into a full replica) and the next step skipped its
-    first all-gathers. Resharding here keeps every training step at the modelled 2Ψ.
+    first all-gathers. Resharding here keeps every training step at the modelled bytes.
     """
     if not torch.is_grad_enabled():
         unit.reshard()

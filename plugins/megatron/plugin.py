@@ -45,6 +45,7 @@ from framework.metrics.timing import CommMeter
 from framework.layout import ParallelLayout
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin
+from plugins.fsdp import reshard_after_evaluation
 from plugins.megatron.config import MegatronConfig, validate_run
 from plugins.megatron.metering import METER, install_fsdp_meter, install_funcol_meter
 
@@ -104,6 +105,9 @@ class MegatronPlugin(ParallelPlugin):
                 for block in model.blocks:
                     self._wrap_dp(block)
                 self._wrap_dp(model)
+                if self.cfg.data_parallel == "fsdp":
+                    # FSDP2 keeps the root unit gathered after forward: reshard it after validation (plugins/fsdp.py)
+                    model.register_forward_hook(reshard_after_evaluation)
             return model
         return self._build_pipeline(model, module)
 
