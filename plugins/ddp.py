@@ -10,7 +10,8 @@ the run's :class:`~framework.metrics.timing.CommMeter`; it changes nothing else 
 divided by the world size and all-reduced exactly as without a hook). Bucket all-reduces
 overlap the rest of the backward pass, so only the *exposed* part (from the last bucket's
 launch until backward returns) can be told apart from compute; see
-:mod:`framework.callbacks.breakdown`.
+:mod:`framework.callbacks.breakdown`. The hook reports every bucket; the framework's window
+decides what counts (a training backward's buckets, nothing else).
 """
 
 from __future__ import annotations

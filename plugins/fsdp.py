@@ -29,7 +29,7 @@ from framework.checkpoint.sharded_strategy import ShardedCheckpointing
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
 from framework.mesh_strategy import LayoutStrategy
-from framework.metrics.comm import CommEstimate, ModelStats
+from framework.metrics.comm import CommEstimate, ModelStats, dim0_sharded_numel
 from framework.metrics.timing import CommMeter
 from framework.parallelize import ParallelPlan
 from framework.plugin import ParallelPlugin, PluginCapabilities
@@ -56,6 +56,12 @@ def fsdp2_collectives() -> list[tuple[str, str, int]]:
     gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     return [(gather, "allgather", 0), (scatter, "reduce_scatter", 1)]
+
+
+def _padded_numel(stats: ModelStats, n: int) -> int:
+    """Ψ as FSDP2 moves it over ``n`` ranks: ``n`` x one rank's dim-0-padded shard elements
+    (without ``stats.param_shapes``: as if the parameters were one flat tensor of Ψ elements)."""
+    return n * dim0_sharded_numel(stats.param_shapes or ((stats.num_params,),), n)
 
 
 @dataclass
@@ -94,41 +100,43 @@ class FSDPPlugin(ParallelPlugin):
         )
 
     def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
-        """Payload bytes per rank per optimizer step (ZeRO §7.2: 3Ψ with resharding, 2Ψ without).
+        """Payload bytes per rank per optimizer step (ZeRO §7.2: 3Ψ with resharding, 2Ψ without), on the dp group.
 
         Every micro-batch all-gathers the full parameters for forward (Ψ) and, with
         ``reshard_after_forward``, again for backward (Ψ), and reduce-scatters the full gradients
         (Ψ); with ``grad_accum_steps`` micro-batches that repeats per micro-batch (FSDP2 reduces
         on each backward). All-gather payload = the gathered size, reduce-scatter payload = the
-        input size (the ``S`` of the ring formulas). Measured equal, byte for byte, on 2 CPU
-        ranks (``tests/integration/test_train_e2e.py``).
+        input size (the ``S`` of the ring formulas). FSDP2 moves dim-0-padded shards, so Ψ here
+        is ``dp x`` the padded shard (:func:`~framework.metrics.comm.dim0_sharded_numel` of the
+        parameter shapes; Ψ itself when every dim 0 divides by dp). Measured equal, byte for byte,
+        on 2 and 3 CPU ranks (``tests/integration/test_train_e2e.py``, ``test_perf_e2e.py``).
         """
         n = resolved.layout.dp
         if n <= 1:
             return CommEstimate(group_size=1)
-        full = stats.num_params * stats.param_bytes
+        psi = _padded_numel(stats, n)
         gathers = 2 if self.cfg.reshard_after_forward else 1
         a = resolved.grad_accum_steps
         return CommEstimate(
-            payload_bytes={"allgather": gathers * full * a, "reduce_scatter": stats.num_params * stats.grad_bytes * a},
+            payload_bytes={"allgather": gathers * psi * stats.param_bytes * a, "reduce_scatter": psi * stats.grad_bytes * a},
             group_size=n,
         )
 
     def model_states_bytes(self, stats: ModelStats, resolved: Any) -> int:
         """ZeRO-3 (§5, Fig. 1): parameters, gradients and fp32 AdamW state all sharded over dp.
 
-        ``(param_bytes + grad_bytes + 8) * Ψ / dp`` plus one 4-byte AdamW step counter per
-        parameter tensor (shards are padded to a multiple of dp, so this is a lower bound by
-        the padding).
+        ``(param_bytes + grad_bytes + 8) * Ψ_shard`` plus one 4-byte AdamW step counter per
+        parameter tensor, with ``Ψ_shard`` the largest rank's (rank 0's) elements: ``ceil(d0 / dp)``
+        rows of every parameter (FSDP2's padded shards, :func:`~framework.metrics.comm.dim0_sharded_numel`).
         """
-        psi = stats.num_params
-        per_param = stats.param_bytes + stats.grad_bytes + 8
-        return -(-per_param * psi // resolved.layout.dp) + 4 * stats.num_param_tensors
+        shard = _padded_numel(stats, resolved.layout.dp) // resolved.layout.dp
+        return (stats.param_bytes + stats.grad_bytes + 8) * shard + 4 * stats.num_param_tensors
 
     def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
         """Meter FSDP2's collectives by wrapping the ``torch.distributed`` functions it calls
         (:func:`fsdp2_collectives`) for this process: payload = the gathered output / the reduced
-        input, in bytes. Completion is marked when the call returns."""
+        input, in bytes. Completion is marked when the call returns. Every call is reported; the
+        framework's window decides which count (training forward/backward only, not validation)."""
         import torch.distributed as dist
 
         def wrap(name: str, kind: str, payload_arg: int):
@@ -159,3 +167,24 @@ class FSDPPlugin(ParallelPlugin):
         if self.cfg.mixed_precision == "bf16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return ParallelPlan(dp=partial(fully_shard, **kwargs))
+
+    def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
+        """After the plan: without ``reshard_after_forward``, each unit reshards after an evaluation
+        forward (:func:`reshard_after_evaluation`)."""
+        if not self.cfg.reshard_after_forward:
+            for unit in (*model.blocks, model):
+                unit.register_forward_hook(reshard_after_evaluation)
+        return model
+
+
+def reshard_after_evaluation(unit: Any, args: Any, output: Any) -> None:
+    """Reshard an FSDP unit after a forward without autograd (validation); a forward hook.
+
+    A unit that keeps its parameters gathered after forward (``reshard_after_forward=False``, or
+    FSDP2's root unit by default, as in ``plugins/megatron``) frees them after backward; an
+    evaluation forward has none, so a validation pass left the whole model gathered until the next
+    training backward (ZeRO-2-like memory turned into a full replica) and the next step skipped its
+    first all-gathers. Resharding here keeps every training step at the modelled bytes.
+    """
+    if not torch.is_grad_enabled():
+        unit.reshard()

@@ -24,6 +24,23 @@ other          everything else: Lightning bookkeeping between hooks, LR schedule
                logging (StepMetrics, this callback's own writes)
 ============== ==========================================================================
 
+**What counts as communication** is the framework's decision, not the plugin's: the plugin's
+meter hooks report every collective they see (``install_comm_meter``), and the
+:class:`~framework.metrics.timing.CommMeter` counts them only inside the training window this
+callback keeps (it is the last callback, so its hooks run after the others' of the same name):
+
+- open from ``on_train_batch_start`` (the training forward) to ``on_after_backward`` (the end of
+  the backward, after the gradient reductions a backward waits for);
+- open again from ``on_before_optimizer_step`` (after the other callbacks' hooks, e.g. the fault
+  guard's health gather) until the optimizer step returns: the plugin's gradient norm and
+  clipping, and what the step itself sends (DeepSpeed ZeRO-1/2's parameter all-gather). The
+  end of the step is the step post-hook of the optimizer Lightning steps, or, for a wrapper
+  without hooks (DeepSpeed's ZeRO optimizers), its ``step`` returning; at the latest
+  ``on_train_batch_end`` closes it;
+- closed everywhere else: the other callbacks' ``on_train_batch_end`` work (metric reductions,
+  checkpoints), and validation, which also pauses every meter
+  (:func:`~framework.metrics.timing.comm_paused`).
+
 Validation passes are left out of the step (as from throughput). The callback must be the
 *last* in the Trainer's list, so that the checkpoint and validation callbacks run inside the
 step they belong to. The spans partition the step, so the fractions add to 1 up to clock
@@ -34,8 +51,8 @@ logging step: ``perf/<category>_s``, ``perf/<category>_frac``, ``perf/breakdown_
 ``perf/step_time_std_s``; ``perf/comm_bytes`` (payload bytes per step, measured by the
 plugin's collectives through :class:`~framework.metrics.timing.CommMeter`), by kind
 ``perf/comm_bytes_<kind>``, ring bytes on the wire ``perf/comm_bytes_wire`` (derived from the
-measured payload), and the plugin's model ``perf/comm_bytes_model`` /
-``perf/comm_bytes_wire_model``; ``mem/peak_bytes`` (max over ranks),
+measured payload of each kind with the group size the plugin's estimate gives that kind), and
+the plugin's model ``perf/comm_bytes_model`` / ``perf/comm_bytes_wire_model``; ``mem/peak_bytes`` (max over ranks),
 ``mem/model_states_bytes`` (the largest sample of a logged step -- after each backward, before
 the optimizer step and at the step's end --, max over ranks) and ``mem/model_states_bytes_model``. At the end,
 ``mem/model_states_bytes`` is the largest of the logged steps' values (not a sample taken after
@@ -52,16 +69,16 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import pytorch_lightning as pl
 import torch
 
 from framework.callbacks.clock import StepClock
 from framework.callbacks.step_metrics import MetricSink
-from framework.metrics.comm import ring_wire_bytes
+from framework.metrics.comm import CommEstimate
 from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
-from framework.metrics.timing import CommMeter, CommRecord, make_clock
+from framework.metrics.timing import CommMeter, CommRecord, comm_paused, make_clock
 
 CATEGORIES = ("data_wait", "compute", "comm", "optimizer", "ckpt_blocking", "other")
 
@@ -109,6 +126,7 @@ class StepBreakdown(pl.Callback):
         self._walls: list[float] = []  # wall time of every timed step (s), for the run's spread
         self._window: list[_Step] = []
         self._hook_handle = None
+        self._unhook_step_end: Callable[[], None] | None = None
         self._states_peak = 0  # largest model-state bytes sampled within the current logged step
         self._states_run_peak = 0.0  # largest logged mem/model_states_bytes (max over ranks) of the run
         self._reset_step()
@@ -159,7 +177,8 @@ class StepBreakdown(pl.Callback):
         states = max(self._states_peak, self._states_now(trainer, pl_module))
         self._states_peak = 0
         local = torch.tensor([peak_memory_bytes(pl_module.device), states], dtype=torch.float64, device=pl_module.device)
-        peak, total = trainer.strategy.reduce(local, reduce_op="max").tolist()
+        with comm_paused():
+            peak, total = trainer.strategy.reduce(local, reduce_op="max").tolist()
         self._states_run_peak = max(self._states_run_peak, total)
         return {"mem/peak_bytes": peak, "mem/model_states_bytes": total}
 
@@ -167,15 +186,17 @@ class StepBreakdown(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.clock = make_clock(pl_module.device)
         self.meter = CommMeter(self.clock)
+        self.meter.close()  # counts inside the training window only (module docstring)
         self.plugin.install_comm_meter(trainer.strategy.model, self.meter)
         if trainer.optimizers:
             opt = trainer.optimizers[0]
+            self._unhook_step_end = _after_step(opt, self.meter.close)
             if not hasattr(opt, "register_step_post_hook"):  # a wrapper (DeepSpeed ZeRO): time the torch optimizer inside
                 opt = opt.optimizer
             self._hook_handle = opt.register_step_post_hook(self._after_optimizer_step)
         stats = model_stats(pl_module)
         est = self.plugin.comm_volume(stats, self.resolved)
-        self.group_size = est.group_size
+        self.estimate: CommEstimate = est
         self.model_figures = {
             "perf/comm_bytes_model": float(est.total_payload_bytes),
             "perf/comm_bytes_wire_model": float(est.total_wire_bytes),
@@ -190,6 +211,7 @@ class StepBreakdown(pl.Callback):
         t = self.clock.mark()
         self._span("data_wait", self._prev_end, t)
         self._last = t
+        self.meter.open()  # the training forward begins
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         t = self.clock.mark()
@@ -198,6 +220,7 @@ class StepBreakdown(pl.Callback):
         self._launch_before = self.meter.last_launch()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.meter.close()  # the backward (and the reductions it waits for) ended
         self._sample_states(trainer, pl_module)
         t = self.clock.mark()
         launched = self.meter.last_launch()
@@ -213,6 +236,7 @@ class StepBreakdown(pl.Callback):
         t = self.clock.mark()
         self._span("other", self._last, t)
         self._last = self._opt_start = t
+        self.meter.open()  # the plugin's gradient norm, clipping and the optimizer step (closed when it returns)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         t = self.clock.mark()
@@ -220,6 +244,7 @@ class StepBreakdown(pl.Callback):
         self._last = t
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.meter.close()  # normally closed already (after backward / the optimizer step)
         t = self.clock.mark()
         self._span("other", self._last, t)
         self._prev_end = self._last = t
@@ -269,14 +294,21 @@ class StepBreakdown(pl.Callback):
         out["perf/comm_inflight_s"] = inflight / n
         payload = {k: v / n for k, v in bytes_by_kind.items()}
         out["perf/comm_bytes"] = float(sum(payload.values()))
-        out["perf/comm_bytes_wire"] = float(sum(ring_wire_bytes(k, v, self.group_size) for k, v in payload.items()))
+        out["perf/comm_bytes_wire"] = float(self.estimate.wire_bytes(payload))
         out.update({f"perf/comm_bytes_{k}": float(v) for k, v in payload.items()})
         return out
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.meter.close()  # an epoch ended by a skipped batch (rollback) never reaches on_train_batch_end
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.meter.close()
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
+        if self._unhook_step_end is not None:
+            self._unhook_step_end()
+            self._unhook_step_end = None
         metrics = self._memory(trainer, pl_module)
         # After training ZeRO-1/2 hold no gradient partition (freed after each step): keep the
         # run's largest logged value rather than overwrite it with this after-training sample.
@@ -288,3 +320,33 @@ class StepBreakdown(pl.Callback):
             metrics["perf/breakdown_step_s_mean"] = total / self._timed_steps
             metrics["perf/step_time_std_s_run"] = statistics.stdev(self._walls) if len(self._walls) > 1 else 0.0
         self._emit(trainer, metrics, trainer.global_step)
+
+
+def _after_step(optimizer: Any, fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn()`` each time ``optimizer.step`` returns; returns the function that undoes it.
+
+    A torch optimizer: a step post-hook (public API). A wrapper without hooks (DeepSpeed's ZeRO
+    optimizers, which all-gather the updated parameters after their inner optimizer's step):
+    its ``step`` is wrapped on the instance.
+    """
+    if hasattr(optimizer, "register_step_post_hook"):
+        handle = optimizer.register_step_post_hook(lambda *args: fn())
+        return handle.remove
+    had_own = "step" in vars(optimizer)
+    inner = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            fn()
+
+    optimizer.step = step
+
+    def undo() -> None:
+        if had_own:
+            optimizer.step = inner
+        else:
+            del optimizer.step
+
+    return undo

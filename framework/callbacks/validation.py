@@ -3,6 +3,8 @@
 Each rank evaluates its shard of a fixed set of validation windows (the same set every time
 and for every layout, so the curve compares across steps, runs and plugins); per-rank loss
 sums and window counts are all-reduced, so the result is the exact mean over the set.
+Every communication meter is paused during a pass (:func:`~framework.metrics.timing.comm_paused`):
+its forwards' collectives (FSDP's all-gathers, a pipeline's sends) are not training traffic.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import pytorch_lightning as pl
 
 from framework.callbacks.step_metrics import MetricSink
+from framework.metrics.timing import comm_paused
 
 
 class ValidationLoss(pl.Callback):
@@ -38,7 +41,8 @@ class ValidationLoss(pl.Callback):
         self._last_step = step
         t0 = time.perf_counter()
         loader = trainer.datamodule.val_dataloader()
-        total, count = trainer.strategy.reduce(pl_module.eval_loss_sum(loader), reduce_op="sum").tolist()
+        with comm_paused():
+            total, count = trainer.strategy.reduce(pl_module.eval_loss_sum(loader), reduce_op="sum").tolist()
         loss = total / max(1.0, count)
         self.history.append((step, loss))
         if self.on_time_spent is not None:

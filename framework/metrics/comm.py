@@ -10,7 +10,10 @@ PERFORMANCE.md):
 - **payload**: the size S of the buffers handed to the collectives (what ``perf/comm_bytes``
   measures: the sum of the tensors passed in);
 - **ring bytes on the wire**: what a ring algorithm sends per rank, ``2(n-1)/n * S`` for an
-  all-reduce and ``(n-1)/n * S`` for an all-gather or reduce-scatter of S total bytes.
+  all-reduce and ``(n-1)/n * S`` for an all-gather or reduce-scatter of S total bytes, n the
+  ranks of that collective's group (:attr:`CommEstimate.group_sizes`: one size per kind; a
+  1-rank group sends nothing). ``perf/comm_bytes_wire`` applies these factors to the measured
+  payload of each kind, ``perf/comm_bytes_wire_model`` to the modelled one.
 
 DDP (Li et al. 2020; ZeRO §7.1): one all-reduce of all gradients per optimizer step (not per
 micro-batch: ``no_sync`` skips it during accumulation), payload ``Psi * bytes_per_grad``.
@@ -18,6 +21,7 @@ micro-batch: ``no_sync`` skips it during accumulation), payload ``Psi * bytes_pe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 KINDS = ("allreduce", "allgather", "reduce_scatter", "reduce", "broadcast", "p2p")
@@ -32,12 +36,32 @@ class ModelStats:
         num_param_tensors: trainable parameter tensors (AdamW keeps one step counter per tensor).
         param_bytes: bytes per parameter element (4 for fp32 master weights).
         grad_bytes: bytes per gradient element (the gradient dtype; 4 in fp32).
+        param_shapes: the full (unsharded) shape of each trainable parameter tensor, in the
+            module's order (a tied weight once); empty when unknown. A sharded plugin models
+            its padding from them (:func:`dim0_sharded_numel`).
     """
 
     num_params: int
     num_param_tensors: int
     param_bytes: int = 4
     grad_bytes: int = 4
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+
+
+def dim0_sharded_numel(shapes: tuple[tuple[int, ...], ...], n: int) -> int:
+    """Elements of one rank's padded shards when every tensor of ``shapes`` is split on dim 0 over ``n`` ranks.
+
+    FSDP2 (``fully_shard``) gives each rank ``ceil(d0 / n)`` rows of a ``d0 x ...`` parameter,
+    padding the last ranks' shards with zeros, and its all-gathers and reduce-scatters move the
+    padded shards: ``sum ceil(d0 / n) * prod(rest)`` elements per rank (``n`` times that
+    gathered). A 0-d tensor counts as one row.
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"n={n} ranks must be >= 1")
+    return sum(-(-(s[0] if s else 1) // n) * math.prod(s[1:]) for s in shapes)
 
 
 def ring_wire_bytes(kind: str, payload_bytes: float, n: int) -> float:
@@ -67,20 +91,40 @@ class CommEstimate:
 
     Attributes:
         payload_bytes: bytes handed to collectives, by kind (keys from :data:`KINDS`).
-        group_size: ranks in the collectives' group (n in the ring formulas).
+        group_size: ranks in the collectives' group (n in the ring formulas), for every kind
+            not in ``group_sizes``.
+        group_sizes: the group size of a kind whose collectives run on another group (e.g. a
+            TP group for TP all-reduces, the dp group for FSDP's all-gathers); measured wire
+            bytes use the same sizes (:meth:`wire_bytes`).
     """
 
     payload_bytes: dict[str, int] = field(default_factory=dict)
     group_size: int = 1
+    group_sizes: dict[str, int] = field(default_factory=dict)
+
+    def group_size_of(self, kind: str) -> int:
+        """Ranks in the group of ``kind``'s collectives: ``group_sizes[kind]``, else ``group_size``."""
+        return self.group_sizes.get(kind, self.group_size)
+
+    def wire_bytes(self, payload_by_kind: dict[str, float]) -> float:
+        """Ring bytes on the wire per rank for ``payload_by_kind`` (payload bytes by kind, modelled or
+        measured), each kind on its own group (:meth:`group_size_of`, :func:`ring_wire_bytes`).
+
+        Raises:
+            ValueError: a kind not in :data:`KINDS`.
+        """
+        # summed in kind order, so equal payloads give bitwise equal figures (measured vs modelled)
+        return sum(ring_wire_bytes(k, payload_by_kind[k], self.group_size_of(k)) for k in sorted(payload_by_kind))
 
     @property
     def total_payload_bytes(self) -> int:
+        """Payload bytes summed over kinds."""
         return int(sum(self.payload_bytes.values()))
 
     @property
     def total_wire_bytes(self) -> float:
-        """Ring bytes on the wire per rank, summed over kinds (:func:`ring_wire_bytes`)."""
-        return sum(ring_wire_bytes(k, v, self.group_size) for k, v in self.payload_bytes.items())
+        """Modelled ring bytes on the wire per rank, summed over kinds (:meth:`wire_bytes`)."""
+        return self.wire_bytes(self.payload_bytes)
 
 
 def ddp_comm_volume(stats: ModelStats, dp_degree: int) -> CommEstimate:

@@ -105,7 +105,11 @@ def model_states_bytes(params: Iterable[torch.nn.Parameter], optimizer: object |
 
 
 def model_stats(module: torch.nn.Module) -> ModelStats:
-    """:class:`ModelStats` of ``module``'s trainable parameters (a shared tensor counted once)."""
+    """:class:`ModelStats` of ``module``'s trainable parameters (a shared tensor counted once), with their full shapes.
+
+    Raises:
+        ValueError: ``module`` has no trainable parameters.
+    """
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the module has no trainable parameters")
@@ -114,4 +118,5 @@ def model_stats(module: torch.nn.Module) -> ModelStats:
         num_param_tensors=len(params),
         param_bytes=params[0].element_size(),
         grad_bytes=params[0].element_size(),
+        param_shapes=tuple(tuple(getattr(p, "ds_shape", p.shape)) for p in params),  # DTensor: the global shape
     )

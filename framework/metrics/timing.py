@@ -11,15 +11,22 @@ A clock hands out *marks* during a step and turns pairs of marks into seconds la
 
 :class:`CommMeter` is the one mechanism that counts communication: each plugin's collectives
 call ``launch(kind, nbytes)`` when they start and ``complete(record)`` when their result is
-ready (for DDP, a comm hook does this per gradient bucket, see ``plugins/ddp.py``).
+ready (for DDP, a comm hook does this per gradient bucket, see ``plugins/ddp.py``). A plugin says
+*which* collectives are its own and reports them unconditionally; *when* they count is the
+framework's decision: the meter has a window (:meth:`CommMeter.open` / :meth:`CommMeter.close`,
+driven by :class:`~framework.callbacks.breakdown.StepBreakdown` around a training step's
+forward, backward and optimizer step) and drops what is reported while it is closed or paused
+(:func:`comm_paused`, around the framework's own collectives such as validation).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import defaultdict
-from typing import Any
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -84,26 +91,67 @@ class CommMeter:
 
     ``launch`` and ``complete`` may be called from other threads (gloo completes work in its
     own thread); ``take`` is called on the training thread once the step's collectives are done.
-    Only collectives that report here are counted: the framework's own metric reductions (a
-    few scalars per logged step) and DDP's start-up broadcasts are not.
+    Only collectives that report here are counted, and only while the meter is *counting*: open
+    (:meth:`open` / :meth:`close`, the framework's training window; a new meter is open) and not
+    paused (:meth:`paused`, :func:`comm_paused`). A collective reported while not counting is
+    dropped: ``launch`` returns None and ``complete(None)`` does nothing.
     """
 
     def __init__(self, clock: HostClock | CudaEventClock) -> None:
         self.clock = clock
         self._lock = threading.Lock()
         self._records: list[CommRecord] = []
+        self._open = True
+        self._pauses = 0
+        _METERS.add(self)
 
-    def launch(self, kind: str, nbytes: int) -> CommRecord:
-        """Record the start of a collective of ``nbytes`` payload bytes; returns its record."""
+    # -- the window (the framework's) --------------------------------------------------------
+    def open(self) -> None:
+        """Start counting (a training step's forward, backward or optimizer step begins)."""
+        self._open = True
+
+    def close(self) -> None:
+        """Stop counting until the next :meth:`open`; what is reported meanwhile is dropped."""
+        self._open = False
+
+    @property
+    def counting(self) -> bool:
+        """True while open and not paused."""
+        return self._open and self._pauses == 0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Drop what is reported inside the ``with`` block (nestable; the window state is kept)."""
+        with self._lock:
+            self._pauses += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pauses -= 1
+
+    # -- reports (the plugin's) ----------------------------------------------------------------
+    def launch(self, kind: str, nbytes: int) -> CommRecord | None:
+        """Record the start of a collective of ``nbytes`` payload bytes; returns its record, or
+        None when the meter is not counting (the collective is dropped)."""
+        if not self.counting:
+            return None
         rec = CommRecord(kind, int(nbytes), self.clock.mark())
         with self._lock:
             self._records.append(rec)
         return rec
 
-    def complete(self, rec: CommRecord) -> None:
-        """Record that ``rec``'s result is ready (on CUDA: an event ordered after the collective)."""
-        rec.completed = self.clock.mark()
+    def complete(self, rec: CommRecord | None) -> None:
+        """Record that ``rec``'s result is ready (on CUDA: an event ordered after the collective).
+        None (a dropped launch) is ignored."""
+        if rec is not None:
+            rec.completed = self.clock.mark()
 
+    def report(self, kind: str, nbytes: int) -> None:
+        """A collective whose launch and completion are not told apart: ``complete(launch(kind, nbytes))``."""
+        self.complete(self.launch(kind, nbytes))
+
+    # -- reading (the framework's) ---------------------------------------------------------------
     def last_launch(self) -> Any:
         """Mark of the newest launch, or None when nothing was launched since the last ``take``."""
         with self._lock:
@@ -117,7 +165,25 @@ class CommMeter:
 
     @staticmethod
     def bytes_by_kind(records: list[CommRecord]) -> dict[str, int]:
+        """Payload bytes of ``records`` summed by kind."""
         out: dict[str, int] = defaultdict(int)
         for r in records:
             out[r.kind] += r.nbytes
         return dict(out)
+
+
+_METERS: "weakref.WeakSet[CommMeter]" = weakref.WeakSet()  # every live meter of this process
+
+
+@contextmanager
+def comm_paused() -> Iterator[None]:
+    """Pause every :class:`CommMeter` of this process inside the ``with`` block.
+
+    For the framework's own collectives (validation passes, metric reductions): a plugin whose
+    meter wraps process-wide functions (``torch.distributed``, functional collectives) would
+    otherwise count them as training traffic.
+    """
+    with ExitStack() as stack:
+        for meter in list(_METERS):
+            stack.enter_context(meter.paused())
+        yield

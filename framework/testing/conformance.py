@@ -19,8 +19,10 @@ compares numbers:
     (``parity_rtol``).
 ``bytes``
     Measured collective payload bytes per step equal the plugin's cost model, by collective
-    kind (exact), and measured model-state bytes per rank equal the modelled ones
-    (``model_states_rtol``, default exact).
+    kind (exact), and so do the ring bytes on the wire (each kind on the group size the
+    estimate gives it); steps with a validation pass (every ``VAL_EVERY`` steps) are among
+    the checked ones, so a meter that counts validation traffic fails. Measured model-state
+    bytes per rank equal the modelled ones (``model_states_rtol``, default exact).
 
 The ``single`` reference run is made once per pytest session and shared by every plugin;
 each plugin's main run is shared by its four checks. Use from a test module::
@@ -48,11 +50,13 @@ import pytest
 CHECKS = ("loss_parity", "checkpoint_round_trip", "resume_other_world_size", "bytes")
 STEPS = 8  # optimizer steps of every full run
 SAVE_AT = 4  # step whose checkpoint the resume checks start from
+VAL_EVERY = 3  # validation inside the run (steps 3 and 6), not only at its start and end
 # A small slice of the stdlib corpus, a small vocabulary, short windows: a run costs seconds.
 SMALL_DATA = ("data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64")
 BATCH = ("trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.grad_accum_steps=null")
 COMMON = ("tracking=none", "trainer.progress_bar=false", "trainer.log_every_n_steps=1",
-          "trainer.warmup_steps_excluded=1", "trainer.val_sequences=16", "model=gpt_tiny")
+          "trainer.warmup_steps_excluded=1", "trainer.val_sequences=16", f"trainer.val_every_n_steps={VAL_EVERY}",
+          "model=gpt_tiny")
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,11 @@ class Conformance:
                     f"step {r['step']}: measured {k} bytes {r[f'perf/comm_bytes_{k}']:.0f}"
                     f" != modelled {r[f'perf/comm_bytes_{k}_model']:.0f}")
             assert r["perf/comm_bytes"] == r["perf/comm_bytes_model"]
+            assert r["perf/comm_bytes_wire"] == r["perf/comm_bytes_wire_model"], (
+                f"step {r['step']}: measured wire bytes {r['perf/comm_bytes_wire']:.0f}"
+                f" != modelled {r['perf/comm_bytes_wire_model']:.0f}")
+        validated = {int(r["step"]) for r in records if "val/loss" in r} & {int(r["step"]) for r in comm}
+        assert validated, "no checked step ran a validation pass (trainer.val_every_n_steps)"
         mem = [r for r in records if "mem/model_states_bytes_model" in r]
         assert mem, "no step logged mem/model_states_bytes_model"
         for r in mem:

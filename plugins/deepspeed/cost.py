@@ -43,7 +43,8 @@ Stage 3 keeps gathered parameters live from forward to backward while fewer than
 ``max_live_parameters`` elements are live and a parameter is reused within
 ``max_reuse_distance`` elements; the model counts one gather per micro-batch when both are >= Ψ
 and two (the paper's 3Ψ per micro-batch) otherwise. DeepSpeed's scalar all-reduces (global
-gradient norm and overflow check: 4-16 bytes per step) are measured but not modelled.
+gradient norm and overflow check: 4-16 bytes per step) are measured but not modelled. Every
+collective runs on the dp group (one group size for every kind).
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ def meter_deepspeed_comm(meter: Any) -> None:
     Every ``deepspeed.comm`` function (which ZeRO calls) goes through one backend object,
     ``deepspeed.comm.comm.cdb``; its methods are wrapped on that instance (idempotent: a second
     call replaces the meter). Payload as in :data:`_METERED`; completion is marked when the call
-    returns (asynchronous calls: when they were issued).
+    returns (asynchronous calls: when they were issued). Every call is reported; the framework's
+    window counts those of a training step (forward, backward, the engine's optimizer step: ZeRO-1/2's
+    parameter all-gather runs there), not validation (ZeRO-3's gathers) or checkpoint saves.
     """
     from deepspeed.comm import comm as ds_comm
 

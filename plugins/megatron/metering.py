@@ -14,9 +14,10 @@
   :func:`meter_stage_sends` wraps those two methods of one stage object and reports each send's
   tensor bytes as kind ``p2p`` (receives mirror the neighbour's sends and are not counted twice).
 
-Only training counts: a gate (:class:`MeterGate`) is opened by a training forward (module in
-train mode with autograd on) and closed by an evaluation forward, so validation passes and
-the framework's own metric reductions are left out.
+Every call is reported to the run's meter (:data:`METER`); which calls count is the framework's
+decision (:class:`~framework.callbacks.breakdown.StepBreakdown`'s training window: a training
+step's forward, backward and optimizer step; validation and the framework's own reductions are
+left out).
 """
 
 from __future__ import annotations
@@ -40,32 +41,23 @@ _FUNCOL: dict[str, tuple[str, Callable[[torch.Tensor, int], int]]] = {
 }
 
 
-class MeterGate:
-    """Where metered collectives report, and whether they count right now.
+class MeterSlot:
+    """The run's :class:`~framework.metrics.timing.CommMeter`, where the process-wide wrappers report.
 
-    ``meter`` is the run's CommMeter (None before the breakdown callback installs it);
-    ``open`` is set by :meth:`watch`'s forward pre-hook.
+    The functional collectives and ``torch.distributed`` functions are process-wide, so their
+    wrappers find the meter here (None before the breakdown callback installs it).
     """
 
     def __init__(self) -> None:
         self.meter: Any = None
-        self.open = False
 
     def report(self, kind: str, nbytes: int) -> None:
-        """Count one collective of ``nbytes`` payload bytes (no-op while closed)."""
-        if self.meter is not None and self.open:
-            self.meter.complete(self.meter.launch(kind, nbytes))
-
-    def watch(self, module: torch.nn.Module) -> None:
-        """Open the gate at each training forward of ``module``, close it at each evaluation forward."""
-
-        def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any = None) -> None:
-            self.open = mod.training and torch.is_grad_enabled()
-
-        module.register_forward_pre_hook(pre_hook)
+        """Report one collective of ``nbytes`` payload bytes (nothing before a meter is installed)."""
+        if self.meter is not None:
+            self.meter.report(kind, nbytes)
 
 
-GATE = MeterGate()  # one per process: the functional collectives are process-wide functions
+METER = MeterSlot()  # one per process: the functional collectives are process-wide functions
 
 
 def _group_size(group: Any) -> int:
@@ -94,7 +86,7 @@ def install_funcol_meter() -> None:
                 group = kwargs.get("group")
                 if group is None:  # positional: all_reduce(t, op, group) / all_gather(t, dim, group) / reduce_scatter(t, op, dim, group)
                     group = args[1] if kind in ("allreduce", "allgather") else args[2]
-                GATE.report(kind, payload(tensor, _group_size(group) if kind == "allgather" else 1))
+                METER.report(kind, payload(tensor, _group_size(group) if kind == "allgather" else 1))
                 return inner(tensor, *args, **kwargs)
 
             metered._trainlab_metered = True
@@ -112,7 +104,7 @@ def meter_stage_sends(stage: Any) -> None:
             def metered(*args: Any, **kwargs: Any):
                 ops = inner(*args, **kwargs)
                 for op in ops:
-                    GATE.report("p2p", op.tensor.numel() * op.tensor.element_size())
+                    METER.report("p2p", op.tensor.numel() * op.tensor.element_size())
                 return ops
 
             return metered
@@ -122,7 +114,7 @@ def meter_stage_sends(stage: Any) -> None:
 
 def install_fsdp_meter() -> None:
     """Wrap the ``torch.distributed`` collectives FSDP2 calls (:func:`plugins.fsdp.fsdp2_collectives`) on the
-    ``dp`` mesh dimension, so each call reports to :data:`GATE`: all-gather payload = the gathered
+    ``dp`` mesh dimension, so each call reports to :data:`METER`: all-gather payload = the gathered
     output, reduce-scatter payload = the input. Idempotent."""
     import torch.distributed as dist
 
@@ -130,17 +122,17 @@ def install_fsdp_meter() -> None:
 
     for name, kind, arg in fsdp2_collectives():
         inner = getattr(dist, name, None)
-        if inner is None or getattr(inner, "_trainlab_gated", False):
+        if inner is None or getattr(inner, "_trainlab_metered_fsdp", False):
             continue
 
         def make(inner=inner, kind=kind, arg=arg):
             @functools.wraps(inner)
             def metered(*args: Any, **kwargs: Any):
                 t = args[arg] if len(args) > arg else kwargs[PAYLOAD_KWARG[kind]]
-                GATE.report(kind, t.numel() * t.element_size())
+                METER.report(kind, t.numel() * t.element_size())
                 return inner(*args, **kwargs)
 
-            metered._trainlab_gated = True
+            metered._trainlab_metered_fsdp = True
             return metered
 
         setattr(dist, name, make())

@@ -37,7 +37,7 @@ from torch import nn
 
 from framework.metrics.timing import make_clock
 from framework.model.gpt import embed_tokens, lm_loss, output_logits
-from plugins.megatron.metering import GATE, meter_stage_sends
+from plugins.megatron.metering import METER, meter_stage_sends
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
@@ -181,7 +181,6 @@ class PipelineRunner(nn.Module):
         return self._eval_loss(x, y)
 
     def _train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        GATE.open = True
         for p in self.parameters():  # the optimizer's zero_grad is a no-op under a pipeline (see strategy.py)
             p.grad = None
         start = self.clock.mark()
@@ -209,12 +208,11 @@ class PipelineRunner(nn.Module):
                 continue
             g = p.grad
             local = g.to_local() if hasattr(g, "to_local") else g
-            GATE.report("allreduce", local.numel() * local.element_size())
+            METER.report("allreduce", local.numel() * local.element_size())
             dist.all_reduce(local, group=self.embed_group)
 
     @torch.no_grad()
     def _eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        GATE.open = False
         b, s = x.shape
         act = None
         loss = torch.zeros((), device=x.device)

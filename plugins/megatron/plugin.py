@@ -14,9 +14,15 @@ between the first and last stage; with ``data_parallel=fsdp`` on dp > 1 and no p
 FSDP2 parameter all-gathers and gradient reduce-scatters of this rank's (TP-local) parameters.
 All of it is metered (:mod:`plugins.megatron.metering`). Left out of both (not modelled yet):
 FSDP2 inside pipeline stages (its re-gathers depend on the schedule) and ``data_parallel=ddp``
-(``replicate``)'s gradient all-reduce. ``perf/comm_bytes_wire`` applies one ring
-group size to every kind (the larger of tp and 2 with a pipeline), an approximation when the
-TP, DP and pipeline groups differ in size.
+(``replicate``)'s gradient all-reduce.
+
+Ring bytes on the wire (``perf/comm_bytes_wire``): each kind on its own group
+(``CommEstimate.group_sizes``): TP collectives on the tp group, FSDP's all-gathers and
+reduce-scatters on the dp group, the tied-embedding all-reduce on its 2-rank group (first and
+last stage), p2p sends as they are. Exact whenever a kind runs on one group; a kind that runs on
+two groups of different sizes gets the group of its larger part: the all-reduce under
+``tp x pp`` with tp > 2 (TP's, not the embedding's 2 ranks) and the all-gathers/reduce-scatters
+of sequence parallelism with FSDP on ``dp != tp`` (FSDP's dp group).
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ from framework.layout import ParallelLayout
 from framework.parallelize import ParallelPlan
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin
+from plugins.fsdp import reshard_after_evaluation
 from plugins.megatron.config import MegatronConfig, validate_run
-from plugins.megatron.metering import GATE, install_fsdp_meter, install_funcol_meter
+from plugins.megatron.metering import METER, install_fsdp_meter, install_funcol_meter
 
 # Parameters that column/row parallelism shards over tp (the rest are replicated on every TP rank).
 _TP_SHARDED = re.compile(r"blocks\.\d+\.(attn\.qkv\.(weight|bias)|attn\.proj\.weight|mlp\.fc\.(weight|bias)|mlp\.proj\.weight)$")
@@ -101,9 +108,11 @@ class MegatronPlugin(ParallelPlugin):
         return plan
 
     def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
-        """Without a pipeline: count DTensor's collectives only in training forwards (:data:`GATE`)."""
-        if self.layout.pp == 1:
-            GATE.watch(model)
+        """After the plan, without a pipeline and with FSDP on dp: FSDP2 keeps the root unit gathered
+        after forward, so it reshards after an evaluation forward (:func:`plugins.fsdp.reshard_after_evaluation`)."""
+        lay = self.layout
+        if lay.pp == 1 and lay.dp > 1 and self.cfg.data_parallel == "fsdp":
+            model.register_forward_hook(reshard_after_evaluation)
         return model
 
     def _wrap_dp(self, mod: torch.nn.Module) -> torch.nn.Module:
@@ -224,7 +233,8 @@ class MegatronPlugin(ParallelPlugin):
 
     # -- cost model and metering ------------------------------------------------------------
     def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
-        """TP payload x micro-batches + this rank's PP sends + the tied-embedding all-reduce + FSDP on dp (see module docstring)."""
+        """TP payload x micro-batches + this rank's PP sends + the tied-embedding all-reduce + FSDP on dp, each kind
+        with its group's size (see the module docstring)."""
         lay = resolved.layout
         run = resolved.run
         b, s, h = resolved.micro_batch_size, run.data.seq_len, run.model.d_model
@@ -239,7 +249,7 @@ class MegatronPlugin(ParallelPlugin):
         if lay.tp > 1 and self.cfg.sequence_parallel:
             out["allreduce"] = out.get("allreduce", 0) + sp_norm_grad_allreduce_bytes(
                 n_layer=layers, d_model=h, bias=run.model.bias, elem_bytes=stats.grad_bytes)
-        group = lay.tp
+        groups: dict[str, int] = dict.fromkeys(out, lay.tp)  # TP's collectives (and SP's norm all-reduce): the tp group
         if lay.pp > 1 and self.runner is not None:
             r = self.runner
             out["p2p"] = pp_p2p_bytes_per_step(stage_ids=r.stage_ids, num_stages=r.num_stages, n_microbatches=m,
@@ -248,7 +258,8 @@ class MegatronPlugin(ParallelPlugin):
                 embed = math.prod(r.tied_params()[0].shape if r.has_first else r.tied_params()[1].shape)
                 embed_local = embed // (lay.dp if self.cfg.data_parallel == "fsdp" and lay.dp > 1 else 1)
                 out["allreduce"] = out.get("allreduce", 0) + embed_local * stats.grad_bytes * (int(r.has_first) + int(r.has_last))
-            group = max(group, 2)
+                groups.setdefault("allreduce", 2)  # the embedding group: first and last stage
+            groups["p2p"] = 2
         if self._fsdp_metered():
             # FSDP2 on the dp dimension (ZeRO §7.2), per micro-batch (Lightning accumulates through
             # FSDP's forward/backward): all-gather every unit's (TP-local, dp-padded) parameters
@@ -261,7 +272,8 @@ class MegatronPlugin(ParallelPlugin):
             every, blocks = full(lambda n: True), full(lambda n: n.startswith("blocks."))
             out["allgather"] = out.get("allgather", 0) + m * (every + blocks)
             out["reduce_scatter"] = out.get("reduce_scatter", 0) + m * every
-        return CommEstimate(payload_bytes=out, group_size=max(1, group))
+            groups.update(allgather=lay.dp, reduce_scatter=lay.dp)
+        return CommEstimate(payload_bytes=out, group_size=lay.tp, group_sizes=groups)
 
     def _fsdp_metered(self) -> bool:
         """FSDP2 on dp is metered and modelled without a pipeline; a pipeline stage's FSDP units
@@ -293,11 +305,12 @@ class MegatronPlugin(ParallelPlugin):
         return 16 * elems + 4 * len(self._local_shapes)
 
     def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
-        """Meter DTensor's functional collectives, the pipeline's sends and FSDP2's collectives (training only; see :mod:`.metering`)."""
+        """Meter DTensor's functional collectives, the pipeline's sends and FSDP2's collectives (see :mod:`.metering`;
+        the framework's window keeps validation and its own reductions out)."""
         install_funcol_meter()
         if self._fsdp_metered():
             install_fsdp_meter()
-        GATE.meter = meter
+        METER.meter = meter
 
 
 @register_plugin

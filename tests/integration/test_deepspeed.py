@@ -75,8 +75,9 @@ def test_zero_losses_equal_single(zero_runs, stage):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_measured_bytes_match_the_zero_model(zero_runs, stage):
-    # Step 15 saves a checkpoint, whose own collectives (DeepSpeed's tag check) the meter counts too.
-    records = [r for r in zero_runs.metrics(_run_name(zero_runs, stage)) if "perf/comm_bytes" in r and r["step"] != 15]
+    # Step 15 saves a checkpoint; its collectives (DeepSpeed's tag check) are outside the framework's window.
+    records = [r for r in zero_runs.metrics(_run_name(zero_runs, stage)) if "perf/comm_bytes" in r]
+    assert 15 in {r["step"] for r in records}
     assert len(records) >= 15
     for r in records:
         assert r["mem/model_states_bytes"] == pytest.approx(r["mem/model_states_bytes_model"], rel=0.05)

@@ -114,6 +114,18 @@ def test_four_rank_layouts(mrun):
         assert r["perf/comm_bytes_wire"] == 1.5 * r2["perf/comm_bytes_wire"]
 
 
+def test_dp2tp2_fsdp_bytes_on_steps_with_validation_equal_the_model(mrun):
+    """FSDP2 keeps its root unit (embeddings, ln_f) gathered after a forward; after a validation pass the
+    next step skipped that all-gather (656,384 bytes under the model) until the root was resharded after
+    evaluation forwards. Validation every 2 steps, so steps 2-5 each follow or hold one."""
+    mrun.run("parallelism=tp", "parallelism.world_size=4", "trainer.micro_batch_size=2", "run_name=dp2tp2-val",
+             *[o for o in COMMON if not o.startswith(("trainer.log_every", "trainer.val_every", "trainer.max_steps"))],
+             "trainer.max_steps=5", "trainer.log_every_n_steps=1", "trainer.val_every_n_steps=2", "trainer.warmup_steps_excluded=1")
+    recs = mrun.metrics("dp2tp2-val")
+    assert {2, 4} <= {int(r["step"]) for r in recs if "val/loss" in r}
+    assert sorted(int(r["step"]) for r in _comm(recs)) == [2, 3, 4, 5]
+
+
 def test_multirun_tp_pp_records_two_finished_runs(runner):
     runner.run("-m", "parallelism=tp,pp", "trainer.max_steps=30")  # the default checkpoint policy (interval)
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")

@@ -46,6 +46,28 @@ def test_batch_splits_ddp_and_fsdp_give_the_same_losses(runner):
         assert fsdp[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"fsdp 2 ranks mbs2 x accum2, step {step}"
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_fsdp_bytes_on_steps_with_validation_equal_the_model(runner, ranks):
+    """Issue 12: the meter counts training collectives only, so a step that runs a validation pass
+    (whose forwards all-gather every parameter) logs the model's bytes: at 2 ranks 22,972,416 (it
+    logged 38,287,360 when validation's all-gathers were counted). At 3 ranks FSDP2 pads dim 0 to
+    a multiple of 3; the model follows the parameter shapes, so bytes and model states are exact too."""
+    name = f"fsdp{ranks}-val"
+    runner.run("parallelism=fsdp", f"parallelism.world_size={ranks}", f"trainer.global_batch_size={4 * ranks}",
+               "trainer.micro_batch_size=2", "trainer.max_steps=5", "trainer.val_every_n_steps=2", "trainer.log_every_n_steps=1",
+               "trainer.warmup_steps_excluded=1",
+               "trainer.val_sequences=16", "checkpoint=none", "tracking=none", f"run_name={name}")
+    records = runner.metrics(name)
+    comm = {int(r["step"]): r for r in records if "perf/comm_bytes" in r}
+    assert {int(r["step"]) for r in records if "val/loss" in r} >= {2, 4} and {2, 4} <= set(comm)
+    for step, r in comm.items():
+        for key in ("perf/comm_bytes", "perf/comm_bytes_allgather", "perf/comm_bytes_reduce_scatter", "perf/comm_bytes_wire"):
+            assert r[key] == r[f"{key}_model"] > 0, (step, key)
+        assert r["mem/model_states_bytes"] == r["mem/model_states_bytes_model"], step
+    if ranks == 2:
+        assert comm[2]["perf/comm_bytes"] == 22_972_416
+
+
 def test_ctrl_c_run_resumes_to_the_same_losses(runner):
     """Ctrl-C -> exit 130, MLflow KILLED; the same command resumes the same MLflow run to FINISHED with the
     uninterrupted losses. (SIGKILL of the driver, ranks dying with it and the bitwise resume after it:

@@ -12,11 +12,12 @@ from framework.metrics.comm import (
     CommEstimate,
     ModelStats,
     ddp_comm_volume,
+    dim0_sharded_numel,
     replicated_adamw_model_states_bytes,
     ring_wire_bytes,
 )
 from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
-from framework.metrics.timing import CommMeter, HostClock, make_clock
+from framework.metrics.timing import CommMeter, HostClock, comm_paused, make_clock
 from framework.model import GPT
 from framework.registry import get_plugin_class
 
@@ -42,6 +43,63 @@ def test_ddp_model_is_one_gradient_allreduce_per_step():
     assert est.payload_bytes == {"allreduce": 4_000_000}
     assert est.total_wire_bytes == pytest.approx(2 * 3 / 4 * 4_000_000)
     assert ddp_comm_volume(stats, dp_degree=1) == CommEstimate(group_size=1)
+
+
+def test_wire_bytes_use_each_kinds_own_group():
+    # HSDP-like: all-reduce on a 2-rank replicate group, all-gather / reduce-scatter on a 4-rank shard group.
+    est = CommEstimate(payload_bytes={"allreduce": 1000, "allgather": 800, "reduce_scatter": 800}, group_size=4,
+                       group_sizes={"allreduce": 2})
+    assert est.group_size_of("allreduce") == 2 and est.group_size_of("allgather") == 4
+    assert est.total_wire_bytes == 1000 * 1.0 + 800 * 0.75 + 800 * 0.75
+    assert est.wire_bytes({"allreduce": 500}) == 500.0  # measured payload, the same factors
+    assert CommEstimate(payload_bytes={"allreduce": 1000}, group_size=1).total_wire_bytes == 0.0  # a 1-rank group
+
+
+def test_dim0_sharding_pads_every_tensor_to_whole_rows_per_rank():
+    assert dim0_sharded_numel(((1024, 128), (128,), ()), 2) == 512 * 128 + 64 + 1
+    assert dim0_sharded_numel(((1024, 128), (128,)), 3) == 342 * 128 + 43  # ceil(1024/3) rows, ceil(128/3)
+    with pytest.raises(ValueError, match="n=0"):
+        dim0_sharded_numel(((4,),), 0)
+
+
+def test_model_stats_carry_the_full_parameter_shapes():
+    stats = model_stats(_tiny_gpt())
+    assert len(stats.param_shapes) == stats.num_param_tensors
+    assert sum(torch.Size(s).numel() for s in stats.param_shapes) == stats.num_params
+    assert stats.param_shapes[0] == (300, 32)  # the tied token embedding, once
+
+
+def test_fsdp_model_follows_fsdp2_padding():
+    from types import SimpleNamespace
+
+    from plugins.fsdp import FSDPConfig, FSDPPlugin
+
+    stats = ModelStats(num_params=1024 * 128 + 128, num_param_tensors=2, param_shapes=((1024, 128), (128,)))
+    plugin = FSDPPlugin(FSDPConfig())
+    at = lambda dp: SimpleNamespace(layout=SimpleNamespace(dp=dp), grad_accum_steps=1)  # noqa: E731
+    # dp 2 divides every dim 0: Psi exactly (ZeRO §7.2, 3 Psi with resharding)
+    assert plugin.comm_volume(stats, at(2)).payload_bytes == {"allgather": 2 * 4 * stats.num_params,
+                                                               "reduce_scatter": 4 * stats.num_params}
+    padded = 3 * (342 * 128 + 43)  # dp 3: every rank moves ceil(d0/3) rows of each tensor
+    est = plugin.comm_volume(stats, at(3))
+    assert est.payload_bytes == {"allgather": 2 * 4 * padded, "reduce_scatter": 4 * padded} and est.group_size == 3
+    assert plugin.model_states_bytes(stats, at(3)) == 16 * (342 * 128 + 43) + 4 * 2
+
+
+def test_comm_meter_counts_inside_its_window_only():
+    meter = CommMeter(HostClock())
+    meter.close()
+    dropped = meter.launch("allreduce", 100)
+    assert dropped is None
+    meter.complete(dropped)  # a dropped launch completes as a no-op
+    meter.open()
+    meter.report("allgather", 30)
+    with meter.paused():
+        assert meter.launch("allreduce", 7) is None
+    with comm_paused():  # every meter of the process (validation, the framework's reductions)
+        meter.report("allreduce", 5)
+    meter.report("allreduce", 50)
+    assert meter.counting and CommMeter.bytes_by_kind(meter.take()) == {"allgather": 30, "allreduce": 50}
 
 
 def test_replicated_adamw_is_16_bytes_per_param_plus_step_counters():
