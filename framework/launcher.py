@@ -13,16 +13,13 @@ ranks x threads never exceeds the cores.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import uuid
-from pathlib import Path
-from typing import Any
 
-from framework.config.resolved import ResolvedRun
 from framework.distributed import threads_per_rank
+from framework.launch import LaunchSpec
 
 
 def _free_port() -> int:
@@ -31,17 +28,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_launch_file(path: Path, launch: dict[str, Any]) -> Path:
-    """Write the launch description the workers read (resolved config, MLflow run, resume path)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(launch, indent=2, default=str))
-    return path
+LAUNCH_FILE = "launch.json"
+"""The launch object's file in the run folder; every rank reads it (:meth:`LaunchSpec.read`)."""
 
 
-def launch_ranks(resolved: ResolvedRun, launch_file: Path, log_dir: Path, max_restarts: int | None = None) -> None:
-    """Run every rank of this node to completion.
+def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
+    """Write ``launch`` to ``run_dir/launch.json`` and run every rank of this node to completion.
 
-    ``max_restarts``: elastic restarts of the ranks; None = ``trainer.max_restarts``.
+    ``max_restarts``: elastic restarts of the ranks; None = ``trainer.max_restarts``. The
+    agent's per-rank logs go to ``run_dir/elastic``.
 
     Raises:
         ChildFailedError: a rank failed and ``trainer.max_restarts`` restarts did not help.
@@ -49,8 +44,9 @@ def launch_ranks(resolved: ResolvedRun, launch_file: Path, log_dir: Path, max_re
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    run = resolved.run
-    nproc = resolved.nproc_per_node
+    launch_file = launch.write(launch.run_dir / LAUNCH_FILE)
+    run = launch.resolved.run
+    nproc = launch.resolved.nproc_per_node
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc, run.trainer.threads_per_rank))
     # Restarted ranks must not share the agent's rendezvous TCPStore: its keys outlive a round, so
     # a restarted rank can read a dead peer's gloo address (connection refused). Unshared, rank 0
@@ -66,6 +62,6 @@ def launch_ranks(resolved: ResolvedRun, launch_file: Path, log_dir: Path, max_re
         max_restarts=run.trainer.max_restarts if max_restarts is None else max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+        logs_specs=DefaultLogsSpecs(log_dir=str(launch.run_dir / "elastic")),
     )
     elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "framework.worker", str(launch_file))

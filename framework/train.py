@@ -243,17 +243,10 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from framework.faults.supervisor import supervise
-    from framework.launcher import write_launch_file
+    from framework.launch import LaunchSpec
 
-    launch = {
-        "config": run_to_dict(run),
-        "run_dir": str(run_dir),
-        "tracking_uri": run.tracking.uri,
-        "mlflow_run_id": run_id,
-        "resume_from": resume_from,
-        "token_cache_dir": str(cache.dir),
-    }
-    launch_file = write_launch_file(run_dir / "launch.json", launch)
+    launch = LaunchSpec(resolved=resolved, run_dir=run_dir, mlflow_run_id=run_id, resume_from=resume_from,
+                        token_cache_dir=str(cache.dir))
     monitor = None
     if tracker is not None and run.tracking.system_metrics_interval_s > 0:
         from framework.tracking import start_system_metrics
@@ -264,7 +257,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     (run_dir / "error.txt").unlink(missing_ok=True)  # a resumed run starts without its last failure
     t0 = time.time()
     try:
-        supervise(resolved, launch, launch_file, run_dir, tracker)  # launch_ranks + restarts/shrink (framework/faults)
+        supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
         status = "FINISHED"
     except (KeyboardInterrupt, SignalException):  # the elastic agent turns SIGINT/SIGTERM into SignalException
         status = "KILLED"

@@ -1,9 +1,11 @@
 """One rank: build data, model, plugin strategy and a Lightning Trainer, resume, and fit.
 
 Started by the elastic agent (see :mod:`framework.launcher`) as
-``python -m framework.worker <launch.json>``; the launch file holds the resolved config and
-the MLflow run id. Rank and world size come from the environment the agent sets (RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), which Lightning reads too.
+``python -m framework.worker <launch.json>``; the launch file holds the
+:class:`~framework.launch.LaunchSpec` (the run the driver resolved, the MLflow run id, the
+checkpoint to resume from), which the rank reads back without validating again. Rank and world
+size come from the environment the agent sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR/PORT), which Lightning reads too.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import logging
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from framework.launch import LaunchSpec
 
 
 def _die_with_parent() -> None:
@@ -57,35 +62,28 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
 
 
-def build_trainer_and_fit(launch: dict[str, Any]) -> None:
-    """Run training for this rank as described by a launch file's contents."""
-    import pytorch_lightning as pl
-    import torch
+def build_trainer_and_fit(launch: LaunchSpec) -> None:
+    """Train this rank as the driver's launch object describes; rank 0 writes ``run_dir/summary.json``.
 
-    from framework.callbacks.breakdown import StepBreakdown
-    from framework.callbacks.clock import StepClock
-    from framework.callbacks.step_metrics import StepMetrics
-    from framework.callbacks.validation import ValidationLoss
-    from framework.checkpoint.policy import build_checkpointing
-    from framework.config.validate import load_run_config, validate
+    The run arrives resolved (layout, batch split) and is not validated again here.
+    """
+    import pytorch_lightning as pl
+
     from framework.data import TextDataModule, TokenCache
     from framework.distributed import cap_threads, resolve_accelerator, threads_per_rank
-    from framework.metrics.flops import FLOPS_CONVENTION, peak_flops
+    from framework.faults.supervisor import resume_path
     from framework.module import LMModule
     from framework.registry import get_plugin_class
-    from framework.tracking import JsonlMetricSink, MLflowMetricSink
 
-    run = load_run_config(launch["config"])
-    resolved = validate(run)
+    resolved, run = launch.resolved, launch.resolved.run
     rank = int(os.environ.get("RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # ranks x threads <= cores, or CPU ranks thrash (see framework.distributed).
-    cap_threads(threads_per_rank(local_world, run.trainer.threads_per_rank))
+    cap_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), run.trainer.threads_per_rank))
     accelerator = resolve_accelerator(run.trainer.accelerator)
     pl.seed_everything(run.trainer.seed, verbose=False)  # python, numpy, torch (CPU and CUDA): same on every rank
 
     plugin = get_plugin_class(run.parallelism.name)(run.parallelism)
-    cache = TokenCache.open(launch["token_cache_dir"])  # built by the driver before any rank started
+    cache = TokenCache.open(launch.token_cache_dir)  # built by the driver before any rank started
     vocab_size = run.model.vocab_size or cache.vocab_size
     # A plugin that owns micro-batching (a pipeline schedule) gets a step's micro-batches in one batch.
     datamodule = TextDataModule(
@@ -96,73 +94,129 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         dp_size=resolved.layout.dp,
         max_steps=run.trainer.max_steps,
         val_sequences=run.trainer.val_sequences,
-        cache_dir=launch["token_cache_dir"],
+        cache_dir=launch.token_cache_dir,
     )
     module = LMModule(resolved, vocab_size=vocab_size, plugin=plugin)
+    sinks, mlflow_sink = _metric_sinks(launch, rank)
+    flops = _flops_setup(run, vocab_size, accelerator, mlflow_sink)
+    step_metrics, callbacks, ckpt_plugins = _build_callbacks(launch, plugin, rank, sinks, flops)
+    trainer = _build_trainer(resolved, plugin, accelerator, callbacks, ckpt_plugins, launch.run_dir)
+    ckpt_path = resume_path(launch, rank)  # after an elastic restart: the newest valid checkpoint
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if trainer.is_global_zero:
+        summary = {**step_metrics.summary, "flops_per_token": float(flops.per_token), "peak_flops": flops.peak}
+        (launch.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
-    run_dir = Path(launch["run_dir"])
-    sinks: list = [JsonlMetricSink(run_dir / "metrics.jsonl")]
+
+def _metric_sinks(launch: LaunchSpec, rank: int) -> tuple[list, Any]:
+    """This rank's metric sinks (the run's ``metrics.jsonl``; on rank 0 also the MLflow run) and the MLflow sink or None."""
+    from framework.tracking import JsonlMetricSink, MLflowMetricSink
+
+    sinks: list = [JsonlMetricSink(launch.run_dir / "metrics.jsonl")]
     mlflow_sink = None
-    if launch.get("mlflow_run_id") and rank == 0:
-        mlflow_sink = MLflowMetricSink(launch["tracking_uri"], launch["mlflow_run_id"])
+    if launch.mlflow_run_id and rank == 0:
+        mlflow_sink = MLflowMetricSink(launch.tracking_uri, launch.mlflow_run_id)
         sinks.append(mlflow_sink)
+    return sinks, mlflow_sink
+
+
+@dataclass(frozen=True)
+class _Flops:
+    """MFU inputs: this device's peak FLOP/s and the model's FLOPs per token (model and hardware count)."""
+
+    peak: float
+    per_token: int
+    hardware_per_token: int
+
+
+def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) -> _Flops:
+    """Peak FLOP/s of this rank's device (measured or looked up) and the configured GPT's FLOPs per token;
+    how they were obtained goes to the MLflow run's params when ``mlflow_sink`` is given."""
+    import torch
+
+    from framework.metrics.flops import FLOPS_CONVENTION, peak_flops
+    from framework.model import GPT  # only for the FLOPs count of the configured shape
+
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if accelerator == "cuda" else torch.device("cpu")
     dtype = "bf16" if run.trainer.precision.startswith("bf16") else ("fp16" if run.trainer.precision.startswith("16") else "fp32")
     peak, peak_method = peak_flops(device, dtype=dtype, threads=torch.get_num_threads(), cache_dir=run.data.cache_dir)
-    from framework.model import GPT  # only for the FLOPs count of the configured shape
-
     with torch.device("meta"):
         shape = GPT(run.model, vocab_size=vocab_size)
-        flops_per_token = shape.flops_per_token(run.data.seq_len)
-        hardware_flops_per_token = shape.hardware_flops_per_token(run.data.seq_len)
+        flops = _Flops(peak=peak, per_token=shape.flops_per_token(run.data.seq_len),
+                       hardware_per_token=shape.hardware_flops_per_token(run.data.seq_len))
     if mlflow_sink is not None:
         mlflow_sink.log_params(
             {"mfu.peak_flops_per_device": f"{peak:.4g}", "mfu.peak_flops_method": peak_method,
-             "mfu.flops_convention": FLOPS_CONVENTION, "mfu.flops_per_token": str(flops_per_token)}
+             "mfu.flops_convention": FLOPS_CONVENTION, "mfu.flops_per_token": str(flops.per_token)}
         )
+    return flops
+
+
+def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, flops: _Flops) -> tuple[Any, list, list]:
+    """``(step_metrics, callbacks, checkpoint_plugins)`` in the order they must run.
+
+    Profiler first, then the step clock both metric callbacks read; step metrics, validation,
+    fault injection/guard, checkpointing (after the others: a save happens once everything else
+    of a step is done), the plugin's own, and the step breakdown last (checkpoint and validation
+    run inside the step it times).
+    """
+    from framework.callbacks.breakdown import StepBreakdown
+    from framework.callbacks.clock import StepClock
+    from framework.callbacks.step_metrics import StepMetrics
+    from framework.callbacks.validation import ValidationLoss
+    from framework.checkpoint.policy import build_checkpointing
+    from framework.faults.guard import build_fault_callbacks
+
+    resolved, trainer_cfg = launch.resolved, launch.resolved.run.trainer
     clock = StepClock()  # step ends and the seconds outside training, for both metric callbacks
     step_metrics = StepMetrics(
         clock=clock,
         tokens_per_step=resolved.tokens_per_step,
-        flops_per_token=flops_per_token,
-        peak_flops=peak,
+        flops_per_token=flops.per_token,
+        peak_flops=flops.peak,
         num_devices=resolved.world_size,
-        log_every_n_steps=run.trainer.log_every_n_steps,
-        warmup_steps_excluded=run.trainer.warmup_steps_excluded,
+        log_every_n_steps=trainer_cfg.log_every_n_steps,
+        warmup_steps_excluded=trainer_cfg.warmup_steps_excluded,
         sinks=sinks,
-        progress_bar=run.trainer.progress_bar,
-        hardware_flops_per_token=hardware_flops_per_token,
+        progress_bar=trainer_cfg.progress_bar,
+        hardware_flops_per_token=flops.hardware_per_token,
     )
     breakdown = StepBreakdown(
         clock=clock,
         plugin=plugin,
         resolved=resolved,
-        log_every_n_steps=run.trainer.log_every_n_steps,
-        warmup_steps_excluded=run.trainer.warmup_steps_excluded,
+        log_every_n_steps=trainer_cfg.log_every_n_steps,
+        warmup_steps_excluded=trainer_cfg.warmup_steps_excluded,
         sinks=sinks,
     )
     callbacks = [
         clock,  # first: it decides whether a batch closed a step before the others ask
         step_metrics,
-        ValidationLoss(every_n_steps=run.trainer.val_every_n_steps, sinks=sinks, on_time_spent=clock.add_validation),
+        ValidationLoss(every_n_steps=trainer_cfg.val_every_n_steps, sinks=sinks, on_time_spent=clock.add_validation),
     ]
-    from framework.faults.guard import build_fault_callbacks
-
-    callbacks += build_fault_callbacks(resolved, launch, rank=rank)  # [] without faults/policy; before checkpointing
-    # Checkpointing: the folder CheckpointIO plugin and its callbacks (after the others: they save
-    # once everything else of a step is done). on_time_spent gets the seconds the step was held.
+    callbacks += build_fault_callbacks(launch, rank=rank)  # [] without faults/policy; before checkpointing
+    # The folder CheckpointIO plugin and its callbacks; on_time_spent gets the seconds the step was held.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(
         resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=clock.add_checkpoint
     )
     callbacks += ckpt_callbacks
-    if run.trainer.profile_steps is not None:
+    if trainer_cfg.profile_steps is not None:
         from framework.callbacks.profiler import StepProfiler
 
-        first, last = run.trainer.profile_steps
-        callbacks.insert(0, StepProfiler(first=first, last=last, out_dir=run_dir / "profile"))
+        first, last = trainer_cfg.profile_steps
+        callbacks.insert(0, StepProfiler(first=first, last=last, out_dir=launch.run_dir / "profile"))
     callbacks += plugin.callbacks(resolved, sinks)  # plugin-specific metrics (e.g. pipeline bubble)
     callbacks.append(breakdown)  # last: checkpoint and validation run inside the step it times
-    trainer = pl.Trainer(
+    return step_metrics, callbacks, ckpt_plugins
+
+
+def _build_trainer(resolved: Any, plugin: Any, accelerator: str, callbacks: list, ckpt_plugins: list, run_dir: Path) -> Any:
+    """The Lightning ``Trainer``: the plugin's strategy, the run's precision, steps and accumulation;
+    Lightning's own logging, checkpointing, validation loop and sampler are off (trainlab's callbacks do them)."""
+    import pytorch_lightning as pl
+
+    run = resolved.run
+    return pl.Trainer(
         accelerator=accelerator,
         devices=resolved.nproc_per_node,
         num_nodes=resolved.layout.nnodes,
@@ -184,13 +238,6 @@ def build_trainer_and_fit(launch: dict[str, Any]) -> None:
         use_distributed_sampler=False,
         default_root_dir=str(run_dir),
     )
-    from framework.faults.supervisor import resume_path
-
-    ckpt_path = resume_path(launch, resolved, rank)  # after an elastic restart: the newest valid checkpoint
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if trainer.is_global_zero:
-        summary = {**step_metrics.summary, "flops_per_token": float(flops_per_token), "peak_flops": peak}
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def _shutdown_process_group() -> None:
@@ -218,8 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.enable(all_threads=True)
     _die_with_parent()
     _quiet_libraries()
-    launch = json.loads(Path(argv[0]).read_text())
-    build_trainer_and_fit(launch)
+    build_trainer_and_fit(LaunchSpec.read(argv[0]))
     _shutdown_process_group()
     from framework.distributed import exit_process
 

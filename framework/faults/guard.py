@@ -228,22 +228,23 @@ class FaultGuard(pl.Callback):
             self.watchdog.stop()
 
 
-def build_fault_callbacks(resolved: Any, launch: dict[str, Any], *, rank: int) -> list[pl.Callback]:
+def build_fault_callbacks(launch: Any, *, rank: int) -> list[pl.Callback]:
     """``[FaultInjector, FaultGuard]`` for this rank, or ``[]`` when the run has no faults and no policy.
 
-    Put them after the metric callbacks and before the checkpoint callbacks (a rollback must
-    rewind the step before a save or snapshot of that step is taken).
+    ``launch``: the driver's :class:`~framework.launch.LaunchSpec` (the run, its fault schedule,
+    which launch this is). Put them after the metric callbacks and before the checkpoint
+    callbacks (a rollback must rewind the step before a save or snapshot of that step is taken).
     """
     from framework.faults.inject import FaultInjector
     from framework.faults.schedule import faults_enabled
 
-    run = resolved.run
+    run = launch.resolved.run
     if not faults_enabled(run):
         return []
-    log = FaultLog(launch["run_dir"])
-    segment = f"{launch.get('launch_index', 0)}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    log = FaultLog(launch.run_dir)
+    segment = f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return [
-        FaultInjector(schedule=launch.get("fault_schedule", []), rank=rank, log=log, checkpoint_dir=resolved.checkpoint_dir),
-        FaultGuard(cfg=run.resilience, rank=rank, log=log, segment=segment, launch_index=launch.get("launch_index", 0),
-                   shrunk_at_step=launch.get("shrunk_at_step")),
+        FaultInjector(schedule=launch.fault_schedule, rank=rank, log=log, checkpoint_dir=launch.resolved.checkpoint_dir),
+        FaultGuard(cfg=run.resilience, rank=rank, log=log, segment=segment, launch_index=launch.launch_index,
+                   shrunk_at_step=launch.shrunk_at_step),
     ]

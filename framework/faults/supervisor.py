@@ -22,34 +22,35 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
+from framework.config.resolved import ResolvedRun
 from framework.faults.events import FaultLog
+from framework.launch import LaunchSpec
 
 
 def _warn(msg: str) -> None:
     print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
 
 
-def resume_path(launch: dict[str, Any], resolved: Any, rank: int) -> Optional[str]:
-    """The checkpoint this rank starts from: the launch file's, or after an elastic restart the newest valid one.
+def resume_path(launch: LaunchSpec, rank: int) -> Optional[str]:
+    """The checkpoint this rank starts from: the launch's, or after an elastic restart the newest valid one.
 
     A corrupt checkpoint passed over is warned about and, on rank 0, logged as a detection.
     """
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        return launch.get("resume_from")
+        return launch.resume_from
     from framework.checkpoint.format import find_latest_valid
 
-    log = FaultLog(launch["run_dir"])
-    segment = f"{launch.get('launch_index', 0)}.{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+    log = FaultLog(launch.run_dir)
+    segment = f"{launch.launch_index}.{os.environ['TORCHELASTIC_RESTART_COUNT']}"
 
     def warn(msg: str) -> None:
         if rank == 0:
             _warn(msg)
             log.append("resume_skipped_corrupt", seg=segment, detail=msg)
 
-    latest = find_latest_valid(resolved.checkpoint_dir, warn=warn)
+    latest = find_latest_valid(launch.resolved.checkpoint_dir, warn=warn)
     if rank == 0:
         print(f"trainlab: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from {latest or 'the start'}",
               file=sys.stderr, flush=True)
@@ -64,11 +65,14 @@ def max_restarts_for(run: Any) -> int:
     return run.resilience.max_restarts if policy in ("restart", "shrink") else 0
 
 
-def shrunk_run(run: Any, world_size: int) -> Optional[Any]:
-    """``run`` at the largest world size below ``world_size`` (>= ``min_world_size``) that divides the global batch.
+def resolve_shrunk(run: Any, world_size: int) -> Optional[ResolvedRun]:
+    """``run`` resolved at the largest world size below ``world_size`` (>= ``min_world_size``) that validates.
 
-    The listed faults are dropped from the copy (the schedule already lives in the launch file;
-    ranks that no longer exist cannot be checked against the new world size). None if no size fits.
+    ``global_batch_size`` and ``micro_batch_size`` are kept and ``grad_accum_steps`` re-derived,
+    so a size fits when the global batch divides. The listed faults are dropped from the copy
+    (the schedule already lives in the launch object; ranks that no longer exist cannot be
+    checked against the new world size). None if no size fits. Called by the driver only: the
+    ranks of the next launch receive the result and validate nothing.
     """
     from framework.config.schema import ConfigError
     from framework.config.validate import validate
@@ -82,42 +86,42 @@ def shrunk_run(run: Any, world_size: int) -> Optional[Any]:
             fault=dataclasses.replace(run.fault, events=[], mtbf_steps=0.0),
         )
         try:
-            validate(new)
+            return validate(new)
         except ConfigError:
             continue
-        return new
     return None
 
 
-def supervise(resolved: Any, launch: dict[str, Any], launch_file: Path, run_dir: Path, tracker: Any = None) -> None:
+def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
     """Run the ranks to completion under the resilience policy, then log the recovery figures.
 
-    Without faults or a policy this is exactly :func:`framework.launcher.launch_ranks`.
+    Without faults or a policy this is exactly :func:`framework.launcher.launch_ranks`. With
+    them the ranks get the fault schedule, and each shrink relaunches them with the run
+    resolved at the smaller world size (:func:`resolve_shrunk`).
 
     Raises:
         ChildFailedError: the ranks failed and the policy has no recovery left.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from framework.config.validate import run_to_dict
     from framework.faults.schedule import build_schedule, faults_enabled
-    from framework.launcher import launch_ranks, write_launch_file
+    from framework.launcher import launch_ranks
 
+    resolved = launch.resolved
     run = resolved.run
     if not faults_enabled(run):
-        launch_ranks(resolved, launch_file, run_dir / "elastic")
+        launch_ranks(launch)
         return
-    log = FaultLog(run_dir)
-    launch = {**launch, "fault_schedule": build_schedule(run, resolved.world_size), "launch_index": 0}
-    write_launch_file(launch_file, launch)
+    log = FaultLog(launch.run_dir)
+    launch = launch.replace(fault_schedule=build_schedule(run, resolved.world_size), launch_index=0)
     log.append("driver_start", world_size=resolved.world_size)
     if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
-        kinds = sorted({e["kind"] for e in launch["fault_schedule"]})
+        kinds = sorted({e["kind"] for e in launch.fault_schedule})
         tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
     try:
         while True:
             try:
-                launch_ranks(resolved, launch_file, run_dir / "elastic", max_restarts=max_restarts_for(run))
+                launch_ranks(launch, max_restarts=max_restarts_for(run))
                 return
             except ChildFailedError:
                 aborts = [r for r in log.read() if r.get("ev") == "abort"]
@@ -126,25 +130,22 @@ def supervise(resolved: Any, launch: dict[str, Any], launch_file: Path, run_dir:
                           f" {aborts[-1]['faults']} faults detected > resilience.max_faults", file=sys.stderr, flush=True)
                 if aborts or run.resilience.policy != "shrink":
                     raise
-                new = shrunk_run(run, resolved.world_size)
-                if new is None:
+                new_resolved = resolve_shrunk(run, resolved.world_size)
+                if new_resolved is None:
                     _warn(f"resilience: cannot shrink below world_size={resolved.world_size}"
                           f" (min_world_size={run.resilience.min_world_size}, global batch must divide)")
                     raise
                 from framework.checkpoint.format import find_latest_valid, read_manifest
-                from framework.config.validate import validate
 
-                new_resolved = validate(new)
                 latest = find_latest_valid(resolved.checkpoint_dir, warn=_warn)
                 step = read_manifest(latest)["step"] if latest else 0
                 log.append("shrink", from_world=resolved.world_size, to_world=new_resolved.world_size, step=step,
                            grad_accum_steps=new_resolved.grad_accum_steps)
                 print(f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
                       f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}", file=sys.stderr, flush=True)
-                launch = {**launch, "config": run_to_dict(new), "resume_from": str(latest) if latest else None,
-                          "launch_index": launch["launch_index"] + 1, "shrunk_at_step": step}
-                write_launch_file(launch_file, launch)
-                run, resolved = new, new_resolved
+                launch = launch.replace(resolved=new_resolved, resume_from=str(latest) if latest else None,
+                                        launch_index=launch.launch_index + 1, shrunk_at_step=step)
+                run, resolved = new_resolved.run, new_resolved
     finally:
         log.append("driver_end")
         _report(log, tracker)

@@ -74,7 +74,7 @@ def assert_converted_gives_the_next_step_loss(runner, name: str, ckpt_dir, step:
     subprocess.run([sys.executable, "-m", "framework.checkpoint", "convert", str(ckpt_dir / f"step{step:08d}"),
                     "--out", str(out)], check=True, capture_output=True)
     launch = json.loads((runner.workdir / "outputs" / "ref" / name / "launch.json").read_text())
-    run = launch["config"]
+    run = launch["resolved"]["run"]
     cache = TokenCache.open(launch["token_cache_dir"])
     model = GPT(ModelConfig(**run["model"]), vocab_size=cache.vocab_size)
     model.load_state_dict(torch.load(out, weights_only=True), strict=True)
