@@ -41,7 +41,7 @@ def plain_tokens_per_sec(overrides: list[str], steps: int) -> float:
     """tokens/s of a plain PyTorch loop with the same resolved config (in this process)."""
     from hydra import compose, initialize_config_dir
 
-    import framework.train  # noqa: F401  (registers the run-name resolver)
+    import framework.cli  # noqa: F401  (registers the run-name resolver)
     from framework.config.validate import load_run_config, validate
     from framework.data import TextDataModule, prepare_data
     from framework.distributed import cap_threads, threads_per_rank

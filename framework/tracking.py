@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,6 +74,7 @@ class DriverRun:
         exp = self.client.get_experiment_by_name(experiment_name)
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment_name)
         self.run_id: str | None = None
+        self.monitor: Any = None  # MLflow's system metrics monitor, when started (open_driver_run)
 
     def find(self, run_key: str) -> str | None:
         """Id of the newest run tagged ``trainlab.run_key == run_key`` in this experiment, or None."""
@@ -152,6 +154,104 @@ def start_system_metrics(uri: str, run_id: str, interval_s: float, *, resume: bo
     except Exception as err:  # e.g. psutil missing
         log.warning("MLflow system metrics are off: %s", err)
         return None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def derived_params(resolved: Any, model: Any) -> dict[str, Any]:
+    """Values the driver derived (layout, batch split in sequences, tokens per step, checkpoint
+    folder) and the model's size (``model``: the configured GPT, e.g. on the meta device)."""
+    lay = resolved.layout
+    return {
+        "derived.dp_degree": lay.dp, "derived.tp_degree": lay.tp, "derived.pp_degree": lay.pp,
+        "derived.world_size": resolved.world_size, "derived.micro_batch_size": resolved.micro_batch_size,
+        "derived.grad_accum_steps": resolved.grad_accum_steps, "derived.global_batch_size": resolved.global_batch_size,
+        "derived.tokens_per_step": resolved.tokens_per_step, "derived.checkpoint_dir": resolved.checkpoint_dir,
+        "derived.vocab_size": model.vocab_size, "model.num_params": model.num_params(exclude_position_embedding=False),
+        "model.num_flops_params": model.num_flops_params(),
+    }
+
+
+def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
+    """Open the run's MLflow run (re-open it when ``resumed``) and log what the run is.
+
+    Params: the flattened config and :func:`derived_params`; tags: plugin, world size, layout,
+    git commit; artifact ``resolved_config.yaml``. Starts MLflow's system metrics
+    (``tracking.system_metrics_interval_s`` > 0); :func:`finish_driver_run` stops them.
+
+    Raises:
+        ConfigError: the tracking URI cannot be used (a bad URI, an unreachable server), one line,
+            before any rank starts.
+    """
+    import os
+
+    from omegaconf import OmegaConf
+
+    from framework.config.schema import ConfigError
+    from framework.config.validate import run_to_dict
+
+    run = resolved.run
+    # Fail fast on an unreachable server instead of MLflow's minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    run_key = f"{run.experiment_name}/{run.run_name}"
+    try:
+        tracker = DriverRun(run.tracking.uri, run.experiment_name)
+        tracker.start(run_name=run.run_name, run_key=run_key, resume_run_id=tracker.find(run_key) if resumed else None)
+    except Exception as err:
+        raise ConfigError(f"tracking.uri={run.tracking.uri!r}: {_first_line(err)} (allowed: a sqlite:///, file:// or"
+                          " http(s):// MLflow URI; or tracking=none)") from None
+    config = run_to_dict(run)
+    tracker.log_params({**flatten(config), **{k: str(v) for k, v in derived_params(resolved, model).items()}})
+    lay = resolved.layout
+    tracker.set_tags({"plugin": resolved.plugin_name, "world_size": resolved.world_size,
+                      "layout": f"dp{lay.dp}-tp{lay.tp}-pp{lay.pp}", "git_commit": git_commit(Path(__file__).parent)})
+    tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(config)), "resolved_config.yaml")
+    print(f"trainlab: MLflow run {tracker.run_id} in experiment {run.experiment_name!r} ({run.tracking.uri})", flush=True)
+    if run.tracking.system_metrics_interval_s > 0:
+        tracker.monitor = start_system_metrics(run.tracking.uri, tracker.run_id, run.tracking.system_metrics_interval_s,
+                                               resume=resumed)
+    return tracker
+
+
+def steps_done(run_dir: str | Path) -> int:
+    """Optimizer steps the run has trained (``train/steps`` of its ``summary.json``; 0 without one)."""
+    summary = Path(run_dir) / "summary.json"
+    if summary.exists():
+        return int(json.loads(summary.read_text()).get("train/steps", 0))
+    return 0
+
+
+def finish_driver_run(tracker: DriverRun, status: str, *, run_dir: Path, started_at: float, error: str | None,
+                      resumed: bool) -> None:
+    """Close the attempt's MLflow bookkeeping; never raises (a tracking error is a warning).
+
+    Stops the system metrics, logs ``time/attempt_wall_s`` (seconds since ``started_at``, a
+    ``time.time()``) at the step reached, the ``metrics.jsonl`` artifact, the ``error`` tag and
+    ``error.txt`` of a failed attempt (or clears an earlier attempt's tag when ``resumed``), the
+    profiler traces, and sets ``status`` (FINISHED, FAILED or KILLED).
+    """
+    if tracker.monitor is not None:
+        tracker.monitor.finish()
+    try:
+        tracker.log_metrics({"time/attempt_wall_s": time.time() - started_at}, step=steps_done(run_dir))
+        metrics_file = run_dir / "metrics.jsonl"
+        if metrics_file.exists():
+            tracker.log_artifact(metrics_file)
+        if error is not None:  # why a FAILED run failed, next to its metrics in the MLflow UI
+            # MLflow caps a tag's length: keep the head (exception, failed rank) and the tail.
+            tracker.set_tags({"error": error if len(error) <= 4000 else f"{error[:1500]}\n...\n{error[-2400:]}"})
+            tracker.log_artifact(run_dir / "error.txt")
+        elif resumed:
+            tracker.clear_tag("error")  # an earlier attempt failed; this one did not
+        if (run_dir / "profile").is_dir():  # trainer.profile_steps traces, one per rank
+            tracker.client.log_artifacts(tracker.run_id, str(run_dir / "profile"), artifact_path="profile")
+        tracker.end(status)
+    except Exception as err:  # never mask the training outcome with a tracking error
+        print(f"trainlab: warning: could not finalise the MLflow run: {err}", file=sys.stderr)
 
 
 class MLflowMetricSink:

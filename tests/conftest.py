@@ -20,7 +20,7 @@ def compose():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import framework.train  # noqa: F401  (registers the run-name resolver)
+    import framework.cli  # noqa: F401  (registers the run-name resolver)
 
     def _compose(*overrides: str):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

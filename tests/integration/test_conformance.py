@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from framework.registry import available_plugins
-from framework.train import group_options
+from framework.cli import group_options
 from framework.testing.conformance import PluginCase, conformance, conformance_params  # noqa: F401 (fixture)
 
 from tests.conftest import REPO
@@ -77,7 +77,7 @@ def example_plugin(tmp_path_factory) -> str:
 
 
 def test_outside_plugin_is_found_only_where_installed(example_plugin, tmp_path):
-    code = "from framework.registry import available_plugins; from framework.train import group_options;" \
+    code = "from framework.registry import available_plugins; from framework.cli import group_options;" \
            "print(available_plugins(), group_options('parallelism'))"
     env = {**os.environ, "PYTHONPATH": example_plugin}
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)

@@ -15,7 +15,7 @@ import torch
 from framework.checkpoint.__main__ import main as ckpt_tool
 from framework.checkpoint.format import STATE_FILE, find_latest_valid, read_manifest, safe_torch_load
 from framework.testing.conformance import SAVE_AT, STEPS, PluginCase, conformance  # noqa: F401 (fixture)
-from framework.train import precheck
+from framework.cli import precheck
 
 pytestmark = pytest.mark.slow
 

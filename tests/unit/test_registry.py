@@ -9,7 +9,7 @@ import pytest
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.plugin import ParallelPlugin
 from framework.registry import available_plugins, get_plugin_class, register_plugin
-from framework.train import check_group_choices
+from framework.cli import check_group_choices
 from tests.conftest import CONF_DIR
 
 

@@ -1,0 +1,181 @@
+"""The command line around the driver: Hydra entry, one-line errors and exit codes.
+
+``python -m framework.train [overrides]`` runs :func:`main` with the driver's Hydra app
+(:mod:`framework.train`). Before Hydra starts, :func:`precheck` composes and validates a single
+run's config so that every bad input is one ``trainlab: error:`` line with exit code 2 (no
+output folder is made). Exit codes: 0 done, 1 training failed (in a sweep: at least one job
+failed, after every job has run), 2 bad input, 130 interrupted.
+
+Importing this module registers the ``tl_run_name`` resolver that ``conf/config.yaml`` names
+runs with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+from pathlib import Path
+from typing import Callable, NoReturn
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from framework.config.schema import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def run_name_from_overrides(override_dirname: str) -> str:
+    """A stable, path-safe run name from Hydra's ``job.override_dirname`` (``default`` when empty)."""
+    if not override_dirname:
+        return "default"
+    name = re.sub(r"[^\w.,=+\-]", "_", override_dirname)
+    if len(name) > 140:  # keep folder names well under the 255-byte limit, still unique
+        name = name[:120] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
+    return name
+
+
+OmegaConf.register_new_resolver("tl_run_name", run_name_from_overrides, replace=True)
+
+
+def fail(msg: str) -> NoReturn:
+    """Print ``trainlab: error: <msg>`` to stderr and exit with code 2 (bad input)."""
+    print(f"trainlab: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+FAILED_JOBS: list[str] = []
+"""Run names of this process's sweep jobs that ended FAILED (the driver appends; :func:`main` exits 1)."""
+
+
+def in_sweep() -> bool:
+    """Whether this job is one of a Hydra multirun (``-m`` or a preset with ``hydra.mode: MULTIRUN``)."""
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
+    """Reject ``group=option`` overrides naming a missing option, in one line (exit code 2).
+
+    Hydra would report these too, but over several lines with a hint about stack traces;
+    this check runs first so every bad input reads the same way.
+    """
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if not key or "." in key or "/" in key or "(" in value or not (conf_dir / key).is_dir():
+            continue
+        options = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
+        for choice in (v.strip() for v in value.split(",")):
+            if choice and choice != "null" and choice not in options:
+                options = group_options(key, conf_dir)  # with installed packages' configs (e.g. an outside plugin's)
+                if choice not in options:
+                    fail(f"{key}={choice!r} is not an option of config group {key!r}; available: {', '.join(options)}")
+
+
+def group_options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
+    """Options of config group ``group`` on Hydra's whole search path: ``conf/<group>/*.yaml`` plus
+    those that installed packages add through a Hydra ``SearchPathPlugin`` (how an outside
+    parallelism plugin ships ``parallelism/<name>.yaml``; see plugins/README.md)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+
+
+def presets_writing(kind: str, conf_dir: Path | None = None) -> list[str]:
+    """``conf/parallelism`` presets whose plugin writes checkpoints of manifest kind ``kind`` (imports every plugin class)."""
+    from framework.registry import available_plugins, get_plugin_class
+
+    conf_dir = conf_dir or CONF_DIR
+    writers = {n for n in available_plugins() if get_plugin_class(n).capabilities.checkpoint_format == kind}
+    return sorted(p.stem for p in (conf_dir / "parallelism").glob("*.yaml")
+                  if re.search(r"^name:\s*(\S+)", p.read_text(), re.M).group(1) in writers)
+
+
+def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
+    """Hydra's multi-line composition errors as one line; a mistyped key gets suggestions."""
+    import difflib
+
+    text = str(err)
+    m = re.search(r"Could not override '([^']+)'", text)
+    if m:
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            groups = [o for o in overrides  # e.g. parallelism=fsdp, to suggest that plugin's keys (not nosuchkey=1)
+                      if "=" in o and "," not in o and (CONF_DIR / o.split("=")[0].lstrip("+~")).is_dir()]
+            defaults = compose(config_name="config", overrides=["run_name=x", *groups])  # suggest the chosen plugin's keys
+        from framework.tracking import flatten
+
+        keys = list(flatten(OmegaConf.to_container(defaults, resolve=False)))
+        near = difflib.get_close_matches(m.group(1), keys, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(near)}?" if near else "see conf/ and framework/config/schema.py for the keys"
+        return f"{m.group(1)} is not a config key; {hint} (to add a new key write +{m.group(1)}=...)"
+    lines = [
+        ln.strip() for ln in text.splitlines()
+        if ln.strip() and "HYDRA_FULL_ERROR" not in ln and not ln.strip().startswith(("full_key", "object_type", "reference_type"))
+    ]
+    return " ".join(lines) or type(err).__name__
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose and validate a single run's config before Hydra starts (no output folder yet).
+
+    Every bad input becomes one ``trainlab: error:`` line and exit code 2. Sweeps (``-m``) and
+    Hydra's own flags are left to Hydra (each job is validated when it starts).
+    """
+    check_group_choices(argv)
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+
+    from framework.config.validate import load_run_config, validate
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[*argv, "run_name=precheck"])
+    except Exception as err:  # Hydra's override/composition errors
+        fail(_one_line_hydra_error(err, argv))
+    if cfg.get("hydra", {}).get("mode") == "MULTIRUN":  # an experiment preset that sweeps
+        return
+    try:
+        validate(load_run_config(cfg))
+    except ConfigError as err:
+        fail(str(err))
+
+
+def main(app: Callable[[], None]) -> None:
+    """Console entry point: run the Hydra ``app`` once per call (``-m``: once per sweep point).
+
+    ``app`` is the driver's ``@hydra.main`` function (:mod:`framework.train`; its module names
+    the Hydra job). Ends the process through :func:`framework.distributed.exit_process` (no
+    interpreter finalization) with the exit status the jobs asked for: 0, 1 (training failed;
+    in a sweep: at least one job failed, after every job has run), 2 (bad input), 130
+    (interrupted).
+    """
+    try:
+        precheck(sys.argv[1:])
+        app()
+        code = 0
+        if FAILED_JOBS:
+            print(f"trainlab: {len(FAILED_JOBS)} sweep job(s) FAILED: {', '.join(FAILED_JOBS)}"
+                  " (each run's error.txt and MLflow tag 'error' say why)", file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:  # Ctrl-C before the ranks start (while composing, tokenizing, importing)
+        print("trainlab: interrupted before training started", file=sys.stderr)
+        code = 130
+    except SystemExit as done:
+        if done.code is None or isinstance(done.code, int):
+            code = done.code or 0
+        else:  # sys.exit("message"): printed to stderr, status 1, as Python does
+            print(done.code, file=sys.stderr)
+            code = 1
+    from framework.distributed import exit_process
+
+    exit_process(code)
