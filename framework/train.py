@@ -5,7 +5,8 @@ code 2, before any rank starts or MLflow run opens) -> prepare the token cache -
 checkpoint to resume from -> open (or re-open) the MLflow run -> start the ranks with the typed
 launch object (:class:`~framework.launch.LaunchSpec`) under the resilience policy -> set the
 run's final status -> print a summary. The command line around it (precheck, one-line Hydra
-errors, exit codes) is :mod:`framework.cli`; MLflow bookkeeping is :mod:`framework.tracking`.
+errors, exit codes) is :mod:`framework.cli`; MLflow bookkeeping is :mod:`framework.tracking`;
+which checkpoint to resume, and whether the plugin can load it, is :mod:`framework.checkpoint.resume`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from framework.checkpoint.resume import select_resume
     from framework.faults.supervisor import supervise
     from framework.launch import LaunchSpec
     from framework.tracking import finish_driver_run, open_driver_run
@@ -40,24 +42,24 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     resolved, cache, model = _resolve(cfg)
     run = resolved.run
     _hold_run_lock(run_dir, Path(resolved.checkpoint_dir))
-    resume_from, resume_step = _select_resume(resolved)
-    if resume_from:
-        print(f"trainlab: resuming from {resume_from}", flush=True)
+    resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # auto: the newest intact checkpoint
+    if resume.path:
+        print(f"trainlab: resuming from {resume.path}", flush=True)
     else:  # a fresh start: metrics of an earlier attempt without checkpoints must not mix in
         for stale in ("metrics.jsonl", "summary.json", "faults.jsonl"):
             (run_dir / stale).unlink(missing_ok=True)
-    if resume_step >= run.trainer.max_steps and run.resume == "auto":
-        print(f"trainlab: checkpoint at step {resume_step} >= trainer.max_steps={run.trainer.max_steps}: nothing to"
+    if resume.step >= run.trainer.max_steps and run.resume == "auto":
+        print(f"trainlab: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to"
               " train (raise trainer.max_steps to continue, or use another checkpoint.dir)", flush=True)
         return
     tracker = None
     if run.tracking.enabled:
         try:
-            tracker = open_driver_run(resolved, model, resumed=bool(resume_from))
+            tracker = open_driver_run(resolved, model, resumed=bool(resume.path))
         except ConfigError as err:
             cli.fail(str(err))
     launch = LaunchSpec(resolved=resolved, run_dir=run_dir, mlflow_run_id=tracker.run_id if tracker else None,
-                        resume_from=resume_from, token_cache_dir=str(cache.dir))
+                        resume_from=resume.path, token_cache_dir=str(cache.dir))
     status, error = "FAILED", None
     (run_dir / "error.txt").unlink(missing_ok=True)  # a resumed run starts without its last failure
     started_at = time.time()
@@ -75,7 +77,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     finally:
         if tracker is not None:
             finish_driver_run(tracker, status, run_dir=run_dir, started_at=started_at, error=error,
-                              resumed=bool(resume_from))
+                              resumed=bool(resume.path))
     _print_summary(run_dir, tracker.run_id if tracker else None, run.tracking.uri, run.experiment_name)
 
 
@@ -109,6 +111,25 @@ def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
     except ConfigError as err:
         cli.fail(str(err))
     return resolved, cache, model
+
+
+def _check_resume_request(resolved: ResolvedRun) -> None:
+    """Refuse a ``resume`` value this run's plugin cannot honour (:func:`framework.checkpoint.resume.check_resume_request`).
+
+    Raises:
+        ConfigError: not an intact checkpoint folder, a kind the plugin cannot load, or
+            ``resume=never`` while ``checkpoint.dir`` holds checkpoints.
+    """
+    from framework.checkpoint.resume import check_resume_request
+    from framework.registry import get_plugin_class
+
+    caps = get_plugin_class(resolved.plugin_name).capabilities
+    check_resume_request(resolved.run.resume, resolved.checkpoint_dir, resolved.plugin_name, writes=caps.checkpoint_format,
+                         loads_full_state=caps.loads_full_state, writers=cli.presets_writing)
+
+
+def _warn(msg: str) -> None:
+    print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
 
 
 def _record_failure(run_dir: Path, run_name: str, err: Exception) -> None:
@@ -177,71 +198,6 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
 def _hydra_main(cfg: DictConfig) -> None:
     """The Hydra app: one job per call; this module's name names the Hydra job (``train``)."""
     run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
-
-
-# -- Resume selection (to be replaced by framework.checkpoint.resume) -------------------------------
-
-FULL_STATE_KINDS = ("full", "delta", "dcp")  # checkpoint kinds that gather into one full state
-
-
-def can_load(caps: Any, kind: str) -> bool:
-    """Whether a plugin with capabilities ``caps`` resumes from a checkpoint of manifest kind ``kind``."""
-    return kind == caps.checkpoint_format or (caps.loads_full_state and kind in FULL_STATE_KINDS)
-
-
-def _check_resume_request(resolved: ResolvedRun) -> None:
-    """Refuse a ``resume`` value this run cannot honour, before any data is prepared or rank started.
-
-    Raises:
-        ConfigError: ``resume`` is a folder that is not an intact checkpoint, or one of a kind
-            this run's plugin cannot load; or ``resume=never`` while ``checkpoint.dir`` holds checkpoints.
-    """
-    from framework.checkpoint.format import list_checkpoints, read_manifest, verify
-    from framework.registry import get_plugin_class
-
-    run = resolved.run
-    if run.resume not in ("auto", "never"):
-        problems = verify(run.resume)
-        if problems:
-            raise ConfigError(f"resume={run.resume!r}: not a usable checkpoint folder ({problems[0]}); allowed: auto, never,"
-                              " or an intact checkpoint folder")
-        # Which checkpoint kinds a plugin loads is its declared capability (framework.plugin).
-        kind = read_manifest(run.resume)["kind"]
-        caps = get_plugin_class(resolved.plugin_name).capabilities
-        if not can_load(caps, kind):
-            writers = "|".join(cli.presets_writing(kind))
-            allowed = (f"parallelism={writers}" if writers else f"a plugin that loads {kind!r} checkpoints") \
-                if kind not in FULL_STATE_KINDS else f"a checkpoint written by {'|'.join(cli.presets_writing(caps.checkpoint_format))}"
-            raise ConfigError(f"resume={run.resume!r}: a {kind!r} checkpoint cannot be loaded by plugin"
-                              f" {resolved.plugin_name!r}; allowed: {allowed}")
-    existing = list_checkpoints(resolved.checkpoint_dir)
-    if run.resume == "never" and existing:
-        raise ConfigError(
-            f"resume=never but checkpoint.dir={resolved.checkpoint_dir} already holds checkpoints"
-            " (up to step {}); remove it or choose another checkpoint.dir".format(existing[-1][0])
-        )
-
-
-def _select_resume(resolved: ResolvedRun) -> tuple[str | None, int]:
-    """``(checkpoint folder, its step)`` the run starts from; ``(None, 0)`` for a fresh start.
-
-    ``resume=auto``: the newest checkpoint of ``checkpoint.dir`` that verifies (newer corrupt
-    ones are warned about and skipped); ``never``: none; a folder: that folder (checked by
-    :func:`_check_resume_request`). Call it while holding the run's lock.
-    """
-    from framework.checkpoint.format import find_latest_valid, read_manifest
-
-    run = resolved.run
-    resume_from = None
-    if run.resume == "auto":
-        latest = find_latest_valid(
-            resolved.checkpoint_dir, warn=lambda msg: print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
-        )
-        resume_from = str(latest) if latest else None
-    elif run.resume != "never":
-        resume_from = run.resume
-    # The step of the checkpoint actually resumed (a newer corrupt one does not count).
-    return resume_from, read_manifest(resume_from)["step"] if resume_from else 0
 
 
 if __name__ == "__main__":
