@@ -176,23 +176,12 @@ def test_cuda_event_clock_times_gpu_work():
     assert clock.seconds(a, b) > 0
 
 
-def test_activation_checkpointing_recomputes_without_changing_the_numbers():
+def test_activation_checkpointing_counts_the_recompute_in_hfu_not_mfu():
+    """(That checkpointed blocks give the same loss and gradients: tests/unit/test_parallelize.py.)"""
     import dataclasses
-
-    from framework.parallelize import ParallelPlan, parallelize_gpt
 
     cfg = ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=16)
     ref, ckpt = (GPT(dataclasses.replace(cfg, activation_checkpointing=flag), vocab_size=300) for flag in (False, True))
-    ckpt.load_state_dict(ref.state_dict())
-    # the model holds no checkpointing: parallelize_gpt applies it (the run's model.activation_checkpointing)
-    ckpt = parallelize_gpt(ckpt, ParallelPlan(), activation_checkpointing=True, compile=False)
-    x = torch.randint(0, 300, (2, 16))
-    losses = [m(x, x) for m in (ref, ckpt)]
-    for loss in losses:
-        loss.backward()
-    assert torch.equal(losses[0], losses[1])
-    for (name, p), q in zip(ref.named_parameters(), ckpt.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), name
     # HFU's FLOPs: the blocks' forward once more (2 N_blocks + 4 L h s per token); MFU's unchanged.
     n_blocks = sum(p.numel() for p in ref.blocks.parameters())
     assert ref.hardware_flops_per_token(16) == ref.flops_per_token(16) == ckpt.flops_per_token(16)
