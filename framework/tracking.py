@@ -208,7 +208,7 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
     tracker.log_params({**flatten(config), **{k: str(v) for k, v in derived_params(resolved, model).items()}})
     lay = resolved.layout
     tracker.set_tags({"plugin": resolved.plugin_name, "world_size": resolved.world_size,
-                      "layout": f"dp{lay.dp}-tp{lay.tp}-pp{lay.pp}", "git_commit": git_commit(Path(__file__).parent)})
+                      "layout": lay.describe(), "git_commit": git_commit(Path(__file__).parent)})
     tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(config)), "resolved_config.yaml")
     print(f"trainlab: MLflow run {tracker.run_id} in experiment {run.experiment_name!r} ({run.tracking.uri})", flush=True)
     if run.tracking.system_metrics_interval_s > 0:
