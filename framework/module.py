@@ -2,9 +2,17 @@
 
 Gradient accumulation is Lightning's: with ``accumulate_grad_batches = grad_accum_steps`` it
 divides each micro-batch loss by ``grad_accum_steps`` and (under DDP) skips the gradient
-all-reduce on every micro-batch but the last. Each micro-batch loss is the mean over its
-``micro_batch_size * seq_len`` tokens, and every micro-batch holds the same number of tokens, so
-the optimizer step's loss is exactly the mean over the global batch however it is split.
+all-reduce on every micro-batch but the last.
+
+**Token-weighted loss.** The optimizer step's loss is the mean cross-entropy over the valid
+targets (``!= IGNORE_INDEX``) of the whole global batch, however it is split. Each micro-batch
+arrives with ``n``, the step's valid targets over all data-parallel ranks
+(:mod:`framework.data.step_tokens`), and its loss is its summed cross-entropy divided by
+:meth:`LMModule.loss_denominator` ``= n / (grad_accum_steps * dp_degree)``; Lightning's
+``1 / grad_accum_steps`` (a pipeline schedule's, with pp) and the data-parallel mean then give
+``sum(CE) / n``. A mean of micro-batch means would weigh a target of a micro-batch with few
+valid targets more than one of a full micro-batch. Without ignored targets the denominator is
+``micro_batch_size * seq_len`` and the loss is bit-identical to the plain mean.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import pytorch_lightning as pl
 import torch
 
 from framework.config.resolved import ResolvedRun
+from framework.data.step_tokens import valid_targets
 from framework.model import GPT
 from framework.parallelize import parallelize_gpt
 from framework.plugin import ParallelPlugin
@@ -38,7 +47,8 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
 class LMModule(pl.LightningModule):
     """Causal language modelling on windows of ``seq_len + 1`` tokens.
 
-    Batches are ``(x, y)``, both ``LongTensor[micro_batch_size, seq_len]``.
+    Train batches are ``(x, y, n)``: ``x``, ``y`` ``LongTensor[micro_batch_size, seq_len]`` and ``n``
+    the step's valid targets over all data-parallel ranks (0-dim int64; see the module docstring).
     """
 
     def __init__(self, resolved: ResolvedRun, vocab_size: int, plugin: ParallelPlugin) -> None:
@@ -83,9 +93,21 @@ class LMModule(pl.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.model(x, y)
+    def loss_denominator(self, n: torch.Tensor) -> torch.Tensor:
+        """What each micro-batch divides its summed cross-entropy by: ``n / (grad_accum_steps * dp_degree)``
+        (fp32, 0-dim; ``n`` the step's valid targets over all data-parallel ranks, at least 1).
+
+        After the ``1 / grad_accum_steps`` of accumulation and the data-parallel mean, the step's
+        loss and gradients are those of ``sum(CE) / n`` (torchtitan divides by ``n`` and sums
+        gradients over ranks instead; the result is the same). Computed in float64, so that with
+        no ignored targets it is exactly ``micro_batch_size * seq_len``.
+        """
+        r = self.resolved
+        return (n.clamp(min=1).double() / (r.grad_accum_steps * r.layout.dp)).float()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y, n = batch
+        loss = self.model(x, y, self.loss_denominator(n))
         if self.loss_transform is not None:
             loss = self.loss_transform(loss)
         self.step_loss_sum = self.step_loss_sum.to(loss.device) + loss.detach().float()
@@ -105,19 +127,21 @@ class LMModule(pl.LightningModule):
 
     @torch.no_grad()
     def eval_loss_sum(self, batches) -> torch.Tensor:
-        """``[sum of per-window mean losses, windows]`` of this rank over ``batches`` of ``(x, y)``.
+        """``[summed cross-entropy, valid targets]`` of this rank over ``batches`` of ``(x, y)``.
 
-        Summed (not averaged) so that shards of different sizes combine exactly across ranks.
+        Summed (not averaged) so that shards of different sizes combine exactly across ranks;
+        their ratio is the token-weighted mean, as in training.
         """
         was_training = self.model.training
         self.model.eval()
         acc = torch.zeros(2, device=self.device)
+        one = torch.ones((), device=self.device)
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
             with self.trainer.precision_plugin.forward_context():
-                loss = self.model(x, y).float()
-            acc[0] += loss * x.shape[0]
-            acc[1] += x.shape[0]
+                loss_sum = self.model(x, y, one).float()  # denominator 1: the sum
+            acc[0] += loss_sum
+            acc[1] += valid_targets(y)
         self.model.train(was_training)
         return acc
 

@@ -78,6 +78,7 @@ class DataConfig:
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead (needs num_workers > 0); None = torch's 2
     pin_memory: Optional[bool] = None  # page-locked host batches (faster host->GPU copies); None = on when CUDA is available
     seed: int = 1234  # shuffling seed (same on every rank)
+    mask_document_boundaries: bool = False  # no loss on the target after each <|endoftext|> (the next document's first token)
 
     def __post_init__(self) -> None:
         _require(

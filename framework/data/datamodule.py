@@ -5,6 +5,11 @@ One Lightning "epoch" is the whole run: the train loader yields every micro-batc
 Trainer must stop on ``max_steps`` and validate on a batch count (``val_check_interval =
 val_every_n_steps * grad_accum_steps`` batches, ``check_val_every_n_epoch=None``).
 
+Train batches are ``(x, y, n)``: ``n`` is the number of valid targets in the whole optimizer
+step over all data-parallel ranks (:class:`~framework.data.step_tokens.StepTokenCounts`), the
+denominator of the step's token-weighted loss. With ``data.mask_document_boundaries`` the
+target after every ``<|endoftext|>`` is ignored (train and val windows alike).
+
 Trainer settings this module relies on:
 
 - ``use_distributed_sampler=False``: the batch sampler already shards by ``dp_rank``; Lightning
@@ -28,7 +33,9 @@ from torch.utils.data import DataLoader
 from framework.config.schema import DataConfig
 from framework.data.dataset import OnTheFlyWindowDataset, WindowDataset
 from framework.data.sampler import StepBatchSampler
+from framework.data.step_tokens import StepTokenCounts
 from framework.data.tokens import TokenCache, load_token_cache
+from framework.metrics.timing import comm_paused
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +56,9 @@ class _LightningSteps(StepBatchSampler):
 class TextDataModule(pl.LightningDataModule):
     """Train/val loaders for one data-parallel rank.
 
-    Batches are ``(x, y)``: int64 tensors ``[micro_batch_size, data.seq_len]``, ``y`` = ``x``
-    shifted by one token.
+    Train batches are ``(x, y, n)``: int64 tensors ``[micro_batch_size, data.seq_len]``, ``y`` =
+    ``x`` shifted by one token (``IGNORE_INDEX`` at masked document boundaries), and ``n`` the
+    step's valid targets over all data-parallel ranks (0-dim int64). Val batches are ``(x, y)``.
     """
 
     def __init__(
@@ -134,11 +142,13 @@ class TextDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         L = self.cfg.seq_len
+        mask = self.cfg.mask_document_boundaries
+        eot = self.cache.eot_id if mask else None
         if self.cfg.mode == "on_the_fly":
-            train = OnTheFlyWindowDataset(self.cache.dir, "train", L, self.cache.eot_id)
+            train = OnTheFlyWindowDataset(self.cache.dir, "train", L, self.cache.eot_id, mask_document_boundaries=mask)
         else:
-            train = WindowDataset(self.cache.open_train(), L)
-        val = WindowDataset(self.cache.open_val(), L)  # validation is not the pipeline under study: always memmap
+            train = WindowDataset(self.cache.open_train(), L, mask_eot_id=eot)
+        val = WindowDataset(self.cache.open_val(), L, mask_eot_id=eot)  # validation is not the pipeline under study: always memmap
         for name, ds in (("train", train), ("val", val)):
             if len(ds) == 0 and (name == "train" or self.val_sequences > 0):
                 raise ValueError(
@@ -161,8 +171,9 @@ class TextDataModule(pl.LightningDataModule):
             pin_memory=pin,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        """This rank's micro-batches for steps ``start_step .. max_steps-1``."""
+    def train_dataloader(self) -> StepTokenCounts:
+        """This rank's micro-batches for steps ``start_step .. max_steps-1``, each with its step's
+        global valid-target count (:class:`~framework.data.step_tokens.StepTokenCounts`)."""
         self.setup()
         sampler = _LightningSteps(
             len(self.train_set),
@@ -174,7 +185,25 @@ class TextDataModule(pl.LightningDataModule):
             start_step=self.start_step,
             max_steps=self.max_steps,
         )
-        return self._loader(self.train_set, sampler)
+        return StepTokenCounts(self._loader(self.train_set, sampler), micro_batches_per_step=self.grad_accum_steps,
+                               sum_over_ranks=self._sum_over_data_parallel)
+
+    def _sum_over_data_parallel(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (a 0-dim int64 count) summed over the data-parallel ranks.
+
+        One all-reduce over all ranks (on the strategy's device, outside every comm meter: it is
+        the framework's, not the plugin's), divided by the ranks that read the same data
+        (``world_size / dp_size``: the TP and PP peers of a data-parallel rank). Without a
+        process group (one rank) ``local`` itself.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return local
+        total = local.to(self.trainer.strategy.root_device)
+        with comm_paused():
+            dist.all_reduce(total)
+        return total // (dist.get_world_size() // self.dp_size)
 
     def val_batch_indices(self) -> list[list[int]]:
         """This rank's val micro-batches (window indices), the same on every call.

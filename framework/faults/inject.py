@@ -111,7 +111,7 @@ class FaultInjector(pl.Callback):
         for e in self._active:
             if e["kind"] == "bad_batch":
                 gen = torch.Generator().manual_seed(step * 1000 + self.rank)
-                for t in batch:  # x and y: [micro_batch_size, seq_len] token ids, replaced in place
+                for t in batch[:2]:  # x and y: [micro_batch_size, seq_len] token ids, replaced in place (not n)
                     t.copy_(torch.randint(0, pl_module.vocab_size, t.shape, generator=gen).to(t.device))
 
     def _start(self, e: dict[str, Any], trainer: pl.Trainer, pl_module: Any) -> None:

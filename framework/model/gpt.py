@@ -35,6 +35,10 @@ from framework.config.schema import ModelConfig
 from framework.metrics.flops import flops_per_token as _flops_per_token
 from framework.metrics.flops import recompute_flops_per_token
 
+IGNORE_INDEX = -100
+"""Target id that takes no loss (``F.cross_entropy``'s default ``ignore_index``): masked document
+boundaries (``data.mask_document_boundaries``) or any dataset's ignored positions."""
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: ``[b, s, h] -> [b, s, h]``."""
@@ -158,16 +162,20 @@ class GPT(nn.Module):
         """The output projection ``[V, h]``: the token embedding itself (tied)."""
         return self.wte.weight
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, num_tokens: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Run the decoder: :func:`embed_tokens`, the blocks in order, :func:`output_logits`.
 
         Args:
             idx: token ids ``[b, s]`` (int64), ``s <= max_seq_len``.
-            targets: next-token ids ``[b, s]`` or None.
+            targets: next-token ids ``[b, s]`` (``IGNORE_INDEX`` where no loss is taken) or None.
+            num_tokens: the loss's denominator (see :func:`lm_loss`); None = the valid targets
+                of ``targets`` (their mean cross-entropy).
 
         Returns:
-            logits ``[b, s, V]`` when ``targets`` is None; otherwise the mean cross-entropy over
-            all ``b * s`` tokens (:func:`lm_loss`), a 0-dim fp32 tensor (also under autocast).
+            logits ``[b, s, V]`` when ``targets`` is None; otherwise :func:`lm_loss`, a 0-dim fp32
+            tensor (also under autocast).
 
         Raises:
             ValueError: ``s > max_seq_len``.
@@ -176,7 +184,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = output_logits(x, self.ln_f, self.wte.weight)  # [b, s, V], tied head
-        return logits if targets is None else lm_loss(logits, targets)
+        return logits if targets is None else lm_loss(logits, targets, num_tokens)
 
     def num_params(self, *, exclude_position_embedding: bool = True) -> int:
         """Parameters of the whole model, the tied head counted once (it *is* ``wte``).
@@ -249,8 +257,22 @@ def output_logits(x: torch.Tensor, ln_f: nn.LayerNorm, head_weight: torch.Tensor
     return F.linear(ln_f(x), head_weight)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits [b, s, V]`` against next-token ids ``targets [b, s]``,
-    computed in fp32 (a 0-dim tensor, also under autocast)."""
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, num_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Cross-entropy of ``logits [b, s, V]`` against next-token ids ``targets [b, s]``, summed over
+    the valid targets (``!= IGNORE_INDEX``) and divided by ``num_tokens``; computed in fp32 (a
+    0-dim tensor, also under autocast).
+
+    ``num_tokens`` None: this call's own count of valid targets, i.e. their mean (0, not NaN,
+    when there are none). A training step passes its token-weighted denominator instead
+    (:meth:`framework.module.LMModule.loss_denominator`), so that the step's loss and gradients
+    are those of the mean over the global batch's valid targets however it is split; the same
+    formula as torchtitan's ``global_valid_tokens`` and Hugging Face's ``num_items_in_batch``.
+    With no ignored targets and the per-call count, the value is bit-identical to
+    ``F.cross_entropy``'s ``"mean"`` (that is ``sum / count`` too).
+    """
     b, s = targets.shape
-    return F.cross_entropy(logits.float().reshape(b * s, -1), targets.reshape(b * s))
+    flat = targets.reshape(b * s)
+    total = F.cross_entropy(logits.float().reshape(b * s, -1), flat, ignore_index=IGNORE_INDEX, reduction="sum")
+    if num_tokens is None:
+        num_tokens = (flat != IGNORE_INDEX).sum().clamp(min=1).float()
+    return total / num_tokens

@@ -365,9 +365,10 @@ def test_datamodule_loaders_shard_by_rank(stdlib_cache):
         dm.setup("fit")
         batches = list(dm.train_dataloader())
         assert len(batches) == 5 * 2
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y, n) in enumerate(batches):
             assert x.shape == y.shape == (2, cfg.seq_len) and x.dtype == torch.int64
             assert torch.equal(x[:, 1:], y[:, :-1])
+            assert int(n) == 2 * 2 * cfg.seq_len  # no process group: this rank's 2 micro-batches, all targets valid
             firsts[i // 2].extend(x[:, 0].tolist())
         vb = list(dm.val_dataloader())
         assert len(vb) == 3 and all(x.shape == (2, cfg.seq_len) for x, _ in vb)
@@ -448,7 +449,7 @@ def test_on_the_fly_tokenization_gives_the_memmap_windows(stdlib_cache):
     fly_cfg = dataclasses.replace(cfg, mode="on_the_fly", num_workers=1, prefetch_factor=3)
     a = list(_dm(fly_cfg).train_dataloader())
     b = list(_dm(cfg).train_dataloader())
-    assert len(a) == len(b) and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
+    assert len(a) == len(b) and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1, _), (x2, y2, _) in zip(a, b))
 
 
 @pytest.mark.parametrize(
@@ -462,3 +463,50 @@ def test_on_the_fly_tokenization_gives_the_memmap_windows(stdlib_cache):
 def test_bad_pipeline_options_are_one_line(kw, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         DataConfig(**kw)
+
+
+def test_document_boundary_masking_ignores_exactly_the_targets_after_eot(stdlib_cache):
+    """``data.mask_document_boundaries``: y is IGNORE_INDEX exactly where x is <|endoftext|> (the
+    next document's first token), the same in memmap and on-the-fly windows; x never changes; each
+    train micro-batch carries its step's count of the targets left."""
+    import dataclasses
+
+    from framework.data.dataset import OnTheFlyWindowDataset
+    from framework.model.gpt import IGNORE_INDEX
+
+    cfg, cache = stdlib_cache
+    tokens = cache.open_train()
+    plain = WindowDataset(tokens, cfg.seq_len)
+    masked = WindowDataset(tokens, cfg.seq_len, mask_eot_id=cache.eot_id)
+    fly = OnTheFlyWindowDataset(cache.dir, "train", cfg.seq_len, cache.eot_id, mask_document_boundaries=True)
+    ignored = 0
+    for i in range(len(plain)):
+        (x, y), (mx, my) = plain[i], masked[i]
+        at_eot = x == cache.eot_id
+        assert torch.equal(mx, x), i
+        assert torch.equal(my == IGNORE_INDEX, at_eot), i
+        assert torch.equal(my[~at_eot], y[~at_eot]), i
+        ignored += int(at_eot.sum())
+        if at_eot.any():
+            fx, fy = fly[i]
+            assert torch.equal(fx, mx) and torch.equal(fy, my), i
+    # Inputs of all windows are tokens[0 : windows * seq_len]: one ignored target per EOT there.
+    assert ignored == int((np.asarray(tokens[: len(plain) * cfg.seq_len]) == cache.eot_id).sum()) > 10
+    dm = _dm(dataclasses.replace(cfg, mask_document_boundaries=True), max_steps=40)
+    batches = list(dm.train_dataloader())  # 40 steps x 4 micro-batches of 2 windows
+    assert any(int(n) < 8 * cfg.seq_len for _, _, n in batches), "no boundary in 40 steps: the test would not test"
+    for k in range(40):
+        step = batches[4 * k : 4 * k + 4]
+        assert {int(n) for _, _, n in step} == {sum(int((y != IGNORE_INDEX).sum()) for _, y, _ in step)}, k
+
+
+def test_a_global_batch_larger_than_the_train_split_is_refused():
+    """Issue 13 item 8: 41 sequences from 40 windows would repeat a window in every step."""
+    from framework.data.dataset import check_global_batch_fits
+
+    check_global_batch_fits(global_batch_size=40, train_tokens=40 * 128 + 1, seq_len=128)  # exactly fits
+    with pytest.raises(ConfigError) as info:
+        check_global_batch_fits(global_batch_size=41, train_tokens=40 * 128 + 1, seq_len=128)
+    assert str(info.value) == (
+        "trainer.global_batch_size=41 sequences is larger than the train split: 40 windows of data.seq_len=128"
+        " (5,121 tokens); every step would repeat windows. Use global_batch_size <= 40, a shorter data.seq_len or more data")
