@@ -91,9 +91,12 @@ def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
         run = resolved.run
         _check_resume_request(resolved)
         from framework.data import prepare_data  # imported once the config holds (as the model below)
+        from framework.data.dataset import check_global_batch_fits
 
         print(f"trainlab: {resolved.plugin_name} | {resolved.batch_summary()}", flush=True)
         cache = prepare_data(run.data)
+        check_global_batch_fits(global_batch_size=resolved.global_batch_size, train_tokens=cache.train_tokens,
+                                seq_len=run.data.seq_len)
         if run.model.vocab_size is not None and run.model.vocab_size < cache.vocab_size:
             raise ConfigError(f"model.vocab_size={run.model.vocab_size} < tokenizer vocabulary {cache.vocab_size}")
         import torch

@@ -115,6 +115,12 @@ def test_bad_input_fails_before_any_rank_with_one_line(runner):
     assert missing.returncode == 2
     assert "data.paths" in missing.stderr and "/nonexistent/*.txt" in missing.stderr
 
+    # Issue 13 item 8: a global batch larger than the train split (the small corpus: about 7,800
+    # windows of 64 tokens) ran, repeating windows inside every step; refused after tokenizing.
+    huge = runner.run("trainer.global_batch_size=16384", "trainer.micro_batch_size=8192", check=False)
+    assert huge.returncode == 2 and "trainlab: error: trainer.global_batch_size=16384 sequences is larger than the train split" in huge.stderr
+    assert not list(runner.workdir.glob("outputs/**/launch.json"))
+
     # An unknown top-level key (not a config group) got Hydra's 77-line traceback and exit 1.
     unknown = runner.run("nosuchkey=1", check=False)
     assert unknown.returncode == 2
