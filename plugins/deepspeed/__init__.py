@@ -12,12 +12,30 @@ parameters (0: plain data parallelism through DeepSpeed's engine).
 - :mod:`plugins.deepspeed.checkpoint`: DeepSpeed's own checkpoint inside trainlab's step
   folder (manifest + sha256, atomic rename) and the conversion to DeepSpeed's universal
   checkpoint, which loads at another world size.
+
+**A user's DeepSpeed config** (``parallelism.ds_config``, a dict, and/or
+``parallelism.ds_config_path``, a JSON file; the dict wins over the file) is merged over the
+config trainlab writes (:func:`plugins.deepspeed.strategy.deepspeed_config`), key by key in
+nested sections. Three kinds of keys:
+
+- keys trainlab derives from the run (:data:`RUN_KEYS`: the batch arithmetic
+  ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps`` / ``train_batch_size``,
+  ``gradient_clipping``, ``fp16``/``bf16``, ``zero_optimization.stage``) may repeat trainlab's
+  value; another value is a one-line error before any rank starts, naming both. ``optimizer`` and
+  ``scheduler`` sections are refused (the run's AdamW and schedule are ``optim.*``);
+- keys trainlab also has as typed options (:data:`ZERO_TWINS`, e.g.
+  ``zero_optimization.reduce_bucket_size`` = ``parallelism.reduce_bucket_size``): the user's
+  value replaces the typed option, so the cost model and the logged params describe what
+  DeepSpeed runs;
+- every other key (``steps_per_print``, ``zero_optimization.round_robin_gradients``, ...) is
+  DeepSpeed's alone and passes through.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from framework.checkpoint.kinds import CheckpointKind, register_checkpoint_kind
 from framework.config.schema import ConfigError, ParallelConfig
@@ -31,6 +49,29 @@ register_checkpoint_kind(CheckpointKind(KIND, "DeepSpeed's own checkpoint files"
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu")
+
+ZERO_TWINS = {
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+}
+"""``zero_optimization`` keys of a user's DeepSpeed config -> the typed option they replace
+(the offload sections' ``device`` replaces ``offload_optimizer`` / ``offload_param`` too)."""
+
+RUN_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping",
+            "fp16", "bf16", "zero_optimization.stage")
+"""Keys of a user's DeepSpeed config that trainlab derives from the run: equal values only."""
+
+
+def merge_dicts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated by ``over``, recursively for keys whose values are dicts on both sides (new dict)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge_dicts(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 @dataclass
@@ -48,9 +89,55 @@ class DeepSpeedConfig(ParallelConfig):
     offload_param: str = "none"  # none | cpu: parameters in CPU memory between uses (ZeRO-Infinity; stage 3, CUDA)
     max_live_parameters: int = 1_000_000_000  # stage 3: most gathered parameter elements kept live (DeepSpeed's default)
     max_reuse_distance: int = 1_000_000_000  # stage 3: keep a gathered parameter if reused within this many elements
+    ds_config: dict[str, Any] = field(default_factory=dict)  # DeepSpeed config keys merged over trainlab's (module docstring)
+    ds_config_path: Optional[str] = None  # a DeepSpeed JSON config file, merged under ds_config
+
+    def user_ds_config(self) -> dict[str, Any]:
+        """The user's DeepSpeed config: the JSON file at ``ds_config_path`` (if any) updated by ``ds_config``.
+
+        Raises:
+            ConfigError: the file cannot be read or is not a JSON object (one line).
+        """
+        from_file: dict[str, Any] = {}
+        if self.ds_config_path:
+            try:
+                with open(self.ds_config_path) as fh:
+                    from_file = json.load(fh)
+            except (OSError, ValueError) as e:
+                reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0]
+                raise ConfigError(f"parallelism.ds_config_path={self.ds_config_path!r}: cannot read a JSON DeepSpeed config ({reason})") from None
+            if not isinstance(from_file, dict):
+                raise ConfigError(f"parallelism.ds_config_path={self.ds_config_path!r} holds a JSON {type(from_file).__name__}, not an object")
+        return merge_dicts(from_file, dict(self.ds_config))
+
+    def _adopt_user_zero_options(self) -> None:
+        """Take the user's values of :data:`ZERO_TWINS` (and offload devices) into the typed options;
+        refuse a ``zero_optimization.stage`` other than ``zero_stage``."""
+        zero = self.user_ds_config().get("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise ConfigError(f"parallelism.ds_config.zero_optimization={zero!r} must be a section (a dict)")
+        if "stage" in zero and zero["stage"] != self.zero_stage:
+            raise ConfigError(
+                f"parallelism.ds_config.zero_optimization.stage={zero['stage']} contradicts parallelism.zero_stage={self.zero_stage};"
+                " choose the stage with parallelism=zero1|zero2|zero3 or parallelism.zero_stage"
+            )
+        for key, name in ZERO_TWINS.items():
+            if key not in zero:
+                continue
+            value, flag = zero[key], isinstance(getattr(self, name), bool)
+            whole = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
+            if not (isinstance(value, bool) if flag else whole):
+                raise ConfigError(f"parallelism.ds_config.zero_optimization.{key}={value!r} must be"
+                                  f" {'true or false' if flag else 'a whole number'} (it sets parallelism.{name})")
+            setattr(self, name, value if flag else int(value))
+        for name in ("offload_optimizer", "offload_param"):
+            section = zero.get(name)
+            if isinstance(section, dict) and "device" in section:
+                setattr(self, name, section["device"])
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._adopt_user_zero_options()
         if self.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"parallelism.zero_stage={self.zero_stage} is not a ZeRO stage; allowed: 0, 1, 2, 3")
         for key in ("offload_optimizer", "offload_param"):
@@ -72,6 +159,41 @@ class DeepSpeedConfig(ParallelConfig):
         for key in ("max_live_parameters", "max_reuse_distance"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"parallelism.{key}={getattr(self, key)} must be >= 0")
+
+
+def check_user_ds_config(user: dict[str, Any], resolved: Any) -> None:
+    """Refuse keys of a user's DeepSpeed config that contradict what trainlab derives from the run.
+
+    Raises:
+        ConfigError: one line naming the DeepSpeed key, its value and trainlab's (see :data:`RUN_KEYS`).
+    """
+    run, layout = resolved.run, resolved.layout
+    arithmetic = (f"global_batch_size {resolved.global_batch_size} = micro_batch_size {resolved.micro_batch_size}"
+                  f" x grad_accum_steps {resolved.grad_accum_steps} x dp_degree {layout.dp}")
+    batch = {
+        "train_micro_batch_size_per_gpu": ("trainer.micro_batch_size", resolved.micro_batch_size),
+        "gradient_accumulation_steps": ("trainer.grad_accum_steps", resolved.grad_accum_steps),
+        "train_batch_size": ("trainer.global_batch_size", resolved.global_batch_size),
+    }
+    for key, (ours, value) in batch.items():
+        if key in user and user[key] != value:
+            raise ConfigError(
+                f"parallelism.ds_config.{key}={user[key]} contradicts trainlab's batch arithmetic: {ours}={value}"
+                f" ({arithmetic}); remove the key or set {ours}"
+            )
+    clip = float(run.optim.grad_clip or 0.0)
+    if "gradient_clipping" in user and float(user["gradient_clipping"]) != clip:
+        raise ConfigError(f"parallelism.ds_config.gradient_clipping={user['gradient_clipping']} contradicts optim.grad_clip={clip};"
+                          " remove the key or set optim.grad_clip")
+    for section, precision in (("fp16", "16-mixed"), ("bf16", "bf16-mixed")):
+        enabled = isinstance(user.get(section), dict) and bool(user[section].get("enabled", False))
+        if enabled and run.trainer.precision != precision:
+            raise ConfigError(f"parallelism.ds_config.{section}.enabled=true contradicts trainer.precision={run.trainer.precision!r};"
+                              f" set trainer.precision={precision} instead")
+    for section in ("optimizer", "scheduler"):
+        if section in user:
+            raise ConfigError(f"parallelism.ds_config.{section} is not allowed: the run's AdamW and LR schedule are optim.*"
+                              " (trainlab hands them to DeepSpeed)")
 
 
 @register_plugin
@@ -106,6 +228,7 @@ class DeepSpeedPlugin(ParallelPlugin):
                 )
         if run.trainer.precision == "16-mixed" and not on_cuda:
             raise ConfigError("trainer.precision='16-mixed' with plugin 'deepspeed' needs CUDA ranks; allowed here: 32-true, bf16-mixed")
+        check_user_ds_config(par.user_ds_config(), resolved)
 
     def build_strategy(self, resolved: Any) -> Any:
         from plugins.deepspeed.strategy import build_strategy

@@ -38,14 +38,17 @@ from pytorch_lightning.accelerators.cuda import CUDAAccelerator
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from framework.distributed import process_group_backend, resolve_accelerator
+from plugins.deepspeed import merge_dicts
 
 
 def deepspeed_config(cfg: Any, resolved: Any) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``cfg`` (a :class:`DeepSpeedConfig`).
+    """The DeepSpeed config dict for ``cfg`` (a :class:`DeepSpeedConfig`): trainlab's keys with the
+    user's DeepSpeed config (``parallelism.ds_config`` / ``ds_config_path``) merged over them.
 
     ``gradient_accumulation_steps`` and ``gradient_clipping`` are filled in by Lightning from the
     Trainer (``accumulate_grad_batches``, ``gradient_clip_val``); ``bf16`` by Lightning's
-    precision handling for ``bf16-mixed``.
+    precision handling for ``bf16-mixed``. The user's keys that contradict the run were refused
+    before any rank started (:func:`plugins.deepspeed.check_user_ds_config`).
     """
     zero: dict[str, Any] = {
         "stage": cfg.zero_stage,
@@ -63,7 +66,7 @@ def deepspeed_config(cfg: Any, resolved: Any) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": cfg.offload_optimizer, "pin_memory": True}
     if cfg.offload_param != "none":
         zero["offload_param"] = {"device": cfg.offload_param, "pin_memory": True}
-    return {
+    ours = {
         "train_micro_batch_size_per_gpu": resolved.micro_batch_size,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # the module's torch.optim.AdamW
@@ -71,6 +74,11 @@ def deepspeed_config(cfg: Any, resolved: Any) -> dict[str, Any]:
         "steps_per_print": 1 << 30,  # DeepSpeed's own progress lines off: trainlab logs
         "wall_clock_breakdown": False,
     }
+    merged = merge_dicts(ours, cfg.user_ds_config())
+    # Lightning writes it from accumulate_grad_batches and refuses it in the config; the plugin's
+    # validate has checked that the user's value (if any) is the run's.
+    merged.pop("gradient_accumulation_steps", None)
+    return merged
 
 
 def build_strategy(cfg: Any, resolved: Any) -> "ZeroStrategy":

@@ -73,3 +73,68 @@ def test_comm_volume_by_stage():
     assert vol(DeepSpeedConfig(zero_stage=3)) == {"allgather": 3 * 4 * psi, "reduce_scatter": 3 * 4 * psi}
     released = DeepSpeedConfig(zero_stage=3, max_live_parameters=0, max_reuse_distance=0)
     assert vol(released) == {"allgather": 2 * 3 * 4 * psi, "reduce_scatter": 3 * 4 * psi}  # the paper's 3 Psi
+
+
+def test_a_users_deepspeed_config_is_merged_over_trainlabs(compose, tmp_path):
+    """Issue 13 item 9: the JSON file, then ``ds_config`` over it, then both over trainlab's keys; a
+    ``zero_optimization`` key trainlab also has as a typed option replaces it (cost model, params)."""
+    import json
+
+    from plugins.deepspeed.strategy import deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"steps_per_print": 5, "wall_clock_breakdown": True,
+                                "zero_optimization": {"allgather_bucket_size": 2000, "sub_group_size": 123}}))
+    resolved = validate(load_run_config(compose(
+        "parallelism=zero2", f"parallelism.ds_config_path={path}", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
+        "trainer.grad_accum_steps=null",
+        "++parallelism.ds_config={steps_per_print:10,train_batch_size:16,gradient_accumulation_steps:2,"
+        "zero_optimization:{reduce_bucket_size:1000,round_robin_gradients:true}}")))
+    par = resolved.run.parallelism
+    assert (par.reduce_bucket_size, par.allgather_bucket_size) == (1000, 2000)  # the typed options follow
+    ds = deepspeed_config(par, resolved)
+    assert ds["steps_per_print"] == 10 and ds["wall_clock_breakdown"] is True  # the dict wins over the file
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["train_batch_size"] == 16
+    assert "gradient_accumulation_steps" not in ds  # Lightning writes it (and refuses it in a config)
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 2 and zero["reduce_bucket_size"] == 1000 and zero["allgather_bucket_size"] == 2000
+    assert zero["round_robin_gradients"] is True and zero["sub_group_size"] == 123
+    assert zero["contiguous_gradients"] is True  # trainlab's keys the user left alone stay
+
+
+@pytest.mark.parametrize(
+    "ds_config, message",
+    [
+        ("{train_micro_batch_size_per_gpu:8}",
+         "parallelism.ds_config.train_micro_batch_size_per_gpu=8 contradicts trainlab's batch arithmetic:"
+         " trainer.micro_batch_size=4 (global_batch_size 16 = micro_batch_size 4 x grad_accum_steps 2 x dp_degree 2);"
+         " remove the key or set trainer.micro_batch_size"),
+        ("{gradient_accumulation_steps:4}",
+         "parallelism.ds_config.gradient_accumulation_steps=4 contradicts trainlab's batch arithmetic:"
+         " trainer.grad_accum_steps=2 (global_batch_size 16 = micro_batch_size 4 x grad_accum_steps 2 x dp_degree 2);"
+         " remove the key or set trainer.grad_accum_steps"),
+        ("{train_batch_size:32}",
+         "parallelism.ds_config.train_batch_size=32 contradicts trainlab's batch arithmetic: trainer.global_batch_size=16"),
+        ("{zero_optimization:{stage:3}}", "parallelism.ds_config.zero_optimization.stage=3 contradicts parallelism.zero_stage=2"),
+        ("{zero_optimization:{reduce_bucket_size:1.5}}",
+         "parallelism.ds_config.zero_optimization.reduce_bucket_size=1.5 must be a whole number (it sets parallelism.reduce_bucket_size)"),
+        ("{gradient_clipping:0.5}", "parallelism.ds_config.gradient_clipping=0.5 contradicts optim.grad_clip=1.0"),
+        ("{bf16:{enabled:true}}", "parallelism.ds_config.bf16.enabled=true contradicts trainer.precision='32-true'"),
+        ("{optimizer:{type:Adam}}", "parallelism.ds_config.optimizer is not allowed: the run's AdamW and LR schedule are optim.*"),
+    ],
+)
+def test_a_deepspeed_key_that_contradicts_the_run_is_a_one_line_error(compose, ds_config, message):
+    with pytest.raises(ConfigError) as info:
+        validate(load_run_config(compose("parallelism=zero2", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
+                                         "trainer.grad_accum_steps=null", "optim.grad_clip=1.0", f"++parallelism.ds_config={ds_config}")))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_unreadable_deepspeed_json_is_a_one_line_error(compose, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    for path, message in ((tmp_path / "missing.json", "cannot read a JSON DeepSpeed config (No such file or directory)"),
+                          (bad, "holds a JSON list, not an object")):
+        with pytest.raises(ConfigError) as info:
+            validate(load_run_config(compose("parallelism=zero2", f"parallelism.ds_config_path={path}")))
+        assert message in str(info.value) and "\n" not in str(info.value)
