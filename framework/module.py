@@ -8,7 +8,7 @@ all-reduce on every micro-batch but the last.
 targets (``!= IGNORE_INDEX``) of the whole global batch, however it is split. Each micro-batch
 arrives with ``n``, the step's valid targets over all data-parallel ranks
 (:mod:`framework.data.step_tokens`), and its loss is its summed cross-entropy divided by
-:meth:`LMModule.loss_denominator` ``= n / (grad_accum_steps * dp_degree)``; Lightning's
+``n / (grad_accum_steps * dp_degree)`` (:func:`~framework.model.gpt.lm_loss`); Lightning's
 ``1 / grad_accum_steps`` (a pipeline schedule's, with pp) and the data-parallel mean then give
 ``sum(CE) / n``. A mean of micro-batch means would weigh a target of a micro-batch with few
 valid targets more than one of a full micro-batch. Without ignored targets the denominator is
@@ -93,21 +93,10 @@ class LMModule(pl.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def loss_denominator(self, n: torch.Tensor) -> torch.Tensor:
-        """What each micro-batch divides its summed cross-entropy by: ``n / (grad_accum_steps * dp_degree)``
-        (fp32, 0-dim; ``n`` the step's valid targets over all data-parallel ranks, at least 1).
-
-        After the ``1 / grad_accum_steps`` of accumulation and the data-parallel mean, the step's
-        loss and gradients are those of ``sum(CE) / n`` (torchtitan divides by ``n`` and sums
-        gradients over ranks instead; the result is the same). Computed in float64, so that with
-        no ignored targets it is exactly ``micro_batch_size * seq_len``.
-        """
-        r = self.resolved
-        return (n.clamp(min=1).double() / (r.grad_accum_steps * r.layout.dp)).float()
-
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y, n = batch
-        loss = self.model(x, y, self.loss_denominator(n))
+        r = self.resolved
+        loss = self.model(x, y, n, r.grad_accum_steps * r.layout.dp)  # sum(CE) / (n / micro-batches of the step)
         if self.loss_transform is not None:
             loss = self.loss_transform(loss)
         self.step_loss_sum = self.step_loss_sum.to(loss.device) + loss.detach().float()
@@ -135,7 +124,7 @@ class LMModule(pl.LightningModule):
         was_training = self.model.training
         self.model.eval()
         acc = torch.zeros(2, device=self.device)
-        one = torch.ones((), device=self.device)
+        one = torch.ones((), dtype=torch.int64, device=self.device)
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
             with self.trainer.precision_plugin.forward_context():

@@ -11,7 +11,7 @@ step's global count. That is how Hugging Face's Trainer gets ``num_items_in_batc
 ``global_valid_tokens`` (count the micro-batches, all-reduce over the batch mesh).
 
 The module divides each micro-batch's summed cross-entropy by ``n / (grad_accum_steps *
-dp_degree)`` (:meth:`framework.module.LMModule.loss_denominator`): Lightning then divides by
+dp_degree)`` (:func:`framework.model.gpt.lm_loss`): Lightning then divides by
 ``grad_accum_steps`` (or the pipeline schedule by its micro-batch count) and the data-parallel
 reduction averages over ``dp_degree`` ranks, so the gradients are those of ``sum(CE) / n``
 with every plugin's own reductions unchanged.

@@ -163,15 +163,20 @@ class GPT(nn.Module):
         return self.wte.weight
 
     def forward(
-        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, num_tokens: Optional[torch.Tensor] = None
+        self,
+        idx: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        num_tokens: Optional[torch.Tensor] = None,
+        num_micro_batches: int = 1,
     ) -> torch.Tensor:
         """Run the decoder: :func:`embed_tokens`, the blocks in order, :func:`output_logits`.
 
         Args:
             idx: token ids ``[b, s]`` (int64), ``s <= max_seq_len``.
             targets: next-token ids ``[b, s]`` (``IGNORE_INDEX`` where no loss is taken) or None.
-            num_tokens: the loss's denominator (see :func:`lm_loss`); None = the valid targets
-                of ``targets`` (their mean cross-entropy).
+            num_tokens, num_micro_batches: the loss's denominator is ``num_tokens /
+                num_micro_batches`` (see :func:`lm_loss`); ``num_tokens`` None = the valid
+                targets of ``targets`` (their mean cross-entropy).
 
         Returns:
             logits ``[b, s, V]`` when ``targets`` is None; otherwise :func:`lm_loss`, a 0-dim fp32
@@ -184,7 +189,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = output_logits(x, self.ln_f, self.wte.weight)  # [b, s, V], tied head
-        return logits if targets is None else lm_loss(logits, targets, num_tokens)
+        return logits if targets is None else lm_loss(logits, targets, num_tokens, num_micro_batches)
 
     def num_params(self, *, exclude_position_embedding: bool = True) -> int:
         """Parameters of the whole model, the tied head counted once (it *is* ``wte``).
@@ -257,22 +262,28 @@ def output_logits(x: torch.Tensor, ln_f: nn.LayerNorm, head_weight: torch.Tensor
     return F.linear(ln_f(x), head_weight)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, num_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, num_tokens: Optional[torch.Tensor] = None, num_micro_batches: int = 1
+) -> torch.Tensor:
     """Cross-entropy of ``logits [b, s, V]`` against next-token ids ``targets [b, s]``, summed over
-    the valid targets (``!= IGNORE_INDEX``) and divided by ``num_tokens``; computed in fp32 (a
-    0-dim tensor, also under autocast).
+    the valid targets (``!= IGNORE_INDEX``) and divided by ``num_tokens / num_micro_batches``;
+    computed in fp32 (a 0-dim tensor, also under autocast).
 
-    ``num_tokens`` None: this call's own count of valid targets, i.e. their mean (0, not NaN,
-    when there are none). A training step passes its token-weighted denominator instead
-    (:meth:`framework.module.LMModule.loss_denominator`), so that the step's loss and gradients
-    are those of the mean over the global batch's valid targets however it is split; the same
-    formula as torchtitan's ``global_valid_tokens`` and Hugging Face's ``num_items_in_batch``.
-    With no ignored targets and the per-call count, the value is bit-identical to
-    ``F.cross_entropy``'s ``"mean"`` (that is ``sum / count`` too).
+    A training step passes ``num_tokens`` = its valid targets over all micro-batches and
+    data-parallel ranks (a 0-dim integer tensor) and ``num_micro_batches`` = ``grad_accum_steps
+    * dp_degree``: after accumulation's ``1 / grad_accum_steps`` and the data-parallel mean, the
+    step's loss and gradients are those of ``sum(CE) / num_tokens``, however the batch is split
+    (torchtitan's ``global_valid_tokens``, Hugging Face's ``num_items_in_batch``). The count stays
+    an integer tensor so that no mixed-precision wrapper casts it (FSDP2 casts floating inputs
+    of the root's forward); the ratio is taken here in float64. ``num_tokens`` None: this call's
+    own count of valid targets, i.e. their mean (0, not NaN, when there are none). With no
+    ignored targets the value is bit-identical to ``F.cross_entropy``'s ``"mean"`` (also ``sum /
+    count``).
     """
     b, s = targets.shape
     flat = targets.reshape(b * s)
     total = F.cross_entropy(logits.float().reshape(b * s, -1), flat, ignore_index=IGNORE_INDEX, reduction="sum")
     if num_tokens is None:
-        num_tokens = (flat != IGNORE_INDEX).sum().clamp(min=1).float()
-    return total / num_tokens
+        num_tokens = (flat != IGNORE_INDEX).sum()
+    denominator = (num_tokens.clamp(min=1).double() / num_micro_batches).float()
+    return total / denominator

@@ -18,7 +18,7 @@ Huang et al. 2019), ``1f1b`` (PipeDream-Flush; Narayanan et al. 2021 §2.2.1), a
 ``interleaved_1f1b`` (``virtual_stages`` chunks per rank, §2.2.2). Micro-batches per step =
 ``grad_accum_steps``; gradients are averaged over them by the schedule (``scale_grads``). Each
 micro-batch's loss is its summed cross-entropy over the step's token-weighted denominator
-(``num_tokens``, :meth:`framework.module.LMModule.loss_denominator`), the same as without a
+(``num_tokens / num_micro_batches``, :func:`framework.model.gpt.lm_loss`), the same as without a
 pipeline, so the step's loss is the mean over the global batch's valid targets.
 
 **Bubble.** Each stage's forward and backward compute (``forward_one_chunk`` /
@@ -106,11 +106,12 @@ def gpt_param_name(runner_name: str) -> str | None:
 
 
 class PipelineRunner(nn.Module):
-    """This rank's stages and the schedule that drives them; ``forward(x, y, num_tokens)`` returns the step's loss.
+    """This rank's stages and the schedule that drives them; ``forward(x, y, num_tokens, num_micro_batches)``
+    returns the step's loss.
 
     In training (module in train mode, autograd on) ``forward`` runs ``schedule.step`` over all
     micro-batches of ``x [m*b, s]`` / ``y [m*b, s]`` - forward and backward, each micro-batch's
-    loss :func:`~framework.model.gpt.lm_loss` with denominator ``num_tokens`` - syncs the tied
+    loss :func:`~framework.model.gpt.lm_loss` with ``num_tokens`` and ``num_micro_batches`` - syncs the tied
     embedding gradients and returns the mean of the micro-batch losses (a detached 0-dim fp32
     tensor, broadcast to every rank of the pipeline). In evaluation it returns the loss of a
     plain forward (``num_tokens`` None: the mean over the valid targets).
@@ -143,7 +144,7 @@ class PipelineRunner(nn.Module):
         self.d_model, self.device = d_model, device
         self.has_first, self.has_last = 0 in stages, num_stages - 1 in stages
         self.clock = make_clock(device)
-        self._num_tokens: torch.Tensor | None = None  # this step's loss denominator (see forward)
+        self._denominator: tuple[Any, int] = (None, 1)  # this step's (num_tokens, num_micro_batches), see forward
         self.step_records: list[tuple[Any, Any, list[tuple[Any, Any]]]] = []  # (start, end, busy spans) per step
         self._busy: list[tuple[Any, Any]] = []
         b, s = micro_batch_size, seq_len
@@ -165,7 +166,7 @@ class PipelineRunner(nn.Module):
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one micro-batch: :func:`lm_loss` with this step's denominator."""
-        return lm_loss(logits, targets, self._num_tokens)
+        return lm_loss(logits, targets, *self._denominator)
 
     def _time_compute(self, stage: Any) -> None:
         for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -185,8 +186,8 @@ class PipelineRunner(nn.Module):
         last = self.chunks[str(self.num_stages - 1)].head if self.has_last else None
         return first, last
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        self._num_tokens = num_tokens
+    def forward(self, x: torch.Tensor, y: torch.Tensor, num_tokens: torch.Tensor | None = None, num_micro_batches: int = 1) -> torch.Tensor:
+        self._denominator = (num_tokens, num_micro_batches)
         if self.training and torch.is_grad_enabled():
             return self._train_step(x, y)
         return self._eval_loss(x, y)
@@ -237,7 +238,7 @@ class PipelineRunner(nn.Module):
                 dist.recv(inp, group=self.pp_group, group_src=(k - 1) % self.pp_size)
             act = self.chunks[str(k)](inp)
             if k == self.num_stages - 1:
-                loss = lm_loss(act, y, self._num_tokens)
+                loss = lm_loss(act, y, *self._denominator)
             else:
                 dist.send(act.contiguous(), group=self.pp_group, group_dst=(k + 1) % self.pp_size)
         dist.broadcast(loss, group=self.pp_group, group_src=self.pp_size - 1)

@@ -31,10 +31,12 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _denominator(n: torch.Tensor, grad_accum_steps: int, dp: int) -> torch.Tensor:
-    """The module's own denominator (LMModule.loss_denominator) for a layout."""
-    fake = SimpleNamespace(resolved=SimpleNamespace(grad_accum_steps=grad_accum_steps, layout=SimpleNamespace(dp=dp)))
-    return LMModule.loss_denominator(fake, n)
+def _module(model: GPT, grad_accum_steps: int, dp: int) -> LMModule:
+    """An LMModule around ``model`` for a layout (only what ``training_step`` reads)."""
+    resolved = SimpleNamespace(grad_accum_steps=grad_accum_steps, layout=SimpleNamespace(dp=dp))
+    module = LMModule(resolved, vocab_size=V, plugin=None)
+    module.model = model
+    return module
 
 
 def _split_step(token_weighted: bool, grad_accum_steps: int, dp: int) -> tuple[float, list[torch.Tensor]]:
@@ -42,6 +44,7 @@ def _split_step(token_weighted: bool, grad_accum_steps: int, dp: int) -> tuple[f
     sequence, reduced as trainlab's plugins do: each micro-batch loss / grad_accum_steps (Lightning),
     gradients and logged losses averaged over the dp ranks. Returns (logged loss, gradients)."""
     model = _model()
+    module = _module(model, grad_accum_steps, dp)
     x, y = _batch()
     n = valid_targets(y)  # the step's count over all micro-batches and ranks (StepTokenCounts)
     rank_grads, rank_losses = [], []
@@ -50,8 +53,10 @@ def _split_step(token_weighted: bool, grad_accum_steps: int, dp: int) -> tuple[f
         micro = []
         for j in range(grad_accum_steps):
             i = r * grad_accum_steps + j
-            denom = _denominator(n, grad_accum_steps, dp) if token_weighted else None
-            loss = model(x[i : i + 1], y[i : i + 1], denom)
+            if token_weighted:  # trainlab's training_step
+                loss = module.training_step((x[i : i + 1], y[i : i + 1], n), i)
+            else:
+                loss = model(x[i : i + 1], y[i : i + 1])  # each micro-batch's own mean
             (loss / grad_accum_steps).backward()
             micro.append(loss.detach())
         rank_losses.append(torch.stack(micro).mean())
@@ -88,12 +93,12 @@ def test_without_ignored_targets_the_loss_is_the_plain_mean_bit_for_bit():
     x, y = torch.randint(0, V, (4, S), generator=g), torch.randint(0, V, (4, S), generator=g)
     with torch.no_grad():
         logits = model(x)
-    n = valid_targets(y)  # 4 * 16, the global count of a 2 x 2 split of this batch into 1-sequence halves
-    denom = _denominator(n * 2, grad_accum_steps=2, dp=2)  # each micro-batch holds 2 of 8 sequences
-    assert float(denom) == 2 * S
+    n = valid_targets(y) * 2  # a step of 8 such sequences, split 2 x 2 into micro-batches of 2
     plain = torch.nn.functional.cross_entropy(logits[:2].reshape(-1, V), y[:2].reshape(-1))
-    assert torch.equal(lm_loss(logits[:2], y[:2], denom), plain)
+    assert torch.equal(lm_loss(logits[:2], y[:2], n, num_micro_batches=4), plain)
     assert torch.equal(lm_loss(logits[:2], y[:2]), plain)
+    # The count stays an integer: a mixed-precision wrapper that casts floating inputs leaves it.
+    assert not torch.is_floating_point(n)
 
 
 def test_lm_loss_ignores_masked_targets_and_is_zero_when_all_are():
