@@ -5,7 +5,8 @@ model and optimizer state (every tensor of ``LightningModule.state_dict()`` and 
 ``optimizer.state_dict()``: whatever this rank holds, e.g. its ZeRO partitions of the fp32
 weights and AdamW moments, or its FSDP shards) before the optimizer step, and compare it with
 the state after the step and the LR scheduler. The result goes to the fault log as a
-``skip_audit`` record per rank (``max_abs_diff``: 0.0 when the skip was real). It costs one CPU
+``skip_audit`` record per rank (``max_abs_diff``: 0.0 when the skip was real; ``parts``: the same
+per state dict, ``model`` and ``optimizer0``, so a moved weight is told from a counted step). It costs one CPU
 copy of the rank's state per dropped step, so it is off by default; the conformance suite
 (:mod:`framework.testing.conformance`, check ``skipped_step``) turns it on.
 """
@@ -64,3 +65,13 @@ def max_abs_diff(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
         d = torch.where(torch.isnan(d), torch.zeros_like(d), d)  # NaN in place on both sides, or inf - inf
         worst = max(worst, float(d.max()))
     return worst
+
+
+def max_abs_diff_by_part(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
+    """:func:`max_abs_diff` per state dict (the first path component: ``model``, ``optimizer0``, ...)."""
+    parts = sorted({k.split("/", 1)[0] for k in (*before, *after)})
+
+    def part(d: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in d.items() if k.split("/", 1)[0] == name}
+
+    return {name: max_abs_diff(part(before, name), part(after, name)) for name in parts}

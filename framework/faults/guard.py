@@ -39,7 +39,7 @@ import pytorch_lightning as pl
 from framework.callbacks.clock import StepClock
 from framework.checkpoint.memory import MemorySnapshot
 from framework.config.schema import ResilienceConfig
-from framework.faults.audit import local_state, max_abs_diff
+from framework.faults.audit import local_state, max_abs_diff, max_abs_diff_by_part
 from framework.faults.detect import RunningMean, Watchdog, gather_health
 from framework.faults.events import FaultLog
 from framework.faults.lightning_adapter import align_batch_counter, closes_optimizer_step, set_optimizer_step
@@ -220,8 +220,9 @@ class FaultGuard(pl.Callback):
             self.watchdog.beat()
         if self._audit_before is not None:  # after the optimizer step and the scheduler: nothing may have moved
             before, self._audit_before = self._audit_before, None
-            self.fault_log.append("skip_audit", step=self._step, rank=self.rank, seg=self.segment,
-                                  tensors=len(before), max_abs_diff=max_abs_diff(before, local_state(trainer)))
+            after = local_state(trainer)
+            self.fault_log.append("skip_audit", step=self._step, rank=self.rank, seg=self.segment, tensors=len(before),
+                                  max_abs_diff=max_abs_diff(before, after), parts=max_abs_diff_by_part(before, after))
         if self._rollback_to is not None:
             to, self._rollback_to = self._rollback_to, None
             if self.cfg.rollback_skip_window:

@@ -242,3 +242,8 @@ def test_skip_audit_sees_any_change_of_the_state():
     assert max_abs_diff(a, {**a, "m": torch.tensor([1.0, 2.0], dtype=torch.float64)}) == math.inf  # NaN replaced
     assert max_abs_diff(a, {**a, "exp_avg": torch.zeros(3, dtype=torch.float64)}) == math.inf  # AdamW state created
     assert max_abs_diff({}, {}) == 0.0
+    from framework.faults.audit import max_abs_diff_by_part
+
+    b = {"model/w": torch.zeros(2, dtype=torch.float64), "optimizer0/state/0/step": torch.tensor(2.0, dtype=torch.float64)}
+    assert max_abs_diff_by_part(b, {**b, "optimizer0/state/0/step": torch.tensor(3.0, dtype=torch.float64)}) == {
+        "model": 0.0, "optimizer0": 1.0}
