@@ -192,10 +192,10 @@ class FaultGuard(pl.Callback):
         action = {"none": "none", "rollback": "rollback"}.get(policy, "skip_step")
         self.faults += 1 if action != "none" else 0
         self._record("detected", detector=detector, step=step, rank=0, action=action, loss=health.loss,
-                     grad_norm=health.grad_norm)
+                     grad_norm=health.reported_grad_norm)
         if self.rank == 0:
             print(f"trainlab: fault: {detector} detected in step {step} (loss {health.loss:.4g}, grad norm"
-                  f" {health.grad_norm:.4g}); policy {policy}: {action}", file=sys.stderr, flush=True)
+                  f" {health.reported_grad_norm:.4g}); policy {policy}: {action}", file=sys.stderr, flush=True)
         if self.max_faults is not None and self.faults > self.max_faults:
             self._record("abort", step=step, faults=self.faults)
             raise FaultAbort(f"resilience: {self.faults} faults detected > resilience.max_faults={self.max_faults}"
