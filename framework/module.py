@@ -13,6 +13,12 @@ arrives with ``n``, the step's valid targets over all data-parallel ranks
 ``sum(CE) / n``. A mean of micro-batch means would weigh a target of a micro-batch with few
 valid targets more than one of a full micro-batch. Without ignored targets the denominator is
 ``micro_batch_size * seq_len`` and the loss is bit-identical to the plain mean.
+
+A step's update can be dropped (the fault guard, :mod:`framework.faults.guard`, sets
+``drop_update``): the optimizer step then changes no parameter and no optimizer state, and the
+LR schedule does not advance. The schedule counts *applied* updates, as DeepSpeed's engine (no
+scheduler step on a skipped step) and Megatron-LM/NeMo (the scheduler advances only when the
+update succeeded) do, so ``optimizer_updates`` can be below ``trainer.global_step`` (steps attempted).
 """
 
 from __future__ import annotations
@@ -26,16 +32,19 @@ import torch
 
 from framework.config.resolved import ResolvedRun
 from framework.data.step_tokens import valid_targets
+from framework.faults.lightning_adapter import closes_optimizer_step
 from framework.model import GPT
 from framework.parallelize import parallelize_gpt
 from framework.plugin import ParallelPlugin
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier at optimizer step ``step`` (0-based): linear warm-up, then cosine to ``min_lr_ratio``.
+    """LR multiplier for the update after ``step`` applied ones (0-based): linear warm-up, then cosine to ``min_lr_ratio``.
 
-    Counted in optimizer steps, never micro-batches (Lightning steps an ``interval="step"``
-    scheduler once per optimizer step).
+    Counted in applied optimizer updates, never micro-batches nor dropped steps (Lightning steps
+    an ``interval="step"`` scheduler once per optimizer step, :meth:`LMModule.lr_scheduler_step`
+    only when the update was applied). ``max_steps`` is ``trainer.max_steps``: after ``k`` dropped
+    steps a run ends ``k`` updates short of the schedule's end.
     """
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -62,6 +71,12 @@ class LMModule(pl.LightningModule):
         self.step_micro_batches = 0
         self.last_grad_norm = float("nan")
         self.last_lr = float("nan")
+        # The norm of the step being closed, when a callback measured (and judged) it first: the
+        # fault guard puts there the value its decision rests on (e.g. one rank's NaN).
+        self.step_grad_norm: float | None = None
+        # Set (on every rank, at the step's last micro-batch) to drop this step's update: the
+        # optimizer step changes nothing and the LR schedule stays (reset after the batch).
+        self.drop_update = False
         # Fault-injection hooks (framework/faults): a loss -> loss map applied to every micro-batch
         # loss (inf_loss, loss_spike), and a request to end the epoch at the next batch (rollback).
         self.loss_transform: Any = None
@@ -107,6 +122,16 @@ class LMModule(pl.LightningModule):
         # -1 tells Lightning to end the epoch here; the next one re-iterates the loader (rollback).
         return -1 if self.end_epoch_requested else None
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # After the optimizer step, the scheduler and every callback's batch end (callbacks run first).
+        self.drop_update = False
+
+    @property
+    def optimizer_updates(self) -> int:
+        """Optimizer updates applied so far (dropped steps excluded): the LR schedule's own count,
+        saved in checkpoints and snapshots with it (``LambdaLR.last_epoch``)."""
+        return int(self.lr_schedulers().last_epoch)
+
     def take_step_loss(self) -> torch.Tensor:
         """This rank's mean micro-batch loss over the optimizer step just finished; resets the sum."""
         mean = self.step_loss_sum / max(1, self.step_micro_batches)
@@ -137,8 +162,52 @@ class LMModule(pl.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Gradients here are complete (after the data-parallel reduction) and not yet clipped;
         # the plugin knows how its gradients are split over ranks (ParallelPlugin.grad_norm).
-        self.last_grad_norm = self.plugin.grad_norm(self)
+        if not closes_optimizer_step(self.trainer):
+            return  # a strategy that accumulates itself calls this on every micro-batch
+        norm, self.step_grad_norm = self.step_grad_norm, None
+        self.last_grad_norm = self.plugin.grad_norm(self) if norm is None else norm
         self.last_lr = float(optimizer.param_groups[0]["lr"])
+
+    def _drop_if_requested(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        """Step pre-hook of the module's optimizer: with ``drop_update`` set, no parameter has a
+        gradient when the update runs, so AdamW changes neither weights nor moments nor its step count.
+
+        Two ways the optimizer is stepped, one hook: Lightning passes a closure that runs the
+        forward, backward and ``on_before_optimizer_step`` (where the fault guard decides) inside
+        ``step``, so the gradients are cleared when that closure returns; a wrapper that steps this
+        optimizer itself after the backward, on its own tensors (DeepSpeed's ZeRO optimizers, on
+        their fp32 partitions with the gradients they reduced), calls it without a closure, and
+        they are cleared at once. Clearing ``p.grad`` of the module's parameters would reach the
+        first case only.
+        """
+        def clear() -> None:
+            if self.drop_update:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
+        if closure is None:
+            clear()
+            return None
+
+        def closure_then_clear() -> Any:
+            out = closure()
+            clear()
+            return out
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_clear}
+        return (args[0], closure_then_clear, *args[2:]), kwargs
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any = None) -> None:
+        """Advance the LR schedule by one applied update; a dropped step leaves it (and the LR) as it was."""
+        if not self.drop_update:
+            scheduler.step()
+            return
+        # The LR the schedule set, undoing any in-step scaling (the post-shrink re-warm-up).
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Clipping by the global norm needs the plugin's norm when parameters are split over ranks.
@@ -163,4 +232,5 @@ class LMModule(pl.LightningModule):
             min_lr_ratio=o.min_lr_ratio,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        optimizer.register_step_pre_hook(self._drop_if_requested)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

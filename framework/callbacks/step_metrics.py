@@ -1,4 +1,4 @@
-"""Per-optimizer-step metrics: loss, LR, grad norm, step time, tokens/s and MFU, plus a progress bar.
+"""Per-optimizer-step metrics: loss, LR, grad norm, step counters, step time, tokens/s and MFU, plus a progress bar.
 
 Step ends, the steps since a (re)start and the seconds spent outside training (validation,
 checkpoint blocking) come from the run's :class:`~framework.callbacks.clock.StepClock`.
@@ -145,7 +145,9 @@ class StepMetrics(pl.Callback):
         self.last_loss = float(loss)
         self._sync(pl_module)
         now = time.perf_counter()
-        metrics = {"train/loss": self.last_loss, "train/lr": pl_module.last_lr, "train/grad_norm": pl_module.last_grad_norm}
+        metrics = {"train/loss": self.last_loss, "train/lr": pl_module.last_lr, "train/grad_norm": pl_module.last_grad_norm,
+                   # Both counters: a dropped update (fault guard) counts as attempted, not applied.
+                   "train/steps_attempted": float(step), "train/optimizer_updates": float(pl_module.optimizer_updates)}
         if self._window_t0 is not None and self._window_steps > 0:
             step_time = self._elapsed(now, self._window_t0, self._window_excl) / self._window_steps
             tps = self.tokens_per_step / step_time

@@ -192,11 +192,11 @@ class TrainerConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up then cosine decay, counted in optimizer steps."""
+    """AdamW with linear warm-up then cosine decay, counted in applied optimizer updates (a dropped step does not count)."""
 
     lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    warmup_steps: int = 20  # optimizer steps of linear warm-up from 0
+    warmup_steps: int = 20  # applied optimizer updates of linear warm-up from 0
     weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
     beta1: float = 0.9
     beta2: float = 0.95
@@ -315,6 +315,7 @@ class ResilienceConfig:
     hang_timeout_s: float = 0.0  # watchdog: a rank without step progress this long exits (restart follows); 0 = off
     straggler_factor: float = 2.0  # a rank whose step time to the health check > factor x the others' median is a straggler; 0 = off
     straggler_min_s: float = 0.05  # ... and is at least this many seconds slower (ignores noise on ms steps)
+    audit_skips: bool = False  # copy each rank's state at a dropped update; log max |after - before| (faults.jsonl skip_audit)
 
     def __post_init__(self) -> None:
         _require(self.policy in RESILIENCE_POLICIES,

@@ -34,7 +34,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -49,13 +49,21 @@ class StepHealth:
 
     grad_nonfinite: bool
     loss_nonfinite: bool
-    grad_norm: float  # mean over ranks of their finite global norms (ParallelPlugin.grad_norm: L2, all parameters)
+    grad_norm: float  # mean over ranks of their finite global norms (ParallelPlugin.grad_norm: L2, all parameters); 0 if none
     loss: float  # mean over ranks of their micro-batch mean losses
     busy_s: list[float]  # per rank: seconds from the step's start to its health check
+    grad_norms: list[float] = field(default_factory=list)  # per rank: its global norm as measured (NaN/Inf kept)
 
     @property
     def nonfinite(self) -> bool:
         return self.grad_nonfinite or self.loss_nonfinite
+
+    @property
+    def reported_grad_norm(self) -> float:
+        """The step's gradient norm as the run logs it (``train/grad_norm``): the first rank's
+        non-finite norm when there is one (the value a skip rests on; rank 0's own norm may be
+        finite), else :attr:`grad_norm` (a spike shows as the spiking value)."""
+        return next((g for g in self.grad_norms if not math.isfinite(g)), self.grad_norm)
 
     def straggler(self, factor: float, min_s: float = 0.0) -> Optional[int]:
         """The slowest rank if its ``busy_s`` exceeds ``factor`` x the median of the other ranks (and that
@@ -75,7 +83,7 @@ class StepHealth:
 def gather_health(*, grad_norm: float, loss: float, busy_s: float, device: torch.device) -> StepHealth:
     """All-gather this rank's figures (``torch.distributed`` when initialized); every rank gets the same result."""
     g_bad, l_bad = not math.isfinite(grad_norm), not math.isfinite(loss)
-    mine = torch.tensor([float(g_bad), 0.0 if g_bad else grad_norm, 0.0 if l_bad else loss, float(l_bad), busy_s],
+    mine = torch.tensor([float(g_bad), grad_norm, 0.0 if l_bad else loss, float(l_bad), busy_s],
                         dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -83,12 +91,15 @@ def gather_health(*, grad_norm: float, loss: float, busy_s: float, device: torch
         table = torch.stack(parts).cpu()
     else:
         table = mine.unsqueeze(0).cpu()
+    norms = [float(v) for v in table[:, 1]]
+    finite = [g for g in norms if math.isfinite(g)]
     return StepHealth(
         grad_nonfinite=bool(table[:, 0].sum() > 0),
         loss_nonfinite=bool(table[:, 3].sum() > 0),
-        grad_norm=float(table[:, 1].mean()),
+        grad_norm=sum(finite) / len(finite) if finite else 0.0,
         loss=float(table[:, 2].mean()),
         busy_s=[float(v) for v in table[:, 4]],
+        grad_norms=norms,
     )
 
 

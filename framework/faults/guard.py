@@ -6,9 +6,10 @@
 ``resilience.policy``:
 
 - ``skip_step`` (also ``restart``/``shrink``, whose own business is crashes): drop the update on
-  every rank: all gradients become ``None``, so AdamW changes neither weights nor moments; the
-  LR schedule and the data position still advance (the batch is consumed, as in a skipped step
-  of Megatron-LM's ``--check-for-nan-in-loss-and-grad``-style guards).
+  every rank (``LMModule.drop_update``: the module's optimizer finds no gradient when it steps,
+  whatever wraps it, so weights, AdamW moments and step counts stay; the LR schedule does not
+  advance, it counts applied updates); the data position advances (the batch is consumed, as in
+  a skipped iteration of Megatron-LM or an overflow step of DeepSpeed).
 - ``rollback``: drop the update, then go back to the in-memory snapshot
   (:class:`~framework.checkpoint.memory.MemorySnapshot`) and replay the steps after it with the
   same batches (``rollback_skip_window``: without the offending step's update). See
@@ -20,6 +21,10 @@
 ``resilience.skip_steps`` drops the listed steps' updates unconditionally (a known-bad data
 window; also the fault-free reference of a skipped step). Crashes and hangs are the driver's
 and the elastic agent's business (:mod:`framework.faults.supervisor`); the watchdog lives here.
+
+The guard judges a step once, at its last micro-batch (a strategy that accumulates itself,
+DeepSpeed, calls ``on_before_optimizer_step`` on every micro-batch), and the gradient norm the
+run logs for it is the one the decision rests on (:attr:`~framework.faults.detect.StepHealth.reported_grad_norm`).
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import pytorch_lightning as pl
 from framework.callbacks.clock import StepClock
 from framework.checkpoint.memory import MemorySnapshot
 from framework.config.schema import ResilienceConfig
+from framework.faults.audit import local_state, max_abs_diff, max_abs_diff_by_part
 from framework.faults.detect import RunningMean, Watchdog, gather_health
 from framework.faults.events import FaultLog
-from framework.faults.lightning_adapter import align_batch_counter, set_optimizer_step
+from framework.faults.lightning_adapter import align_batch_counter, closes_optimizer_step, set_optimizer_step
 
 
 class FaultAbort(RuntimeError):
@@ -94,6 +100,7 @@ class FaultGuard(pl.Callback):
         self._restore: Optional[str] = None  # rollback restore: await_epoch -> next_batch -> done
         self._straggling = False
         self._accepted = 0
+        self._audit_before: Optional[dict] = None  # resilience.audit_skips: this rank's state before a dropped update
 
     # -- records ----------------------------------------------------------------------------
     def _record(self, ev: str, **fields: Any) -> None:
@@ -142,12 +149,13 @@ class FaultGuard(pl.Callback):
             self._step, self._t_step, self._skipped = step, time.perf_counter(), False
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if not closes_optimizer_step(trainer):
+            return  # a micro-batch inside accumulation (a strategy that accumulates itself calls this hook)
         step = self._step
         n = max(1, pl_module.step_micro_batches)
-        health = gather_health(
-            grad_norm=pl_module.plugin.grad_norm(pl_module),  # the one gradient-norm function (the run logs it too)
-            loss=float(pl_module.step_loss_sum) / n, busy_s=time.perf_counter() - self._t_step, device=pl_module.device,
-        )
+        grad_norm = pl_module.plugin.grad_norm(pl_module)  # the one gradient-norm function (the run logs it too)
+        health = gather_health(grad_norm=grad_norm, loss=float(pl_module.step_loss_sum) / n,
+                               busy_s=time.perf_counter() - self._t_step, device=pl_module.device)
         if self.watchdog is not None:
             self.watchdog.beat()
         straggler = health.straggler(self.cfg.straggler_factor, self.cfg.straggler_min_s) if self._accepted >= self.cfg.stat_warmup_steps else None
@@ -162,6 +170,9 @@ class FaultGuard(pl.Callback):
             detector = "loss_spike"
         elif self.grad_stat.is_spike(health.grad_norm, self.cfg.grad_spike_factor):
             detector = "grad_spike"
+        # The norm logged for this step (the module's hook, which runs after this one, takes it):
+        # on a detection the value the decision rests on, e.g. rank 1's NaN where rank 0's norm is finite.
+        pl_module.step_grad_norm = health.reported_grad_norm if detector is not None else grad_norm
         if detector is not None:
             self._on_fault(detector, step, health, pl_module)
         elif step in self.skip_steps:
@@ -181,10 +192,10 @@ class FaultGuard(pl.Callback):
         action = {"none": "none", "rollback": "rollback"}.get(policy, "skip_step")
         self.faults += 1 if action != "none" else 0
         self._record("detected", detector=detector, step=step, rank=0, action=action, loss=health.loss,
-                     grad_norm=health.grad_norm)
+                     grad_norm=health.reported_grad_norm)
         if self.rank == 0:
             print(f"trainlab: fault: {detector} detected in step {step} (loss {health.loss:.4g}, grad norm"
-                  f" {health.grad_norm:.4g}); policy {policy}: {action}", file=sys.stderr, flush=True)
+                  f" {health.reported_grad_norm:.4g}); policy {policy}: {action}", file=sys.stderr, flush=True)
         if self.max_faults is not None and self.faults > self.max_faults:
             self._record("abort", step=step, faults=self.faults)
             raise FaultAbort(f"resilience: {self.faults} faults detected > resilience.max_faults={self.max_faults}"
@@ -196,8 +207,9 @@ class FaultGuard(pl.Callback):
             self._rollback_to = self.snapshot.step if self.snapshot is not None else None
 
     def _drop_update(self, pl_module: Any, step: int, reason: str) -> None:
-        for p in pl_module.parameters():
-            p.grad = None
+        if self.cfg.audit_skips:
+            self._audit_before = local_state(pl_module.trainer)
+        pl_module.drop_update = True  # the optimizer step finds no gradients; the LR schedule stays
         self._skipped = True
         self.fault_log.append("skipped", step=step, rank=self.rank, reason=reason, seg=self.segment)
 
@@ -206,6 +218,11 @@ class FaultGuard(pl.Callback):
             return  # inside gradient accumulation
         if self.watchdog is not None:
             self.watchdog.beat()
+        if self._audit_before is not None:  # after the optimizer step and the scheduler: nothing may have moved
+            before, self._audit_before = self._audit_before, None
+            after = local_state(trainer)
+            self.fault_log.append("skip_audit", step=self._step, rank=self.rank, seg=self.segment, tensors=len(before),
+                                  max_abs_diff=max_abs_diff(before, after), parts=max_abs_diff_by_part(before, after))
         if self._rollback_to is not None:
             to, self._rollback_to = self._rollback_to, None
             if self.cfg.rollback_skip_window:

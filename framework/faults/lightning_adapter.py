@@ -12,6 +12,10 @@ trackers directly. Everything here relies on these internals of ``pytorch-lightn
   (``ready``/``started``/``processed``/``completed``) counting the epoch's micro-batches; the
   epoch loop closes an accumulation window when ``ready`` is a multiple of
   ``trainer.accumulate_grad_batches``;
+- ``trainer.fit_loop.epoch_loop._should_accumulate()``: whether the running micro-batch is inside
+  gradient accumulation, the very test Lightning uses to count an optimizer step and to step
+  the LR scheduler (a strategy that handles accumulation itself, DeepSpeed, has its
+  ``optimizer_step`` and so ``on_before_optimizer_step`` called on every micro-batch);
 - ``trainer.train_dataloader.batch_sampler``: trainlab's own
   :class:`~framework.data.sampler.StepBatchSampler` (``start_step``), reached through the loader
   Lightning holds.
@@ -35,6 +39,17 @@ def set_optimizer_step(trainer: Any, step: int) -> None:
     progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
     progress.ready = progress.completed = step
     trainer.train_dataloader.batch_sampler.start_step = step
+
+
+def closes_optimizer_step(trainer: Any) -> bool:
+    """Whether the micro-batch running now is the last of its optimizer step (its update follows).
+
+    ``on_before_optimizer_step`` runs once per optimizer step under Lightning's own accumulation,
+    but on every micro-batch under a strategy that accumulates itself (DeepSpeed: its engine
+    applies the update at the accumulation boundary only); a hook that judges or edits a whole
+    step's gradients asks this first.
+    """
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
 def align_batch_counter(trainer: Any) -> bool:

@@ -23,6 +23,14 @@ compares numbers:
     estimate gives it); steps with a validation pass (every ``VAL_EVERY`` steps) are among
     the checked ones, so a meter that counts validation traffic fails. Measured model-state
     bytes per rank equal the modelled ones (``model_states_rtol``, default exact).
+``skipped_step``
+    With step ``SKIP_AT``'s update dropped (``resilience.skip_steps``), every rank's model and
+    optimizer state after that step equals the state before it (``resilience.audit_skips``:
+    max |after - before| over every tensor the rank holds, exactly 0), the LR schedule does not
+    advance in it (``train/lr`` of step ``SKIP_AT + 1`` equals that of ``SKIP_AT``;
+    ``train/optimizer_updates`` one behind ``train/steps_attempted`` from then on), and the
+    losses, the step after the skip included, equal ``single``'s with the same skip
+    (``parity_rtol``): the update after a skip uses that step's gradients only.
 
 The ``single`` reference run is made once per pytest session and shared by every plugin;
 each plugin's main run is shared by its four checks. Use from a test module::
@@ -47,9 +55,11 @@ from typing import Any, Optional
 
 import pytest
 
-CHECKS = ("loss_parity", "checkpoint_round_trip", "resume_other_world_size", "bytes")
+CHECKS = ("loss_parity", "checkpoint_round_trip", "resume_other_world_size", "bytes", "skipped_step")
 STEPS = 8  # optimizer steps of every full run
 SAVE_AT = 4  # step whose checkpoint the resume checks start from
+SKIP_AT = 3  # step whose update the skipped_step check drops (AdamW moments exist by then); its runs end at SKIP_AT + 2
+SKIP = ("resilience=skip_step", f"resilience.skip_steps=[{SKIP_AT}]", "resilience.audit_skips=true")
 VAL_EVERY = 3  # validation inside the run (steps 3 and 6), not only at its start and end
 # A small slice of the stdlib corpus, a small vocabulary, short windows: a run costs seconds.
 SMALL_DATA = ("data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64")
@@ -151,6 +161,10 @@ class Conformance:
         """``single`` at the same global batch, checkpointed at ``SAVE_AT`` (shared by every plugin)."""
         return self.run("ref-single", ("parallelism=single",))
 
+    def skip_reference(self) -> RunResult:
+        """``single`` with step ``SKIP_AT``'s update dropped (shared by every plugin's ``skipped_step`` check)."""
+        return self.run("ref-single-skip", ("parallelism=single", *SKIP), max_steps=SKIP_AT + 2, save_every=0)
+
     def plugin_run(self, case: PluginCase) -> RunResult:
         """The plugin's uninterrupted run, checkpointed at ``SAVE_AT`` and at the end."""
         return self.run(f"{case.name}-full", case.select, env=case.env)
@@ -217,6 +231,27 @@ class Conformance:
         for r in mem:
             assert r["mem/model_states_bytes"] == pytest.approx(r["mem/model_states_bytes_model"], rel=case.model_states_rtol,
                                                                 abs=0), f"step {r['step']}: model-state bytes"
+
+
+    def check_skipped_step(self, case: PluginCase) -> None:
+        from framework.faults.events import FaultLog
+
+        ref = self.skip_reference()
+        got = self.run(f"{case.name}-skip", (*case.select, *SKIP), env=case.env, max_steps=SKIP_AT + 2, save_every=0)
+        log = FaultLog(self.workdir / "outputs" / "default" / got.run_name).read()
+        (start,) = [r for r in log if r["ev"] == "start"]
+        audits = {r["rank"]: r for r in log if r["ev"] == "skip_audit"}
+        assert sorted(audits) == list(range(start["world_size"])), f"{case.name}: skip audits of ranks {sorted(audits)}"
+        for rank, a in audits.items():
+            assert a["step"] == SKIP_AT and a["tensors"] > 0, a
+            assert a["max_abs_diff"] == 0.0, (f"{case.name}: rank {rank}'s model/optimizer state moved by up to"
+                                              f" {a['max_abs_diff']!r} in the skipped step {SKIP_AT}")
+        steps = range(1, SKIP_AT + 3)
+        rec = {int(r["step"]): r for r in got.records if "train/lr" in r}
+        assert rec[SKIP_AT + 1]["train/lr"] == rec[SKIP_AT]["train/lr"], f"{case.name}: the LR schedule advanced in the skipped step"
+        updates = [(rec[s]["train/steps_attempted"], rec[s]["train/optimizer_updates"]) for s in steps]
+        assert updates == [(s, s - (s >= SKIP_AT)) for s in steps], f"{case.name}: (attempted, applied) per step {updates}"
+        _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"{case.name} vs single, step {SKIP_AT} skipped")
 
 
 def _assert_losses(got: dict[int, float], want: dict[int, float], steps: range, rtol: float, what: str) -> None:

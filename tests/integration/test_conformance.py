@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 CASES = [
     # ddp's parity, bytes and same-layout round trip are test_train_e2e / test_perf_e2e / test_checkpoint_resume.
-    PluginCase("ddp", select=("parallelism=ddp",), checks=("resume_other_world_size",)),
+    PluginCase("ddp", select=("parallelism=ddp",), checks=("resume_other_world_size", "skipped_step")),
     # fsdp at 2 ranks resumes at 1 rank as plain `single` and as fsdp world_size=1 (and from single).
     PluginCase("fsdp", select=("parallelism=fsdp",),
                resume_as=(("parallelism=single",), ("parallelism=fsdp", "parallelism.world_size=1"))),
@@ -33,9 +33,12 @@ CASES = [
                checks=("loss_parity", "bytes")),
     # tp/pp checkpoints are keyed by the GPT's names: pp 2 resumes its own bitwise; tp2 x pp2 (4 ranks) resumes as
     # `single` and from `single`'s checkpoint with single's losses (loss parity and bytes: tests/integration/test_megatron.py).
-    PluginCase("pp", select=("parallelism=pp",), checks=("checkpoint_round_trip",)),
+    PluginCase("pp", select=("parallelism=pp",), checks=("checkpoint_round_trip", "skipped_step")),
     PluginCase("tp2pp2", select=("parallelism=pp", "parallelism.tp_degree=2", "parallelism.world_size=4"),
                checks=("resume_other_world_size",)),
+    # DeepSpeed routes every micro-batch through its strategy's optimizer_step and keeps the gradients in its own
+    # buffers: a dropped update must still change nothing on any rank (its other checks: tests/integration/test_deepspeed.py).
+    *(PluginCase(f"zero{k}", select=(f"parallelism=zero{k}",), checks=("skipped_step",)) for k in (1, 2, 3)),
 ]
 
 

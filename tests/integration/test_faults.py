@@ -9,6 +9,7 @@ All runs log into one MLflow experiment, which the compare report then puts side
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -67,7 +68,8 @@ def _mlflow_metrics(fr, name) -> dict[str, float]:
 
 def test_nan_grad_skip_step_equals_a_run_without_that_update(fr):
     """(1) NaN gradients on rank 1 in step 8, ``skip_step``: every rank drops step 8's update, and the
-    losses equal (exactly) a fault-free run told to drop step 8's update (``resilience.skip_steps``)."""
+    losses equal (exactly) a fault-free run told to drop step 8's update (``resilience.skip_steps``).
+    The LR schedule does not advance in step 8, and step 8 logs the NaN grad norm (issue 13, items 1 and 3)."""
     fr.go("nan_skip", "fault.events=[{kind:nan_grad,step:8,ranks:[1]}]", "resilience=skip_step")
     fr.go("skip8_ref", "resilience=skip_step", "resilience.skip_steps=[8]")
     fr.go("ref")
@@ -81,6 +83,15 @@ def test_nan_grad_skip_step_equals_a_run_without_that_update(fr):
     assert got == ref_skip, "the same losses as the fault-free run without step 8's update, exactly"
     assert all(got[s] == ref[s] for s in range(1, 9)) and got[9] != ref[9], "step 8's update mattered"
     assert_bitwise_equal(_ckpt(fr, "nan_skip"), _ckpt(fr, "skip8_ref"))
+    # Issue 13 (1): the LR schedule counts applied updates: from step 9 on each step has the LR the fault-free
+    # run had one step earlier; both counters are logged. (3): the logged grad norm of step 8 is rank 1's NaN.
+    rec = {int(r["step"]): r for r in fr.metrics("nan_skip", experiment=EXPERIMENT) if "train/lr" in r}
+    ref_lr = {int(r["step"]): r["train/lr"] for r in fr.metrics("ref", experiment=EXPERIMENT) if "train/lr" in r}
+    assert [rec[s]["train/lr"] for s in range(1, MAX_STEPS + 1)] == [ref_lr[s - (s > 8)] for s in range(1, MAX_STEPS + 1)]
+    assert rec[9]["train/lr"] == rec[8]["train/lr"] < ref_lr[9]
+    assert [(rec[s]["train/steps_attempted"], rec[s]["train/optimizer_updates"]) for s in (7, 8, 9, MAX_STEPS)] == [
+        (7, 7), (8, 7), (9, 8), (MAX_STEPS, MAX_STEPS - 1)]
+    assert math.isnan(rec[8]["train/grad_norm"]) and all(math.isfinite(rec[s]["train/grad_norm"]) for s in rec if s != 8)
     m = _mlflow_metrics(fr, "nan_skip")
     assert m["fault/injected"] == 1 and m["fault/detected"] == 1 and m["fault/detect_latency_steps"] == 0
     assert m["recovery/skipped_steps"] == 1 and m["recovery/restarts"] == 0 and 0 < m["goodput"] < 1

@@ -141,3 +141,109 @@ def test_accounting_of_a_crash_restart_and_a_rollback():
     assert f["recovery/time_s"] == pytest.approx((28 - 8.2) + (31 - 30.1))  # to the end of step 8 again; of step 11
     assert f["goodput"] == pytest.approx(12 * 0.5 / 40.0)  # the last execution of each of the 12 steps, over 40 s
     assert math.isfinite(f["fault/detect_latency_s"])
+
+
+def test_reported_grad_norm_is_the_value_a_skip_rests_on():
+    """Issue 13 (3): rank 1's NaN is what the step logs, although rank 0's norm is finite; a finite step logs the mean."""
+    h = StepHealth(True, False, 2.0, 1.0, [0.1, 0.1], grad_norms=[2.0, float("nan")])
+    assert math.isnan(h.reported_grad_norm) and h.grad_norm == 2.0
+    assert StepHealth(True, False, 0.0, 1.0, [0.1], grad_norms=[float("inf")]).reported_grad_norm == float("inf")
+    assert StepHealth(False, False, 7.5, 1.0, [0.1, 0.1], grad_norms=[7.5, 7.5]).reported_grad_norm == 7.5
+    g = gather_health(grad_norm=float("inf"), loss=2.0, busy_s=0.1, device=torch.device("cpu"))
+    assert g.grad_norms == [float("inf")] and g.reported_grad_norm == float("inf") and g.grad_norm == 0.0
+
+
+def _module_and_optimizer(compose, *overrides):
+    """The LMModule's own AdamW + LambdaLR (configure_optimizers) over a small stand-in model."""
+    from framework.module import LMModule
+    from framework.registry import get_plugin_class
+
+    resolved = validate(load_run_config(compose("parallelism=single", *overrides)))
+    module = LMModule(resolved, vocab_size=16, plugin=get_plugin_class("single")(resolved.run.parallelism))
+    torch.manual_seed(0)
+    module.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    cfg = module.configure_optimizers()
+    return module, cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
+
+
+def _train(module, opt, sched, steps: int, dropped: set[int]) -> list[float]:
+    """Steps 1..steps as Lightning runs them: the optimizer step with a closure (forward, backward, then the
+    drop decision, as the fault guard takes it in on_before_optimizer_step) on odd steps, and without one after
+    the backward (as DeepSpeed steps the optimizer it wraps) on even steps; then the scheduler hook.
+    Returns the LR each step used."""
+    from framework.faults.audit import max_abs_diff
+
+    lrs = []
+    for step in range(1, steps + 1):
+        lrs.append(opt.param_groups[0]["lr"])
+        x = torch.randn(5, 4)
+        before = {**{f"p{i}": p.detach().clone().double() for i, p in enumerate(module.model.parameters())},
+                  **{f"s{i}/{k}": v.detach().clone().double() for i, st in enumerate(opt.state.values()) for k, v in st.items()}}
+
+        def closure():
+            loss = module.model(x).square().mean()
+            loss.backward()
+            module.drop_update = step in dropped
+            return loss
+
+        if step % 2:
+            opt.step(closure=closure)
+        else:
+            closure()
+            opt.step()
+        module.lr_scheduler_step(sched)
+        after = {**{f"p{i}": p.detach().clone().double() for i, p in enumerate(module.model.parameters())},
+                 **{f"s{i}/{k}": v.detach().clone().double() for i, st in enumerate(opt.state.values()) for k, v in st.items()}}
+        moved = max_abs_diff(before, after)
+        assert (moved == 0.0) == (step in dropped), f"step {step}: max |after - before| = {moved}"
+        opt.zero_grad()
+        module.drop_update = False
+    return lrs
+
+
+def test_a_dropped_update_changes_nothing_and_the_lr_schedule_counts_applied_updates(compose):
+    """Issue 13 (1): with steps 3 and 4 dropped, weights and AdamW state do not move in those steps (the module's
+    optimizer pre-hook; step 3 with Lightning's closure, step 4 without), and the LR of every step is the fault-free schedule shifted by the skips before it:
+    lr(s) = schedule(s - 1 - skips before s) (warm-up over 4 updates, peak 1e-3): 2.5e-4, 5e-4, 7.5e-4, 7.5e-4,
+    7.5e-4, 1e-3 in steps 1-6 (fault-free: 2.5e-4, 5e-4, 7.5e-4, 1e-3, ...)."""
+    from framework.module import warmup_cosine
+
+    module, opt, sched = _module_and_optimizer(compose, "optim.warmup_steps=4", "optim.lr=1e-3", "trainer.max_steps=10")
+    lrs = _train(module, opt, sched, 8, dropped={3, 4})
+    ref_module, ref_opt, ref_sched = _module_and_optimizer(compose, "optim.warmup_steps=4", "optim.lr=1e-3", "trainer.max_steps=10")
+    ref = _train(ref_module, ref_opt, ref_sched, 8, dropped=set())
+    schedule = [1e-3 * warmup_cosine(u, warmup_steps=4, max_steps=10, min_lr_ratio=0.1) for u in range(8)]
+    assert ref == pytest.approx(schedule, rel=1e-12)
+    skips_before = [sum(1 for d in (3, 4) if d < s) for s in range(1, 9)]
+    assert lrs == [ref[s - 1 - k] for s, k in zip(range(1, 9), skips_before)]
+    assert lrs[:6] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 7.5e-4, 7.5e-4, 1e-3])
+    assert sched.last_epoch == 6  # applied updates: 8 attempted - 2 dropped
+    assert all(int(st["step"]) == 6 for st in opt.state.values())  # AdamW counted 6 updates too
+
+
+def test_a_dropped_step_leaves_the_lr_the_schedule_set(compose):
+    """A dropped step undoes in-step LR scaling (the post-shrink re-warm-up multiplies the LR before the step):
+    the next step starts from the schedule's LR, not from the scaled one (no compounding)."""
+    module, opt, sched = _module_and_optimizer(compose, "optim.warmup_steps=0", "optim.lr=1e-3", "trainer.max_steps=10")
+    module.model(torch.randn(5, 4)).sum().backward()
+    opt.param_groups[0]["lr"] *= 0.5
+    module.drop_update = True
+    opt.step()
+    module.lr_scheduler_step(sched)
+    assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 1e-3 and sched.last_epoch == 0
+
+
+def test_skip_audit_sees_any_change_of_the_state():
+    from framework.faults.audit import max_abs_diff
+
+    a = {"w": torch.zeros(3, dtype=torch.float64), "m": torch.tensor([1.0, float("nan")], dtype=torch.float64)}
+    assert max_abs_diff(a, {k: v.clone() for k, v in a.items()}) == 0.0
+    assert max_abs_diff(a, {**a, "w": torch.tensor([0.0, 0.25, 0.0], dtype=torch.float64)}) == 0.25
+    assert max_abs_diff(a, {**a, "m": torch.tensor([1.0, 2.0], dtype=torch.float64)}) == math.inf  # NaN replaced
+    assert max_abs_diff(a, {**a, "exp_avg": torch.zeros(3, dtype=torch.float64)}) == math.inf  # AdamW state created
+    assert max_abs_diff({}, {}) == 0.0
+    from framework.faults.audit import max_abs_diff_by_part
+
+    b = {"model/w": torch.zeros(2, dtype=torch.float64), "optimizer0/state/0/step": torch.tensor(2.0, dtype=torch.float64)}
+    assert max_abs_diff_by_part(b, {**b, "optimizer0/state/0/step": torch.tensor(3.0, dtype=torch.float64)}) == {
+        "model": 0.0, "optimizer0": 1.0}
