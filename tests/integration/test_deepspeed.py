@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.integration.conftest import Runner, losses
+from tests.integration.conftest import Runner, job_runs, losses
 
 pytestmark = pytest.mark.slow
 
@@ -40,13 +40,13 @@ def zero_runs(tmp_path_factory, data_cache) -> Runner:
 
 
 def _run_name(runner: Runner, stage: int) -> str:
-    (path,) = (runner.workdir / "outputs" / "default").glob(f"*parallelism=zero{stage}*")
-    return path.name
+    (path,) = (runner.workdir / "outputs" / "default").glob(f"*/parallelism=zero{stage}")  # <sweep>/<job>
+    return str(path.relative_to(runner.workdir / "outputs" / "default"))
 
 
 def test_the_sweep_records_three_finished_mlflow_runs(zero_runs):
     client = MlflowClient(tracking_uri=f"sqlite:///{zero_runs.workdir}/mlruns.db")
-    runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    runs = job_runs(client, "default")
     assert sorted(r.data.params["parallelism.zero_stage"] for r in runs) == ["1", "2", "3"]
     for r in runs:
         assert r.info.status == "FINISHED", r.data.tags.get("error")
