@@ -18,7 +18,9 @@ fractions (``perf/<category>_frac_mean``), communication bytes per step (``perf/
 by kind ``perf/comm_bytes_<kind>`` next to the plugin's model ``perf/comm_bytes_<kind>_model``),
 peak and model-state memory (``mem/peak_bytes`` max over ranks, ``mem/model_states_bytes``; GiB),
 checkpoint blocking (``ckpt/blocking_s`` summed over the run, seconds), ``goodput`` when logged,
-final loss. ``--metrics`` picks table columns (names below or any MLflow metric key).
+final loss. ``--metrics`` picks table columns (names below or any MLflow metric key). When the
+runs' MFU were computed against different peak FLOP/s (on CPU a GEMM measured per run), a note
+under the table says so.
 
 **Plots** (``--x``: the swept key on the x axis, default the first numeric one; a second swept
 key draws one line per value): ``throughput.png`` (tokens/s, MFU), ``memory.png`` (peak,
@@ -233,6 +235,16 @@ def _metric_value(client: Any, run: Any, col: str) -> float | None:
     return None if v is None else v * scale
 
 
+def mfu_peak_note(runs: Sequence[Any]) -> str | None:
+    """A note when the runs' MFU were computed against different peaks (param ``mfu.peak_flops_per_device``,
+    more than 1% apart: on CPU the peak is a GEMM measured per run), else None."""
+    peaks = sorted({float(p) for r in runs if (p := r.data.params.get("mfu.peak_flops_per_device")) not in (None, "None")})
+    if len(peaks) > 1 and peaks[-1] > 1.01 * peaks[0]:
+        return (f"note: MFU denominators differ between these runs: peak FLOP/s per device {peaks[0]:.3g} .. {peaks[-1]:.3g}"
+                " (measured per run); compare tokens/s, not MFU")
+    return None
+
+
 def table_columns(keys: Sequence[str], metric_cols: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[Column]:
     """The printed table's columns: swept keys, status, plugin, layout, then the figures any row has."""
     short = short_names(keys)
@@ -439,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     x = args.x or pick_x(rows, keys)
     cols = table_columns(keys, metric_cols, rows)
     table = render_table(rows, cols)
+    note = mfu_peak_note(runs)
+    if note:
+        table += "\n" + note
     print(table)
     out = Path(args.out) if args.out else default_out
     out.mkdir(parents=True, exist_ok=True)

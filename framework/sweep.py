@@ -361,6 +361,13 @@ def record_refused_job(cfg: DictConfig, run_dir: Path, reason: str) -> None:
         print(f"trainlab: warning: could not record the refused job in MLflow: {err}", file=sys.stderr)
 
 
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI page of a run (or of an experiment's runs): on the tracking server itself
+    (``http(s)://`` URI), else on a local ``mlflow ui`` (``http://127.0.0.1:5000``)."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+
+
 # --- the callback -----------------------------------------------------------------------------
 
 _LOCK: list = []
@@ -420,9 +427,17 @@ class SweepCallback(Callback):
             print(f"trainlab: best job {best.name}: {self.objective} = {best.objective:,.1f}"
                   f" (overrides: {' '.join(best.overrides)})", flush=True)
         if sweep.parent_run_id:
-            finish_parent(str(config.tracking.uri), sweep, OUTCOMES, self.objective, best)
+            uri = str(config.tracking.uri)
+            finish_parent(uri, sweep, OUTCOMES, self.objective, best)
             if self.report:
-                _report(str(config.tracking.uri), sweep)
+                _report(uri, sweep)
+            try:
+                exp_id = _client(uri).get_run(sweep.parent_run_id).info.experiment_id
+                print(f"trainlab: the sweep in MLflow: parent run {sweep.parent_run_id};"
+                      f" with `mlflow ui --backend-store-uri {uri}` open {ui_link(uri, exp_id, sweep.parent_run_id)}",
+                      flush=True)
+            except Exception:  # the link is a convenience
+                pass
         close_sweep()
 
 

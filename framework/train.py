@@ -94,6 +94,8 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path) -> tupl
     try:
         supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
         status = "FINISHED"
+        if tracker is not None:
+            _log_run_summary(tracker, resolved, run_dir)
     except (KeyboardInterrupt, SignalException):  # the elastic agent turns SIGINT/SIGTERM into SignalException
         status = "KILLED"
         print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
@@ -106,7 +108,7 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path) -> tupl
         if tracker is not None:
             finish_driver_run(tracker, status, run_dir=run_dir, started_at=started_at, error=error,
                               resumed=bool(resume.path))
-    _print_summary(run_dir, tracker.run_id if tracker else None, run.tracking.uri, run.experiment_name)
+    _print_summary(run_dir, tracker, run.tracking.uri, run.experiment_name)
     return "FINISHED", ""
 
 
@@ -173,7 +175,23 @@ def _record_failure(run_dir: Path, run_name: str, err: Exception) -> None:
     cli.FAILED_JOBS.append(run_name)
 
 
-def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str) -> None:
+def _log_run_summary(tracker: Any, resolved: ResolvedRun, run_dir: Path) -> None:
+    """The ``summary/*`` metrics and the one-line run description (:mod:`framework.run_summary`); never raises."""
+    from framework.run_summary import run_description, summary_metrics
+    from framework.tracking import read_jsonl_metrics
+
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        metrics = summary_metrics(summary, read_jsonl_metrics(run_dir / "metrics.jsonl"))
+        if metrics:
+            tracker.log_metrics(metrics, step=int(summary.get("train/steps", 0)))
+        tracker.set_tags({"mlflow.note.content": run_description(resolved.plugin_name, resolved.layout.describe(), metrics,
+                                                                 summary.get("peak_flops"))})
+    except Exception as err:  # tracking must not fail a finished run
+        _warn(f"could not log the run's summary to MLflow: {err}")
+
+
+def _print_summary(run_dir: Path, tracker: Any, uri: str, experiment: str) -> None:
     from framework.tracking import read_jsonl_metrics
 
     records = read_jsonl_metrics(run_dir / "metrics.jsonl")
@@ -198,11 +216,14 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
         f"  MFU (mean)         {fmt(summary.get('perf/mfu_mean'), '.3f')}",
         f"  metrics file       {run_dir / 'metrics.jsonl'}",
     ]
-    if run_id:
+    if tracker is not None:
+        from framework.sweep import ui_link
+
         mlflow_bin = Path(sys.executable).parent / "mlflow"
         lines += [
-            f"  MLflow run         {run_id} (experiment {experiment!r})",
+            f"  MLflow run         {tracker.run_id} (experiment {experiment!r})",
             f"  see it with        {mlflow_bin if mlflow_bin.exists() else 'mlflow'} ui --backend-store-uri {uri}",
+            f"  then open          {ui_link(uri, tracker.experiment_id, tracker.run_id)}",
         ]
     print("\n".join(lines), flush=True)
 

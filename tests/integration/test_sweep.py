@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from framework.compare import swept_values
-from tests.integration.conftest import Runner
+from tests.integration.conftest import Runner, wait_for
 
 FAST = ["parallelism=single", "trainer.global_batch_size=4", "trainer.micro_batch_size=4", "trainer.warmup_steps_excluded=0",
         "trainer.val_sequences=8", "tracking.system_metrics_interval_s=0"]
@@ -40,6 +40,11 @@ def _sweep(runner: Runner, experiment: str) -> tuple[object, list]:
     return parent, children
 
 
+def _sweep_dir(runner: Runner, experiment: str) -> str:
+    (d,) = [p.name for p in (runner.workdir / "outputs" / experiment).iterdir() if p.is_dir()]
+    return d
+
+
 def _check_finished_children(parent, children, key: str, values: list[str]) -> None:
     """Per swept key: a FINISHED child per value, named by it, holding it as a param, in its own folders."""
     assert all(c.info.status == "FINISHED" for c in children), [(c.info.run_name, c.data.tags.get("error")) for c in children]
@@ -51,7 +56,7 @@ def _check_finished_children(parent, children, key: str, values: list[str]) -> N
         short = key.rsplit(".", 1)[-1]  # the short run name: the swept values under the last part of each key
         assert f"{short}={swept[key]}" in c.info.run_name.split(",")
     assert sorted(by_value, key=float) == values
-    assert len({c.data.params["derived.checkpoint_dir"] for c in children}) == len(children)  # no shared folder or lock
+    assert len({c.data.params["run_name"] for c in children}) == len(children)  # no shared folder (checkpoints/<exp>/<run_name>) or lock
     assert len({c.data.tags["trainlab.run_key"] for c in children}) == len(children)
     assert parent.data.params["sweep.keys"].split(",").count(key) == 1
 
@@ -67,11 +72,13 @@ def test_sweeps_of_keys_left_out_of_run_names_end_in_distinct_finished_children(
     client = _client(store)
     for c in children:  # each job trained its own steps and saved at its own interval
         steps = int(c.data.params["trainer.max_steps"])
+        assert c.data.tags["mlflow.note.content"].startswith("single dp1-tp1-pp1 | ")  # the run description
+        assert c.data.metrics["summary/tokens_per_sec"] > 0 and "checkpoint.dir" not in c.data.params
         assert [m.step for m in client.get_metric_history(c.info.run_id, "train/loss")][-1] == steps
         every = int(c.data.params["checkpoint.every_n_steps"])
         saved = [m.step for m in client.get_metric_history(c.info.run_id, "ckpt/save_s")]
         assert saved == sorted({s for s in range(1, steps + 1) if s % every == 0} | {steps})  # + checkpoint.save_last
-        assert (Path(store.workdir, c.data.params["derived.checkpoint_dir"]) / f"step{steps:08d}").is_dir()
+        assert (store.workdir / "checkpoints" / "excluded" / c.data.params["run_name"] / f"step{steps:08d}").is_dir()
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["sweep/jobs"] == parent.data.metrics["sweep/jobs_finished"] == 4
     assert parent.data.params["sweep.checkpoint.every_n_steps"] == "1,2"
@@ -86,7 +93,16 @@ def test_a_sweep_run_again_continues_its_parent_and_children(store):
     """-m data.num_workers=0,2 (2 steps), then the same sweep to 3 steps: the same parent and child runs,
     each job resumed from its own checkpoint."""
     common = ["-m", "data.num_workers=0,2", "checkpoint.every_n_steps=1", "experiment_name=workers", *FAST]
-    store.run(*common, "trainer.max_steps=2")
+    first = store.start(*common, "trainer.max_steps=2")
+    wait_for(lambda: any(p.read_text() == str(first.pid) for p in (store.workdir / "outputs").glob("workers/*/.trainlab.lock")),
+             timeout=300, proc=first)
+    # the same command while the first runs: one line naming the other process, before any job
+    second = store.run(*common, "trainer.max_steps=2", check=False)
+    assert second.returncode == 2 and second.stderr.strip().splitlines() == [
+        f"trainlab: error: another trainlab process (pid {first.pid}) is running in"
+        f" {Path('outputs', 'workers', _sweep_dir(store, 'workers'))} (the same sweep); wait for it to end"], second.stderr
+    out, _ = first.communicate(timeout=900)  # (reading its pipe as it goes: a full pipe would block it)
+    assert first.returncode == 0, out[-3000:]
     parent, children = _sweep(store, "workers")
     _check_finished_children(parent, children, "data.num_workers", ["0", "2"])
     proc = store.run(*common, "trainer.max_steps=3")

@@ -103,3 +103,26 @@ def test_a_bad_sweep_fails_before_any_job_starts(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("trainlab: error: swept value trainer.max_steps='abc'"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Launching" not in proc.stdout
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_run_leads_with_rounded_summary_figures_and_a_one_line_description():
+    from framework.run_summary import run_description, summary_metrics
+
+    summary = {"perf/tokens_per_sec_mean": 2226.923037830342, "perf/mfu_mean": 0.10768294699582898,
+               "perf/step_time_s_mean": 0.4598272965004071}
+    records = [{"step": 4, "mem/peak_bytes": 1.5 * 1024**3, "perf/comm_frac_mean": 0.2}, {"step": 8, "mem/peak_bytes": 1024**3},
+               {"step": 8, "perf/comm_frac_mean": 0.1234}]
+    m = summary_metrics(summary, records)
+    assert m == {"summary/tokens_per_sec": 2230.0, "summary/mfu": 0.108, "summary/peak_mem_GiB": 1.5,
+                 "summary/step_time_ms": 460.0, "summary/comm_share": 0.123}  # no data wait logged: left out, not 0
+    assert run_description("ddp", "dp2-tp1-pp1", m, 6.1417e10) == (
+        "ddp dp2-tp1-pp1 | 2,230 tokens/s | MFU 0.108 of 6.14e+10 FLOP/s | peak 1.5 GiB | comm 12.3%")
+
+
+def test_the_report_says_when_mfu_denominators_differ():
+    from framework.compare import mfu_peak_note
+
+    same = [_run({}, {"mfu.peak_flops_per_device": "2.348e11"}), _run({}, {"mfu.peak_flops_per_device": "2.35e11"})]
+    assert mfu_peak_note(same) is None
+    differ = [_run({}, {"mfu.peak_flops_per_device": "2.348e11"}), _run({}, {"mfu.peak_flops_per_device": "1.219e11"})]
+    assert "MFU denominators differ" in mfu_peak_note(differ) and "1.22e+11 .. 2.35e+11" in mfu_peak_note(differ)
