@@ -335,7 +335,7 @@ def record_refused_job(cfg: DictConfig, run_dir: Path, reason: str) -> None:
     with the one-line reason (tag ``error``), and a FAILED outcome. Never raises on a tracking error."""
     from hydra.core.hydra_config import HydraConfig
 
-    from framework.tracking import RUN_KEY_TAG, DriverRun
+    from framework.tracking import DriverRun
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "error.txt").write_text(reason + "\n")
@@ -382,6 +382,9 @@ class SweepCallback(Callback):
         max_peak_mem_gib: a job whose ``mem/peak_bytes`` (max over ranks and steps) is over this
             many GiB scores no objective (a failed trial); None = no limit.
         report: run the compare report at the end of a sweep and log it to the parent run.
+
+    Each job reads ``objective`` and ``max_peak_mem_gib`` from its own Hydra config
+    (``hydra.callbacks.trainlab_sweep``) when it records its outcome (:func:`record_job`).
     """
 
     def __init__(self, objective: str = "perf/tokens_per_sec_mean", max_peak_mem_gib: float | None = None,
@@ -390,7 +393,6 @@ class SweepCallback(Callback):
         self.max_peak_mem_gib = max_peak_mem_gib
         self.report = report
         self.sweep: Sweep | None = None
-        self.config: DictConfig | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from framework import cli
@@ -410,7 +412,7 @@ class SweepCallback(Callback):
                 sweep.parent_run_id = open_parent(str(config.tracking.uri), str(config.experiment_name), sweep)
             except ConfigError as err:
                 cli.fail(str(err))
-        self.sweep, self.config = sweep, config
+        self.sweep = sweep
         os.environ[SWEEP_ENV] = sweep.to_json()
         keys = ", ".join(f"{k}={v}" for k, v in sweep.values.items())
         print(f"trainlab: sweep {sweep.name!r} over {keys}"
