@@ -97,9 +97,10 @@ def test_resume_auto_continues_a_zero3_run_exactly(zero_runs):
     assert verify(ckpt) == [] and read_manifest(ckpt)["kind"] == "deepspeed"
     assert sum(f.endswith("optim_states.pt") for f in read_manifest(ckpt)["files"]) == 2, "one ZeRO shard per rank"
     ref = losses(zero_runs.metrics(name))
-    # The same command again: resume=auto finds step 15 (the run saved no later one) and replays 16..18.
+    # The sweep's zero3 job again, as a single run of its run_name: resume=auto finds step 15 (the run
+    # saved no later one) and replays 16..18.
     again = zero_runs.run("parallelism=zero3", "trainer.micro_batch_size=2", "checkpoint.every_n_steps=15",
-                          "checkpoint.save_last=False", *RESUMED)
+                          "checkpoint.save_last=False", f"run_name={name}", *RESUMED)
     assert f"resuming from checkpoints/default/{name}/step00000015" in again.stdout
     got = losses(zero_runs.metrics(name))
     for step in range(16, 19):
