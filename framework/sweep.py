@@ -444,16 +444,16 @@ class SweepCallback(Callback):
 
 
 def outcome_table(outcomes: Sequence[JobOutcome], objective: str) -> str:
-    """The jobs of this sweep, one line each: name, status, objective, peak memory (GiB), reason."""
+    """The jobs of this sweep, one line each: name, status, objective, peak memory (GiB), then the reason of a failure."""
     from framework.tables import format_table
 
     rows = [{"job": o.name, "status": o.status, objective: o.objective,
-             "peak_mem_GiB": None if o.peak_mem_bytes is None else o.peak_mem_bytes / GIB, "reason": o.reason or ""}
-            for o in outcomes]
-    cols = [("job", "", "", "s"), ("status", "", "", "s"), (objective, "", "", ",.1f"), ("peak_mem_GiB", "", "", ".3f"),
-            ("reason", "", "", "s")]
+             "peak_mem_GiB": None if o.peak_mem_bytes is None else o.peak_mem_bytes / GIB} for o in outcomes]
+    cols = [("job", "", "", "s"), ("status", "", "", "s"), (objective, "", "", ",.1f"), ("peak_mem_GiB", "", "", ".3f")]
+    lines = format_table(rows, cols, text_columns=2).splitlines()
+    lines = [lines[0] + "  reason"] + [ln + (f"  {o.reason}" if o.reason else "") for ln, o in zip(lines[1:], outcomes)]
     finished = sum(o.status == "FINISHED" for o in outcomes)
-    return f"sweep: {finished} of {len(outcomes)} job(s) FINISHED\n" + format_table(rows, cols, text_columns=2)
+    return f"sweep: {finished} of {len(outcomes)} job(s) FINISHED\n" + "\n".join(lines)
 
 
 def best_outcome(outcomes: Sequence[JobOutcome]) -> JobOutcome | None:
