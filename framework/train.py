@@ -7,6 +7,8 @@ launch object (:class:`~framework.launch.LaunchSpec`) under the resilience polic
 run's final status -> print a summary. The command line around it (precheck, one-line Hydra
 errors, exit codes) is :mod:`framework.cli`; MLflow bookkeeping is :mod:`framework.tracking`;
 which checkpoint to resume, and whether the plugin can load it, is :mod:`framework.checkpoint.resume`.
+A job of a sweep (``-m``) is also a child run of the sweep's parent and returns its objective;
+the sweep around it is :mod:`framework.sweep`.
 """
 
 from __future__ import annotations
