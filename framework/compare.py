@@ -296,7 +296,7 @@ def _line_panel(ax: Any, rows: Sequence[Mapping[str, Any]], x: str, hue: str | N
     return drawn
 
 
-def write_plots(client: Any, runs: Sequence[Any], rows: Sequence[Mapping[str, Any]], keys: Sequence[str], x: str | None,
+def write_plots(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[str], x: str | None,
                 out: Path) -> list[tuple[Path, Any]]:
     """The report's PNGs in ``out``; returns ``(path, figure)`` pairs (figures closed by the caller)."""
     import matplotlib
@@ -357,11 +357,10 @@ def write_plots(client: Any, runs: Sequence[Any], rows: Sequence[Mapping[str, An
 
     fig, axes = plt.subplots(1, 2 if x else 1, figsize=(11 if x else 7, 4), squeeze=False)
     ax = axes[0][0]
-    by_id = {r["run_id"]: lab for r, lab in zip(rows, labels)}
-    for run in runs:
-        hist = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    for row, label in zip(rows, labels):  # in the table's order
+        hist = sorted((m.step, m.value) for m in client.get_metric_history(row["run_id"], "train/loss"))
         if hist:
-            ax.plot([s for s, _ in hist], [v for _, v in hist], label=by_id.get(run.info.run_id, run.info.run_name))
+            ax.plot([s for s, _ in hist], [v for _, v in hist], label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("train loss")
     ax.set_title("Train loss")
@@ -412,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--experiment", help="MLflow experiment name (trainlab's experiment_name): all its training runs")
     which.add_argument("--parent-run", help="a sweep's parent MLflow run id: its child runs")
-    parser.add_argument("--x", default=None, help="swept key on the plots' x axis (default: the first numeric swept key)")
+    parser.add_argument("--x", default=None, help="swept key on the plots' x axis, whole or its column name (default: the first numeric swept key)")
     parser.add_argument("--metrics", default=None,
                         help=f"comma-separated table columns (default: all; names: {', '.join(DEFAULT_METRICS)}; or MLflow metric keys)")
     parser.add_argument("--filter", default="", help="MLflow search filter on the runs, e.g. \"params.`parallelism.name` = 'ddp'\"")
@@ -446,9 +445,10 @@ def main(argv: list[str] | None = None) -> int:
                    + (f" match --filter {args.filter!r}" if args.filter else ""))
     metric_cols = [m.strip() for m in args.metrics.split(",")] if args.metrics else DEFAULT_METRICS
     rows, keys = build_rows(client, runs, metric_cols)
-    if args.x is not None and args.x not in keys:
+    by_short = {v: k for k, v in short_names(keys).items()}
+    if args.x is not None and args.x not in keys and args.x not in by_short:
         return bad(f"--x {args.x!r} is not a swept key of these runs; swept keys: {', '.join(keys) or '(none)'}")
-    x = args.x or pick_x(rows, keys)
+    x = by_short.get(args.x, args.x) or pick_x(rows, keys)
     cols = table_columns(keys, metric_cols, rows)
     table = render_table(rows, cols)
     note = mfu_peak_note(runs)
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else default_out
     out.mkdir(parents=True, exist_ok=True)
     paths = write_tables(rows, cols, table, out)
-    figs = write_plots(client, runs, rows, keys, x, out)
+    figs = write_plots(client, rows, keys, x, out)
     paths += [p for p, _ in figs]
     from framework.faults.report import format_recovery_table, recovery_rows, write_recovery
 
