@@ -237,9 +237,9 @@ def _metric_value(client: Any, run: Any, col: str) -> float | None:
 
 def mfu_peak_note(runs: Sequence[Any]) -> str | None:
     """A note when the runs' MFU were computed against different peaks (param ``mfu.peak_flops_per_device``,
-    more than 1% apart: on CPU the peak is a GEMM measured per run), else None."""
+    more than 10% apart: on CPU the peak is a GEMM measured per run, a few % apart from run to run), else None."""
     peaks = sorted({float(p) for r in runs if (p := r.data.params.get("mfu.peak_flops_per_device")) not in (None, "None")})
-    if len(peaks) > 1 and peaks[-1] > 1.01 * peaks[0]:
+    if len(peaks) > 1 and peaks[-1] > 1.1 * peaks[0]:
         return (f"note: MFU denominators differ between these runs: peak FLOP/s per device {peaks[0]:.3g} .. {peaks[-1]:.3g}"
                 " (measured per run); compare tokens/s, not MFU")
     return None

@@ -132,7 +132,8 @@ def test_a_job_the_validation_refuses_is_a_failed_child_and_the_sweep_goes_on(st
 def test_a_sweep_of_lr_by_plugin_starts_ranks_for_ddp_jobs(store):
     """-m optim.lr=1e-3,3e-3 parallelism=single,ddp: four children (two of 2 ranks), one parent."""
     store.run("-m", "optim.lr=1e-3,3e-3", "parallelism=single,ddp", "trainer.max_steps=2", "checkpoint=none",
-              "experiment_name=lr_plugin", *FAST[1:])
+              "experiment_name=lr_plugin", "trainer.micro_batch_size=2",  # global batch 4 = 2 x 2 ranks
+              *[o for o in FAST[1:] if not o.startswith("trainer.micro_batch_size")])
     parent, children = _sweep(store, "lr_plugin")
     assert len(children) == 4
     _check_finished_children(parent, children, "optim.lr", ["0.001", "0.003"])
