@@ -43,13 +43,13 @@ def main() -> None:
     cmd = [sys.executable, "-m", "framework.train", "experiment=data_pipeline", "trainer.progress_bar=false", *args.overrides]
     subprocess.run(cmd, cwd=work, check=True, stdout=subprocess.DEVNULL)
     rows = []
-    for f in sorted((work / "outputs" / "data_pipeline").glob("*/metrics.jsonl")):
+    for f in sorted((work / "outputs" / "data_pipeline").glob("*/*/metrics.jsonl")):  # <sweep>/<job>/
         r = final_record(f)
         rows.append((f.parent.name, r["perf/data_wait_frac_mean"], r["perf/step_time_s_mean"], r["perf/step_time_std_s_run"],
                      r["perf/tokens_per_sec_mean"]))
-    print(f"{'run':24s} {'data_wait_frac':>14s} {'step_s_mean':>12s} {'step_s_std':>11s} {'tokens_per_s':>13s}")
+    print(f"{'run':40s} {'data_wait_frac':>14s} {'step_s_mean':>12s} {'step_s_std':>11s} {'tokens_per_s':>13s}")
     for name, dw, mean, std, tps in rows:
-        print(f"{name:24s} {dw:14.3f} {mean:12.4f} {std:11.4f} {tps:13,.0f}")
+        print(f"{name:40s} {dw:14.3f} {mean:12.4f} {std:11.4f} {tps:13,.0f}")
     print("data_wait_frac: " + ", ".join(f"{name} {dw:.3f}" for name, dw, *_ in rows))
 
 

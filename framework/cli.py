@@ -26,8 +26,19 @@ from framework.config.schema import ConfigError
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
-def run_name_from_overrides(override_dirname: str) -> str:
-    """A stable, path-safe run name from Hydra's ``job.override_dirname`` (``default`` when empty)."""
+def run_name_from_overrides(override_dirname: str, task_overrides: list[str] | None = None) -> str:
+    """A stable, path-safe run name from Hydra's ``job.override_dirname`` (``default`` when empty).
+
+    A job of a sweep (``task_overrides``: the job's ``hydra.overrides.task``) is named
+    ``<sweep>/<its swept values>`` instead (:func:`framework.sweep.sweep_run_name`), so every key
+    that differs between the jobs of a sweep names them, excluded keys included.
+    """
+    if task_overrides is not None:
+        from framework.sweep import sweep_run_name
+
+        in_sweep = sweep_run_name(override_dirname, list(task_overrides))
+        if in_sweep is not None:
+            return in_sweep
     if not override_dirname:
         return "default"
     name = re.sub(r"[^\w.,=+\-]", "_", override_dirname)
@@ -176,6 +187,10 @@ def main(app: Callable[[], None]) -> None:
         else:  # sys.exit("message"): printed to stderr, status 1, as Python does
             print(done.code, file=sys.stderr)
             code = 1
+    if code not in (0, 1):  # a sweep that ended early: its parent run ends KILLED/FAILED, its lock is released
+        from framework.sweep import close_sweep
+
+        close_sweep("KILLED" if code == 130 else "FAILED")
     from framework.distributed import exit_process
 
     exit_process(code)

@@ -25,6 +25,11 @@ from typing import Any, Mapping
 log = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "trainlab.run_key"
+# Paths and tracking settings: they differ between runs without changing what is trained, so they
+# stay out of the params (the MLflow compare view would line runs up by them) and in the
+# resolved_config.yaml artifact.
+LEFT_OUT_PARAMS = frozenset({"checkpoint.dir", "data.cache_dir", "derived.checkpoint_dir", "tracking.uri",
+                             "tracking.enabled", "tracking.system_metrics_interval_s", "trainer.progress_bar"})
 _BAD_KEY_CHARS = re.compile(r"[^\w/.\- ]")
 
 
@@ -178,7 +183,7 @@ def derived_params(resolved: Any, model: Any) -> dict[str, Any]:
 def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
     """Open the run's MLflow run (re-open it when ``resumed``) and log what the run is.
 
-    Params: the flattened config and :func:`derived_params`; tags: plugin, world size, layout,
+    Params: the flattened config and :func:`derived_params`, less :data:`LEFT_OUT_PARAMS`; tags: plugin, world size, layout,
     git commit; artifact ``resolved_config.yaml``. Starts MLflow's system metrics
     (``tracking.system_metrics_interval_s`` > 0); :func:`finish_driver_run` stops them.
 
@@ -205,7 +210,8 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
         raise ConfigError(f"tracking.uri={run.tracking.uri!r}: {_first_line(err)} (allowed: a sqlite:///, file:// or"
                           " http(s):// MLflow URI; or tracking=none)") from None
     config = run_to_dict(run)
-    tracker.log_params({**flatten(config), **{k: str(v) for k, v in derived_params(resolved, model).items()}})
+    params = {**flatten(config), **{k: str(v) for k, v in derived_params(resolved, model).items()}}
+    tracker.log_params({k: v for k, v in params.items() if k not in LEFT_OUT_PARAMS})  # all of it: resolved_config.yaml
     lay = resolved.layout
     tracker.set_tags({"plugin": resolved.plugin_name, "world_size": resolved.world_size,
                       "layout": lay.describe(), "git_commit": git_commit(Path(__file__).parent)})

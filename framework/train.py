@@ -7,6 +7,8 @@ launch object (:class:`~framework.launch.LaunchSpec`) under the resilience polic
 run's final status -> print a summary. The command line around it (precheck, one-line Hydra
 errors, exit codes) is :mod:`framework.cli`; MLflow bookkeeping is :mod:`framework.tracking`;
 which checkpoint to resume, and whether the plugin can load it, is :mod:`framework.checkpoint.resume`.
+A job of a sweep (``-m``) is also a child run of the sweep's parent and returns its objective;
+the sweep around it is :mod:`framework.sweep`.
 """
 
 from __future__ import annotations
@@ -26,22 +28,47 @@ from framework.config.resolved import ResolvedRun
 from framework.config.schema import ConfigError
 
 
-def run_job(cfg: DictConfig, run_dir: Path) -> None:
+def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
     """Run one Hydra job (one MLflow run) whose output folder is ``run_dir``.
 
-    Exits with code 2 on a configuration error, 1 when training failed outside a sweep (in a
-    sweep the run ends FAILED and the job returns), 130 when interrupted.
+    Returns the job's objective in a sweep (:func:`framework.sweep.record_job`: tokens/s by
+    default, None when the job failed; what the Optuna sweeper maximises), else None. Exits with
+    code 2 on a configuration error (in a sweep: the job is a FAILED child and the sweep goes on),
+    1 when training failed outside a sweep (in a sweep the run ends FAILED and the job returns),
+    130 when interrupted. The run's locks are held for the job and released when it ends.
     """
+    from framework import sweep
+
+    try:
+        resolved, cache, model = _resolve(cfg)
+    except ConfigError as err:
+        if not cli.in_sweep():
+            cli.fail(str(err))
+        print(f"trainlab: error: {err}", file=sys.stderr, flush=True)
+        sweep.record_refused_job(cfg, run_dir, str(err))
+        cli.FAILED_JOBS.append(str(cfg.run_name))
+        return None
+    locks = [sweep.hold_lock(d, "run") for d in (run_dir, Path(resolved.checkpoint_dir))]
+    try:
+        status = _train(resolved, cache, model, run_dir)
+    finally:
+        for f in locks:
+            f.close()
+    return sweep.record_job(run_dir, *status) if cli.in_sweep() else None
+
+
+def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path) -> tuple[str, str]:
+    """Resume selection, the MLflow run, the ranks under the resilience policy, the final status;
+    returns ``(status, one-line reason of a failure)`` (FINISHED when there was nothing left to train)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from framework import sweep
     from framework.checkpoint.resume import select_resume
     from framework.faults.supervisor import supervise
     from framework.launch import LaunchSpec
     from framework.tracking import finish_driver_run, open_driver_run
 
-    resolved, cache, model = _resolve(cfg)
     run = resolved.run
-    _hold_run_lock(run_dir, Path(resolved.checkpoint_dir))
     resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # auto: the newest intact checkpoint
     if resume.path:
         print(f"trainlab: resuming from {resume.path}", flush=True)
@@ -51,13 +78,16 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     if resume.step >= run.trainer.max_steps and run.resume == "auto":
         print(f"trainlab: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to"
               " train (raise trainer.max_steps to continue, or use another checkpoint.dir)", flush=True)
-        return
+        return "FINISHED", ""
     tracker = None
     if run.tracking.enabled:
         try:
             tracker = open_driver_run(resolved, model, resumed=bool(resume.path))
         except ConfigError as err:
             cli.fail(str(err))
+        current = sweep.current()
+        if current is not None:
+            sweep.attach_child(tracker, current, list(HydraConfig.get().overrides.task))
     launch = LaunchSpec(resolved=resolved, run_dir=run_dir, mlflow_run_id=tracker.run_id if tracker else None,
                         resume_from=resume.path, token_cache_dir=str(cache.dir))
     status, error = "FAILED", None
@@ -66,6 +96,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     try:
         supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
         status = "FINISHED"
+        if tracker is not None:
+            _log_run_summary(tracker, resolved, run_dir)
     except (KeyboardInterrupt, SignalException):  # the elastic agent turns SIGINT/SIGTERM into SignalException
         status = "KILLED"
         print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
@@ -73,46 +105,48 @@ def run_job(cfg: DictConfig, run_dir: Path) -> None:
     except Exception as err:
         error = str(err).strip()
         _record_failure(run_dir, run.run_name, err)
-        return
+        return "FAILED", error.splitlines()[0] if error else type(err).__name__
     finally:
         if tracker is not None:
             finish_driver_run(tracker, status, run_dir=run_dir, started_at=started_at, error=error,
                               resumed=bool(resume.path))
-    _print_summary(run_dir, tracker.run_id if tracker else None, run.tracking.uri, run.experiment_name)
+    _print_summary(run_dir, tracker, run.tracking.uri, run.experiment_name)
+    return "FINISHED", ""
 
 
 def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
     """Validate the config once, check the resume request, build the token cache and the model's
-    shape (on the meta device); returns ``(resolved, token_cache, model)``. Exits 2 on a config error."""
+    shape (on the meta device); returns ``(resolved, token_cache, model)``.
+
+    Raises:
+        ConfigError: any bad value, one line (the caller exits 2, or in a sweep fails the job).
+    """
     from framework.config.validate import load_run_config, validate
 
-    try:
-        resolved = validate(load_run_config(cfg))
-        run = resolved.run
-        _check_resume_request(resolved)
-        from framework.data import prepare_data  # imported once the config holds (as the model below)
-        from framework.data.dataset import check_global_batch_fits
+    resolved = validate(load_run_config(cfg))
+    run = resolved.run
+    _check_resume_request(resolved)
+    from framework.data import prepare_data  # imported once the config holds (as the model below)
+    from framework.data.dataset import check_global_batch_fits
 
-        print(f"trainlab: {resolved.plugin_name} | {resolved.batch_summary()}", flush=True)
-        cache = prepare_data(run.data)
-        check_global_batch_fits(global_batch_size=resolved.global_batch_size, train_tokens=cache.train_tokens,
-                                seq_len=run.data.seq_len)
-        if run.model.vocab_size is not None and run.model.vocab_size < cache.vocab_size:
-            raise ConfigError(f"model.vocab_size={run.model.vocab_size} < tokenizer vocabulary {cache.vocab_size}")
-        import torch
+    print(f"trainlab: {resolved.plugin_name} | {resolved.batch_summary()}", flush=True)
+    cache = prepare_data(run.data)
+    check_global_batch_fits(global_batch_size=resolved.global_batch_size, train_tokens=cache.train_tokens,
+                            seq_len=run.data.seq_len)
+    if run.model.vocab_size is not None and run.model.vocab_size < cache.vocab_size:
+        raise ConfigError(f"model.vocab_size={run.model.vocab_size} < tokenizer vocabulary {cache.vocab_size}")
+    import torch
 
-        from framework.model import GPT
+    from framework.model import GPT
 
-        with torch.device("meta"):
-            model = GPT(run.model, vocab_size=run.model.vocab_size or cache.vocab_size)
-        print(
-            f"trainlab: model {run.model.name}: {model.num_params(exclude_position_embedding=False):,} parameters"
-            f" ({model.num_flops_params():,} in 6N; vocab {model.vocab_size}, {run.model.n_layer} layers,"
-            f" d_model {run.model.d_model})",
-            flush=True,
-        )
-    except ConfigError as err:
-        cli.fail(str(err))
+    with torch.device("meta"):
+        model = GPT(run.model, vocab_size=run.model.vocab_size or cache.vocab_size)
+    print(
+        f"trainlab: model {run.model.name}: {model.num_params(exclude_position_embedding=False):,} parameters"
+        f" ({model.num_flops_params():,} in 6N; vocab {model.vocab_size}, {run.model.n_layer} layers,"
+        f" d_model {run.model.d_model})",
+        flush=True,
+    )
     return resolved, cache, model
 
 
@@ -146,24 +180,23 @@ def _record_failure(run_dir: Path, run_name: str, err: Exception) -> None:
     cli.FAILED_JOBS.append(run_name)
 
 
-_LOCKS: list = []  # open lock files, held until the process exits
+def _log_run_summary(tracker: Any, resolved: ResolvedRun, run_dir: Path) -> None:
+    """The ``summary/*`` metrics and the one-line run description (:mod:`framework.run_summary`); never raises."""
+    from framework.run_summary import run_description, summary_metrics
+    from framework.tracking import read_jsonl_metrics
+
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        metrics = summary_metrics(summary, read_jsonl_metrics(run_dir / "metrics.jsonl"))
+        if metrics:
+            tracker.log_metrics(metrics, step=int(summary.get("train/steps", 0)))
+        tracker.set_tags({"mlflow.note.content": run_description(resolved.plugin_name, resolved.layout.describe(), metrics,
+                                                                 summary.get("peak_flops"))})
+    except Exception as err:  # tracking must not fail a finished run
+        _warn(f"could not log the run's summary to MLflow: {err}")
 
 
-def _hold_run_lock(*dirs: Path) -> None:
-    """Refuse to run two drivers on the same run folder or checkpoint folder at once (exit code 2)."""
-    import fcntl
-
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        f = open(d / ".trainlab.lock", "a+")
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            cli.fail(f"another trainlab process is running in {d} (the same run); wait for it, or set another run_name")
-        _LOCKS.append(f)
-
-
-def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str) -> None:
+def _print_summary(run_dir: Path, tracker: Any, uri: str, experiment: str) -> None:
     from framework.tracking import read_jsonl_metrics
 
     records = read_jsonl_metrics(run_dir / "metrics.jsonl")
@@ -188,19 +221,23 @@ def _print_summary(run_dir: Path, run_id: str | None, uri: str, experiment: str)
         f"  MFU (mean)         {fmt(summary.get('perf/mfu_mean'), '.3f')}",
         f"  metrics file       {run_dir / 'metrics.jsonl'}",
     ]
-    if run_id:
+    if tracker is not None:
+        from framework.sweep import ui_link
+
         mlflow_bin = Path(sys.executable).parent / "mlflow"
         lines += [
-            f"  MLflow run         {run_id} (experiment {experiment!r})",
+            f"  MLflow run         {tracker.run_id} (experiment {experiment!r})",
             f"  see it with        {mlflow_bin if mlflow_bin.exists() else 'mlflow'} ui --backend-store-uri {uri}",
+            f"  then open          {ui_link(uri, tracker.experiment_id, tracker.run_id)}",
         ]
     print("\n".join(lines), flush=True)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def _hydra_main(cfg: DictConfig) -> None:
-    """The Hydra app: one job per call; this module's name names the Hydra job (``train``)."""
-    run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
+def _hydra_main(cfg: DictConfig) -> float | None:
+    """The Hydra app: one job per call; this module's name names the Hydra job (``train``). Returns
+    the job's objective in a sweep (what the Optuna sweeper maximises; None = a failed trial)."""
+    return run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ class Runner:
         return read_jsonl_metrics(self.workdir / "outputs" / experiment / run_name / "metrics.jsonl")
 
 
+def job_runs(client, experiment: str) -> list:
+    """The experiment's training runs: a sweep's parent run (tag ``trainlab.sweep=parent``) left out."""
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return [r for r in runs if r.data.tags.get("trainlab.sweep") != "parent"]
+
+
 def losses(records: list[dict]) -> dict[int, float]:
     """step -> train/loss (the last record wins when a resumed run re-logs a step)."""
     return {int(r["step"]): r["train/loss"] for r in records if "train/loss" in r}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.integration.conftest import Runner, losses
+from tests.integration.conftest import Runner, job_runs, losses
 
 pytestmark = pytest.mark.slow
 
@@ -40,13 +40,13 @@ def zero_runs(tmp_path_factory, data_cache) -> Runner:
 
 
 def _run_name(runner: Runner, stage: int) -> str:
-    (path,) = (runner.workdir / "outputs" / "default").glob(f"*parallelism=zero{stage}*")
-    return path.name
+    (path,) = (runner.workdir / "outputs" / "default").glob(f"*/parallelism=zero{stage}")  # <sweep>/<job>
+    return str(path.relative_to(runner.workdir / "outputs" / "default"))
 
 
 def test_the_sweep_records_three_finished_mlflow_runs(zero_runs):
     client = MlflowClient(tracking_uri=f"sqlite:///{zero_runs.workdir}/mlruns.db")
-    runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    runs = job_runs(client, "default")
     assert sorted(r.data.params["parallelism.zero_stage"] for r in runs) == ["1", "2", "3"]
     for r in runs:
         assert r.info.status == "FINISHED", r.data.tags.get("error")
@@ -97,9 +97,10 @@ def test_resume_auto_continues_a_zero3_run_exactly(zero_runs):
     assert verify(ckpt) == [] and read_manifest(ckpt)["kind"] == "deepspeed"
     assert sum(f.endswith("optim_states.pt") for f in read_manifest(ckpt)["files"]) == 2, "one ZeRO shard per rank"
     ref = losses(zero_runs.metrics(name))
-    # The same command again: resume=auto finds step 15 (the run saved no later one) and replays 16..18.
+    # The sweep's zero3 job again, as a single run of its run_name: resume=auto finds step 15 (the run
+    # saved no later one) and replays 16..18.
     again = zero_runs.run("parallelism=zero3", "trainer.micro_batch_size=2", "checkpoint.every_n_steps=15",
-                          "checkpoint.save_last=False", *RESUMED)
+                          "checkpoint.save_last=False", f"run_name={name}", *RESUMED)
     assert f"resuming from checkpoints/default/{name}/step00000015" in again.stdout
     got = losses(zero_runs.metrics(name))
     for step in range(16, 19):

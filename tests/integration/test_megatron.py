@@ -13,7 +13,7 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.integration.conftest import Runner, losses
+from tests.integration.conftest import Runner, job_runs, losses
 
 pytestmark = pytest.mark.slow
 
@@ -129,7 +129,7 @@ def test_dp2tp2_fsdp_bytes_on_steps_with_validation_equal_the_model(mrun):
 def test_multirun_tp_pp_records_two_finished_runs(runner):
     runner.run("-m", "parallelism=tp,pp", "trainer.max_steps=30")  # the default checkpoint policy (interval)
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
-    runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    runs = job_runs(client, "default")  # the sweep's parent left out
     by_plugin = {r.data.tags["plugin"]: r for r in runs}
     assert set(by_plugin) == {"tp", "pp"} and len(runs) == 2
     assert by_plugin["tp"].data.tags["layout"] == "dp1-tp2-pp1" and by_plugin["pp"].data.tags["layout"] == "dp1-tp1-pp2"

@@ -23,19 +23,19 @@ EXPERIMENT = "perf"
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, data_cache):
-    from tests.integration.conftest import Runner
+    from tests.integration.conftest import Runner, job_runs
 
     runner = Runner(tmp_path_factory.mktemp("perf"), data_cache)
     runner.run("-m", "parallelism=single,ddp", f"experiment_name={EXPERIMENT}", "trainer.max_steps=12",
                "trainer.log_every_n_steps=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
                "checkpoint.every_n_steps=6", "tracking.system_metrics_interval_s=1")
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
-    runs = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
+    runs = job_runs(client, EXPERIMENT)  # the sweep's children
     return runner, client, {r.data.tags["plugin"]: r for r in runs}
 
 
 def _records(runner, run) -> list[dict]:
-    return runner.metrics(run.info.run_name, experiment=EXPERIMENT)
+    return runner.metrics(run.data.params["run_name"], experiment=EXPERIMENT)  # <sweep>/<job>
 
 
 def test_the_sweep_records_two_finished_comparable_runs(sweep):
@@ -53,10 +53,11 @@ def test_the_sweep_records_two_finished_comparable_runs(sweep):
             assert key in r.data.metrics, (plugin, key)
         assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")][-1] == 12
         assert "resolved_config.yaml" in [a.path for a in client.list_artifacts(r.info.run_id)]
-    # no stray folders: one output folder per job, nothing from other ranks
-    out = sorted(p.name for p in (runner.workdir / "outputs" / EXPERIMENT).iterdir() if p.is_dir())
-    assert len(out) == 2 and "parallelism=ddp" in out[0] and "parallelism=single" in out[1], out
-    assert {r.info.run_name for r in runs.values()} == set(out)
+    # no stray folders: one output folder per job (in the sweep's folder), nothing from other ranks
+    (sweep_dir,) = [p for p in (runner.workdir / "outputs" / EXPERIMENT).iterdir() if p.is_dir()]
+    out = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
+    assert out == ["parallelism=ddp", "parallelism=single"], out
+    assert {r.info.run_name for r in runs.values()} == set(out)  # a child is named by its swept values
 
 
 @pytest.mark.parametrize("plugin", ["single", "ddp"])
@@ -131,13 +132,13 @@ def test_compare_report_prints_the_mlflow_figures_and_writes_plots(sweep):
     for plugin, run in runs.items():
         row, m = rows[plugin], run.data.metrics
         assert row["run_id"] == run.info.run_id
-        assert row["layout"] == run.data.tags["layout"] and row["global_batch"] == "8"
+        assert row["layout"] == run.data.tags["layout"] and row["parallelism"] == plugin  # the swept key's column
         pairs = {"tokens_per_sec": "perf/tokens_per_sec_mean", "mfu": "perf/mfu_mean", "comm_bytes": "perf/comm_bytes",
-                 "peak_mem_bytes": "mem/peak_bytes", "final_loss": "train/loss_final",
-                 **{f"{c}_frac": f"perf/{c}_frac_mean" for c in CATEGORIES}}
+                 "final_loss": "train/loss_final", **{f"{c}_frac": f"perf/{c}_frac_mean" for c in CATEGORIES}}
         for col, key in pairs.items():
             assert math.isclose(float(row[col]), m[key], rel_tol=1e-9), (plugin, col)
-        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(run.info.run_id[:8]))
+        assert math.isclose(float(row["peak_mem_GiB"]) * 1024**3, m["mem/peak_bytes"], rel_tol=1e-9)
+        line = next(ln for ln in proc.stdout.splitlines() if ln.split()[0] == plugin)  # rows labelled by the swept value
         for value in (f"{m['perf/mfu_mean']:.4f}", f"{m['perf/tokens_per_sec_mean']:,.0f}", f"{m['train/loss_final']:.4f}",
                       f"{m['perf/compute_frac_mean']:.3f}", f"{m['perf/comm_bytes']:,.0f}"):
             assert value in line.split(), (plugin, value, line)

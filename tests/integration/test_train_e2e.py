@@ -8,7 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from framework.module import warmup_cosine
-from tests.integration.conftest import kill_group, losses, wait_for
+from tests.integration.conftest import job_runs, kill_group, losses, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -154,5 +154,5 @@ def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
                        "experiment_name=sweep", check=False)
     assert sweep.returncode == 1, sweep.stderr[-3000:]
     assert "trainlab: 1 sweep job(s) FAILED" in sweep.stderr
-    (swept,) = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
+    (swept,) = job_runs(client, "sweep")
     assert swept.info.status == "FAILED" and "refused to load" in swept.data.tags["error"]

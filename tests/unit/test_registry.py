@@ -62,18 +62,20 @@ def test_unknown_group_option_is_one_line_before_hydra(capsys):
 
 
 def test_a_second_driver_on_the_same_run_is_refused(tmp_path):
+    import os
     import subprocess
     import sys
 
-    from framework.train import _LOCKS, _hold_run_lock
+    from framework.sweep import hold_lock
 
-    _hold_run_lock(tmp_path)
+    held = hold_lock(tmp_path, "run")
     try:
-        code = f"from pathlib import Path; from framework.train import _hold_run_lock; _hold_run_lock(Path({str(tmp_path)!r}))"
+        code = f"from pathlib import Path; from framework.sweep import hold_lock; hold_lock(Path({str(tmp_path)!r}), 'run')"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2
-        assert "another trainlab process is running in" in proc.stderr
+        assert f"another trainlab process (pid {os.getpid()}) is running in {tmp_path} (the same run)" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
     finally:
-        _LOCKS.pop().close()
+        held.close()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0  # free again once the holder lets go

@@ -1,0 +1,561 @@
+"""A Hydra sweep (``python -m framework.train -m ...``): job identity, the parent MLflow run, outcomes.
+
+A sweep is named by its command line (:func:`parse_sweep`): the overrides that name a run (as
+Hydra's ``job.override_dirname`` does, ``hydra.job.config.override_dirname.exclude_keys`` left
+out) plus every swept key with the values it sweeps, whether or not that key is excluded. A job
+is named by its swept values (:func:`job_name`); its run name is ``<sweep>/<job>``, so its output
+folder, checkpoint folder, lock and MLflow run are its own, any key can be swept, and two
+different sweeps never share a run. Running the same sweep again continues it (each job resumes
+as a single run does).
+
+:class:`SweepCallback` (``hydra.callbacks.trainlab_sweep`` in ``conf/config.yaml``) hooks the
+sweep through Hydra's callback API:
+
+- ``on_multirun_start``: one-line errors before any job (a swept key that does not exist, with
+  suggestions; a swept value of the wrong type); the sweep's lock (a second identical sweep gets
+  the one-line error naming the other process); the parent MLflow run (tag
+  ``trainlab.sweep=parent``; params ``sweep.keys`` and ``sweep.<key>``, the swept values; tag
+  ``sweep.command``).
+- each job (the driver, :mod:`framework.train`): a child run (tag ``mlflow.parentRunId``) named by
+  its swept values (:func:`attach_child`); a job whose config the validation refuses, or whose
+  training fails, is a FAILED child with its one-line reason (:func:`record_job`).
+- ``on_multirun_end``: the jobs' outcomes (metrics ``sweep/jobs``, ``sweep/jobs_finished``,
+  ``sweep/jobs_failed`` and the run description on the parent), the best job by
+  ``objective`` (an Optuna search's best trial with its overrides), and the compare report
+  (:mod:`framework.compare`) logged to the parent.
+
+The driver returns each job's objective (``objective``, default ``perf/tokens_per_sec_mean``;
+None for a failed job or one over ``max_peak_mem_gib``), which is what the Optuna sweeper
+maximises; None makes a failed trial and the search goes on.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+SWEEP_ENV = "TRAINLAB_SWEEP"  # the running sweep (JSON of :class:`Sweep`), read when a job's run name resolves
+SWEEP_TAG = "trainlab.sweep"  # "parent" on a sweep's parent run
+SWEPT_TAG = "trainlab.swept"  # on a child: its swept values, ``key=value,...``
+OVERRIDES_TAG = "trainlab.overrides"  # on a child: the job's whole override string
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the child under the parent
+GIB = 1024**3
+
+
+@dataclass
+class Sweep:
+    """One sweep: its name (path-safe), swept keys in command-line order, each key's sweep
+    expression as written (``5,10``, ``choice(ddp,tp)``), its command and parent MLflow run."""
+
+    name: str
+    keys: list[str]
+    values: dict[str, str]
+    command: str = ""
+    parent_run_id: str | None = None
+    tracking_uri: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Sweep":
+        return cls(**json.loads(text))
+
+
+def _path_safe(text: str) -> str:
+    from framework.cli import run_name_from_overrides
+
+    return run_name_from_overrides(text)
+
+
+def parse_sweep(task_overrides: Sequence[str], sweeper_params: Mapping[str, Any] | None,
+                exclude_keys: Sequence[str] = ()) -> Sweep:
+    """The sweep of a multirun: ``task_overrides`` as given on the command line (Hydra's
+    ``hydra.overrides.task`` at ``on_multirun_start``), ``sweeper_params`` the sweeper's
+    ``params`` (a preset's sweep; the command line wins for the same key). Swept keys are those
+    whose value is a sweep (``a,b``, ``choice(..)``, ``range(..)``, ``interval(..)``); the name is
+    the command line's sorted ``key=value`` overrides that are swept or not excluded (``sweep``
+    when none: a preset's sweep is named by its ``experiment_name``, the folder above)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lines = [f"{k}={v}" for k, v in (sweeper_params or {}).items()] + list(task_overrides)
+    parsed = {}
+    for o in OverridesParser.create().parse_overrides(lines):
+        parsed[o.key_or_group] = o  # later (command line) wins
+    keys = [k for k, o in parsed.items() if o.is_sweep_override()]
+    values = {k: parsed[k].input_line.split("=", 1)[1] for k in keys}
+    named = sorted(o.input_line.lstrip("+~") for o in OverridesParser.create().parse_overrides(list(task_overrides))
+                   if o.is_sweep_override() or o.key_or_group not in exclude_keys)
+    return Sweep(name=_path_safe(",".join(named)) if named else "sweep", keys=keys, values=values)
+
+
+def job_name(task_overrides: Sequence[str], keys: Sequence[str]) -> str:
+    """A job's name: its value of each swept key, ``key=value`` joined by ``,`` in ``keys`` order (path-safe)."""
+    return _path_safe(",".join(f"{k}={v}" for k, v in _values_of(task_overrides, keys).items())) or "job"
+
+
+def display_name(task_overrides: Sequence[str], keys: Sequence[str]) -> str:
+    """A job's short name for the MLflow UI: its swept values with the last dotted part of each key
+    (``every_n_steps=5,parallelism=ddp``; the whole key where that part is not unique)."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    found = _values_of(task_overrides, keys)
+    return ",".join(f"{s if last.count(s) == 1 else k}={found[k]}" for k, s in zip(keys, last) if k in found) or "job"
+
+
+def current() -> Sweep | None:
+    """The sweep this process is running, or None (set by :class:`SweepCallback` for the sweep's length)."""
+    text = os.environ.get(SWEEP_ENV)
+    return Sweep.from_json(text) if text else None
+
+
+def sweep_run_name(override_dirname: str, task_overrides: Sequence[str] | None) -> str | None:
+    """``<sweep>/<job>`` for a job of the running sweep, else None (the caller names a single run)."""
+    sweep = current()
+    if sweep is None or task_overrides is None:
+        return None
+    return f"{sweep.name}/{job_name(list(task_overrides), sweep.keys)}"
+
+
+# --- checks before any job ------------------------------------------------------------------
+
+def _sweep_values(override: Any) -> list[Any]:
+    """Values to check of a swept override: every value of a list/choice/range, both ends of an interval."""
+    if override.is_interval_sweep():
+        v = override.value()
+        return [v.start, v.end]
+    return list(override.sweep_iterator())
+
+
+def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
+    """Refuse a sweep with a key that does not exist or a value of the wrong type, in one line,
+    before any job (exit code 2). A key is checked against every plugin the sweep chooses
+    (``parallelism=...``): every one of them must have it (a job whose overrides do not compose
+    would stop the sweep), and at least one must take each value (a layout that the validation
+    refuses is that job's failure, a FAILED child, and the sweep goes on)."""
+    from hydra import compose
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from framework.cli import CONF_DIR, fail
+    from framework.config.schema import ConfigError
+    from framework.config.validate import load_run_config
+    from framework.tracking import flatten
+
+    params = _sweeper_params(config)
+    lines = [f"{k}={v}" for k, v in params.items()] + list(task_overrides)
+    parsed = {}
+    for o in OverridesParser.create().parse_overrides(lines):
+        parsed[o.key_or_group] = o
+    fixed = [o.input_line for o in parsed.values() if not o.is_sweep_override()]
+    swept = {k: o for k, o in parsed.items() if o.is_sweep_override()}
+    if "experiment_name" in swept or "experiment" in swept:
+        fail("experiment_name cannot be swept: a sweep's jobs and its parent run share one MLflow experiment"
+             " (run one sweep per experiment)")
+    if "run_name" in parsed:
+        fail("run_name cannot be set in a sweep: each job is named <sweep>/<its swept values>"
+             " (leave run_name out, or run the jobs one by one)")
+    plugins = [str(v) for v in _sweep_values(swept["parallelism"])] if "parallelism" in swept else [None]
+    bases = {}
+    for plugin in plugins:
+        extra = [f"parallelism={plugin}"] if plugin else []
+        try:
+            bases[plugin] = compose(config_name="config", overrides=[*fixed, *extra, "run_name=check"])
+        except Exception as err:
+            fail(f"sweep: {_one_line(err)}")
+    for key, o in swept.items():
+        if (CONF_DIR / key).is_dir() or "/" in key:  # a config group: its options were checked by cli.check_group_choices
+            continue
+        values = _sweep_values(o)
+        known = [p for p, base in bases.items() if OmegaConf.select(base, key, default=_ABSENT) is not _ABSENT]
+        if not known and not o.get_key_element().startswith("+"):
+            names = sorted({k for base in bases.values() for k in flatten(OmegaConf.to_container(base, resolve=False))})
+            near = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+            where = f" of plugin(s) {', '.join(p for p in plugins)}" if plugins != [None] else ""
+            fail(f"swept key {key} is not a config key{where}; "
+                 + (f"did you mean {', '.join(near)}?" if near else "see conf/ and framework/config/schema.py for the keys"))
+        missing = [p for p in bases if p not in known]
+        if known and missing and not o.get_key_element().startswith("+"):
+            fail(f"swept key {key} is not an option of plugin(s) {', '.join(missing)} that this sweep also runs"
+                 f" (only of {', '.join(known)}); sweep it with those plugins alone")
+        for value in values:
+            errors = []
+            for plugin in known or list(bases):
+                cfg = bases[plugin].copy()
+                OmegaConf.set_struct(cfg, False)
+                OmegaConf.update(cfg, key, value, merge=False)
+                try:
+                    load_run_config(cfg)
+                    break
+                except ConfigError as err:
+                    errors.append(str(err))
+            else:
+                fail(f"swept value {key}={value!r} ({type(value).__name__}): {errors[0]}")
+
+
+_ABSENT = object()
+
+
+def _sweeper_params(config: DictConfig) -> dict[str, Any]:
+    """The sweeper's ``params`` (a preset's sweep or an Optuna search space) as a plain dict."""
+    params = config.hydra.sweeper.get("params")
+    return dict(OmegaConf.to_container(params, resolve=False)) if params else {}
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+# --- the parent run and the children --------------------------------------------------------
+
+def _client(uri: str) -> Any:
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    return MlflowClient(tracking_uri=uri)
+
+
+def open_parent(uri: str, experiment: str, sweep: Sweep) -> str:
+    """Create the sweep's parent run, or re-open the newest one of the same sweep; returns its id.
+
+    Raises:
+        ConfigError: the tracking URI cannot be used (one line).
+    """
+    from framework.config.schema import ConfigError
+    from framework.tracking import RUN_KEY_TAG, DriverRun
+
+    try:
+        tracker = DriverRun(uri, experiment)
+        key = f"{experiment}/{sweep.name}"
+        tracker.start(run_name=sweep.name, run_key=key, resume_run_id=tracker.find(key))
+    except Exception as err:
+        raise ConfigError(f"tracking.uri={uri!r}: {_one_line(err)} (allowed: a sqlite:///, file:// or http(s)://"
+                          " MLflow URI; or tracking=none)") from None
+    tracker.set_tags({SWEEP_TAG: "parent", RUN_KEY_TAG: key, "sweep.command": sweep.command,
+                      "mlflow.runName": short_sweep_name(sweep)})
+    tracker.log_params({"sweep.keys": ",".join(sweep.keys), **{f"sweep.{k}": v for k, v in sweep.values.items()}})
+    return tracker.run_id
+
+
+def short_sweep_name(sweep: Sweep) -> str:
+    """The parent's display name: ``sweep <key>=<values> x ...`` (the whole name is the run key)."""
+    return "sweep " + " x ".join(f"{k}={v}" for k, v in sweep.values.items())
+
+
+def attach_child(tracker: Any, sweep: Sweep, task_overrides: Sequence[str]) -> None:
+    """Make the driver's run a child of the sweep's parent: tag ``mlflow.parentRunId``, the short
+    run name of its swept values, and its whole override string as tag ``trainlab.overrides``."""
+    if sweep.parent_run_id is None:
+        return
+    swept = ",".join(f"{k}={v}" for k, v in _values_of(task_overrides, sweep.keys).items())
+    tracker.set_tags({PARENT_TAG: sweep.parent_run_id, SWEPT_TAG: swept, OVERRIDES_TAG: " ".join(task_overrides)})
+    tracker.client.update_run(tracker.run_id, name=display_name(task_overrides, sweep.keys))
+
+
+def _values_of(task_overrides: Sequence[str], keys: Sequence[str]) -> dict[str, str]:
+    """``{swept key: the job's value}`` in ``keys`` order."""
+    found = {}
+    for line in task_overrides:
+        k, _, v = line.partition("=")
+        found[k.lstrip("+~")] = v
+    return {k: found[k] for k in keys if k in found}
+
+
+@dataclass
+class JobOutcome:
+    """One job of this process's sweep: short name, swept overrides, status (FINISHED/FAILED/KILLED),
+    one-line reason of a failure, the objective value (None when failed or over the memory limit)
+    and peak memory (bytes, max over ranks)."""
+
+    name: str
+    overrides: list[str]
+    status: str
+    reason: str = ""
+    objective: float | None = None
+    peak_mem_bytes: float | None = None
+
+
+OUTCOMES: list[JobOutcome] = []
+
+
+def _settings() -> dict[str, Any]:
+    """The sweep callback's settings (``hydra.callbacks.trainlab_sweep``) of the running job."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    cb = HydraConfig.get().get("callbacks") or {}
+    return dict(cb.get("trainlab_sweep") or {})
+
+
+def record_job(run_dir: Path, status: str, reason: str = "") -> float | None:
+    """Record the outcome of this process's current job (the driver calls it once per job);
+    returns the job's objective (what the Optuna sweeper maximises), None for a failed job or one
+    whose peak memory is over ``max_peak_mem_gib`` (then a failed trial, with that reason)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from framework.tracking import read_jsonl_metrics
+
+    settings = _settings()
+    objective_key = settings.get("objective") or "perf/tokens_per_sec_mean"
+    limit = settings.get("max_peak_mem_gib")
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    sweep = current()
+    name = display_name(overrides, sweep.keys) if sweep else run_dir.name
+    swept = [f"{k}={v}" for k, v in _values_of(overrides, sweep.keys).items()] if sweep else overrides
+    peaks = [r["mem/peak_bytes"] for r in read_jsonl_metrics(run_dir / "metrics.jsonl") if "mem/peak_bytes" in r]
+    peak = max(peaks) if peaks else None
+    objective = None
+    if status == "FINISHED":
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        objective = summary.get(objective_key)
+        if objective is None:  # trained, but too few steps after trainer.warmup_steps_excluded to time
+            reason = f"no {objective_key} (steps <= trainer.warmup_steps_excluded?)"
+        elif limit is not None and peak is not None and peak > float(limit) * GIB:
+            reason = f"peak memory {peak / GIB:.3f} GiB > max_peak_mem_gib {float(limit):g}"
+            objective = None
+    OUTCOMES.append(JobOutcome(name, swept, status, reason, objective, peak))
+    if reason and sweep is not None:
+        print(f"trainlab: sweep job {name}: {status}: {reason}", file=sys.stderr, flush=True)
+    return objective
+
+
+def record_refused_job(cfg: DictConfig, run_dir: Path, reason: str) -> None:
+    """A sweep job whose config the validation refused: ``run_dir/error.txt``, a FAILED child run
+    with the one-line reason (tag ``error``), and a FAILED outcome. Never raises on a tracking error."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from framework.tracking import DriverRun
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "error.txt").write_text(reason + "\n")
+    record_job(run_dir, "FAILED", reason)
+    sweep = current()
+    tracking = cfg.get("tracking") or {}
+    if sweep is None or sweep.parent_run_id is None or not tracking.get("enabled"):
+        return
+    overrides = list(HydraConfig.get().overrides.task)
+    try:
+        tracker = DriverRun(str(tracking.get("uri")), str(cfg.experiment_name))
+        key = f"{cfg.experiment_name}/{cfg.run_name}"
+        tracker.start(run_name=str(cfg.run_name), run_key=key, resume_run_id=tracker.find(key))
+        attach_child(tracker, sweep, overrides)
+        params = {}
+        for line in overrides:
+            k, _, v = line.partition("=")
+            params[k.lstrip("+~")] = v
+        tracker.log_params(params)
+        tracker.set_tags({"error": reason})
+        tracker.end("FAILED")
+    except Exception as err:  # tracking must not stop the sweep
+        print(f"trainlab: warning: could not record the refused job in MLflow: {err}", file=sys.stderr)
+
+
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI page of a run (or of an experiment's runs): on the tracking server itself
+    (``http(s)://`` URI), else on a local ``mlflow ui`` (``http://127.0.0.1:5000``)."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+
+
+# --- the callback -----------------------------------------------------------------------------
+
+_LOCK: list = []
+
+
+class SweepCallback(Callback):
+    """Hydra callback of every trainlab sweep (see the module docstring).
+
+    Args:
+        objective: the job metric (``summary.json`` key) a search maximises and the end-of-sweep
+            report ranks by (default ``perf/tokens_per_sec_mean``, tokens/s).
+        max_peak_mem_gib: a job whose ``mem/peak_bytes`` (max over ranks and steps) is over this
+            many GiB scores no objective (a failed trial); None = no limit.
+        report: run the compare report at the end of a sweep and log it to the parent run.
+
+    Each job reads ``objective`` and ``max_peak_mem_gib`` from its own Hydra config
+    (``hydra.callbacks.trainlab_sweep``) when it records its outcome (:func:`record_job`).
+    """
+
+    def __init__(self, objective: str = "perf/tokens_per_sec_mean", max_peak_mem_gib: float | None = None,
+                 report: bool = True) -> None:
+        self.objective = objective
+        self.max_peak_mem_gib = max_peak_mem_gib
+        self.report = report
+        self.sweep: Sweep | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from framework import cli
+        from framework.config.schema import ConfigError
+
+        task = list(config.hydra.overrides.task)
+        check_sweep(config, task)
+        exclude = list(config.hydra.job.config.override_dirname.exclude_keys)
+        params = _sweeper_params(config)
+        sweep = parse_sweep(task, params, exclude)
+        sweep.command = " ".join(["python -m framework.train", *sys.argv[1:]])
+        _hold_lock(Path("outputs") / str(config.experiment_name) / sweep.name, "sweep")
+        OUTCOMES.clear()
+        if config.tracking.enabled:
+            try:
+                sweep.tracking_uri = str(config.tracking.uri)
+                sweep.parent_run_id = open_parent(str(config.tracking.uri), str(config.experiment_name), sweep)
+            except ConfigError as err:
+                cli.fail(str(err))
+        self.sweep = sweep
+        os.environ[SWEEP_ENV] = sweep.to_json()
+        keys = ", ".join(f"{k}={v}" for k, v in sweep.values.items())
+        print(f"trainlab: sweep {sweep.name!r} over {keys}"
+              + (f"; parent MLflow run {sweep.parent_run_id}" if sweep.parent_run_id else ""), flush=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = self.sweep
+        os.environ.pop(SWEEP_ENV, None)
+        if sweep is None:
+            return
+        print("\n" + outcome_table(OUTCOMES, self.objective), flush=True)
+        best = best_outcome(OUTCOMES)
+        if best is not None:
+            print(f"trainlab: best job {best.name}: {self.objective} = {best.objective:,.1f}"
+                  f" (overrides: {' '.join(best.overrides)})", flush=True)
+        if sweep.parent_run_id:
+            uri = str(config.tracking.uri)
+            finish_parent(uri, sweep, OUTCOMES, self.objective, best)
+            if self.report:
+                _report(uri, sweep)
+            try:
+                exp_id = _client(uri).get_run(sweep.parent_run_id).info.experiment_id
+                print(f"trainlab: the sweep in MLflow: parent run {sweep.parent_run_id};"
+                      f" with `mlflow ui --backend-store-uri {uri}` open {ui_link(uri, exp_id, sweep.parent_run_id)}",
+                      flush=True)
+            except Exception:  # the link is a convenience
+                pass
+        close_sweep()
+
+
+def outcome_table(outcomes: Sequence[JobOutcome], objective: str) -> str:
+    """The jobs of this sweep, one line each: name, status, objective, peak memory (GiB), then the reason of a failure."""
+    from framework.tables import format_table
+
+    rows = [{"job": o.name, "status": o.status, objective: o.objective,
+             "peak_mem_GiB": None if o.peak_mem_bytes is None else o.peak_mem_bytes / GIB} for o in outcomes]
+    cols = [("job", "", "", "s"), ("status", "", "", "s"), (objective, "", "", ",.1f"), ("peak_mem_GiB", "", "", ".3f")]
+    lines = format_table(rows, cols, text_columns=2).splitlines()
+    lines = [lines[0] + "  reason"] + [ln + (f"  {o.reason}" if o.reason else "") for ln, o in zip(lines[1:], outcomes)]
+    finished = sum(o.status == "FINISHED" for o in outcomes)
+    return f"sweep: {finished} of {len(outcomes)} job(s) FINISHED\n" + "\n".join(lines)
+
+
+def best_outcome(outcomes: Sequence[JobOutcome]) -> JobOutcome | None:
+    """The finished job with the highest objective (None when none scored)."""
+    scored = [o for o in outcomes if o.objective is not None]
+    return max(scored, key=lambda o: o.objective) if scored else None
+
+
+def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], objective: str, best: JobOutcome | None) -> None:
+    """Counts and description on the parent run, then FINISHED. Counts are over the parent's
+    children in MLflow (a resumed sweep counts the jobs of earlier invocations too). Never raises."""
+    try:
+        client = _client(uri)
+        children = sweep_children(client, sweep.parent_run_id)
+        finished = sum(r.info.status == "FINISHED" for r in children)
+        failed = sum(r.info.status == "FAILED" for r in children)
+        client.log_batch(sweep.parent_run_id, metrics=[
+            _metric("sweep/jobs", len(children)), _metric("sweep/jobs_finished", finished), _metric("sweep/jobs_failed", failed)])
+        note = f"{finished} of {len(children)} jobs FINISHED" + (f", {failed} FAILED" if failed else "")
+        tags = {"trainlab.jobs_finished": f"{finished}/{len(children)}",
+                "mlflow.note.content": f"Sweep over {', '.join(sweep.keys)}: {note}."
+                + (f" Best ({objective}): {best.name} = {best.objective:,.1f}." if best else "")}
+        if best is not None:
+            tags["sweep.best"] = " ".join(best.overrides)
+        for k, v in tags.items():
+            client.set_tag(sweep.parent_run_id, k, v)
+        client.set_terminated(sweep.parent_run_id, status="FINISHED")
+    except Exception as err:
+        print(f"trainlab: warning: could not finalise the sweep's parent run: {err}", file=sys.stderr)
+
+
+def _metric(key: str, value: float) -> Any:
+    import time
+
+    from mlflow.entities import Metric
+
+    return Metric(key, float(value), int(time.time() * 1000), 0)
+
+
+def sweep_children(client: Any, parent_run_id: str) -> list[Any]:
+    """The parent's child runs, the newest per run key (a job re-run without a checkpoint makes a new run)."""
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+                              max_results=5000, order_by=["attributes.start_time DESC"])
+    from framework.tracking import RUN_KEY_TAG
+
+    newest: dict[str, Any] = {}
+    for r in runs:
+        newest.setdefault(r.data.tags.get(RUN_KEY_TAG, r.info.run_id), r)
+    return list(newest.values())
+
+
+def _report(uri: str, sweep: Sweep) -> None:
+    """The compare report of the sweep's children, logged to the parent (never raises)."""
+    try:
+        from framework.compare import main as compare_main
+
+        compare_main(["--parent-run", sweep.parent_run_id, "--tracking-uri", uri, "--quiet"])
+    except Exception as err:
+        print(f"trainlab: warning: the sweep's compare report failed: {err}", file=sys.stderr)
+
+
+def close_sweep(status: str | None = None) -> None:
+    """Release the sweep's lock; with ``status`` (the sweep ended early: KILLED or FAILED) also end
+    its parent run with it. Called at the end of a sweep and by :func:`framework.cli.main` on an early exit."""
+    sweep = current()
+    os.environ.pop(SWEEP_ENV, None)
+    if status and sweep is not None and sweep.parent_run_id:
+        try:
+            _client(sweep.tracking_uri).set_terminated(sweep.parent_run_id, status=status)
+        except Exception:  # the exit status already says what happened
+            pass
+    while _LOCK:
+        _LOCK.pop().close()
+
+
+def _hold_lock(folder: Path, what: str) -> None:
+    """Hold ``folder/.trainlab.lock`` (exit code 2, one line naming the other process, when held)."""
+    f = hold_lock(folder, what)
+    _LOCK.append(f)
+
+
+def hold_lock(folder: Path, what: str) -> Any:
+    """Lock ``folder/.trainlab.lock`` for this process and write its pid there; returns the open
+    file (closing it releases the lock). Exits 2 with ``another trainlab process (pid N) is running
+    in <folder> (the same <what>)`` when another process holds it."""
+    import fcntl
+
+    from framework.cli import fail
+
+    folder.mkdir(parents=True, exist_ok=True)
+    f = open(folder / ".trainlab.lock", "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        fail(f"another trainlab process (pid {pid}) is running in {folder} (the same {what}); wait for it to end"
+             + (", or set another run_name" if what == "run" else ""))
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
