@@ -74,8 +74,8 @@ def plain_tokens_per_sec(overrides: list[str], steps: int) -> float:
         if step == warmup:
             t0 = time.perf_counter()
         for _ in range(accum):
-            x, y = next(batches)
-            (model(x, y) / accum).backward()
+            x, y, n = next(batches)  # n: the step's valid targets (the token-weighted loss, as trainlab's module)
+            (model(x, y, n, accum) / accum).backward()
         if o.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()

@@ -18,7 +18,7 @@ parameters (0: plain data parallelism through DeepSpeed's engine).
 config trainlab writes (:func:`plugins.deepspeed.strategy.deepspeed_config`), key by key in
 nested sections. Three kinds of keys:
 
-- keys trainlab derives from the run (:data:`RUN_KEYS`: the batch arithmetic
+- keys trainlab derives from the run (:func:`check_user_ds_config`; the batch arithmetic
   ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps`` / ``train_batch_size``,
   ``gradient_clipping``, ``fp16``/``bf16``, ``zero_optimization.stage``) may repeat trainlab's
   value; another value is a one-line error before any rank starts, naming both. ``optimizer`` and
@@ -60,11 +60,6 @@ ZERO_TWINS = {
 }
 """``zero_optimization`` keys of a user's DeepSpeed config -> the typed option they replace
 (the offload sections' ``device`` replaces ``offload_optimizer`` / ``offload_param`` too)."""
-
-RUN_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping",
-            "fp16", "bf16", "zero_optimization.stage")
-"""Keys of a user's DeepSpeed config that trainlab derives from the run: equal values only."""
-
 
 def merge_dicts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """``base`` updated by ``over``, recursively for keys whose values are dicts on both sides (new dict)."""
@@ -165,7 +160,7 @@ def check_user_ds_config(user: dict[str, Any], resolved: Any) -> None:
     """Refuse keys of a user's DeepSpeed config that contradict what trainlab derives from the run.
 
     Raises:
-        ConfigError: one line naming the DeepSpeed key, its value and trainlab's (see :data:`RUN_KEYS`).
+        ConfigError: one line naming the DeepSpeed key, its value and trainlab's.
     """
     run, layout = resolved.run, resolved.layout
     arithmetic = (f"global_batch_size {resolved.global_batch_size} = micro_batch_size {resolved.micro_batch_size}"
