@@ -171,7 +171,7 @@ def test_repeated_crash_shrinks_to_one_rank_with_the_same_global_batch(fr):
 
 
 def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
-    """(8) The guide's quarter of the ranks lost (1024 -> 768), at 4 -> 3 ranks: rank 3 crashes in step 4
+    """The guide's quarter of the ranks lost (1024 -> 768), at 4 -> 3 ranks: rank 3 crashes in step 4
     with no restarts left, ``resilience.shrink_to=0.75`` relaunches on 3 ranks from checkpoint 3 with the
     global batch of 12 kept (micro-batch 1: grad_accum_steps 3 -> 4) and the LR re-warmed over 3 steps.
     MLflow: the tags name the launch in force, ``elastic/*`` show the change at step 4, ``train/lr`` is the
