@@ -236,7 +236,8 @@ def finish_driver_run(tracker: DriverRun, status: str, *, run_dir: Path, started
     """Close the attempt's MLflow bookkeeping; never raises (a tracking error is a warning).
 
     Stops the system metrics, logs ``time/attempt_wall_s`` (seconds since ``started_at``, a
-    ``time.time()``) at the step reached, the ``metrics.jsonl`` artifact, the ``error`` tag and
+    ``time.time()``) at the step reached, the ``metrics.jsonl`` and ``faults.jsonl`` (the fault
+    log of :mod:`framework.faults.events`, when the run has one) artifacts, the ``error`` tag and
     ``error.txt`` of a failed attempt (or clears an earlier attempt's tag when ``resumed``), the
     profiler traces, and sets ``status`` (FINISHED, FAILED or KILLED).
     """
@@ -244,9 +245,9 @@ def finish_driver_run(tracker: DriverRun, status: str, *, run_dir: Path, started
         tracker.monitor.finish()
     try:
         tracker.log_metrics({"time/attempt_wall_s": time.time() - started_at}, step=steps_done(run_dir))
-        metrics_file = run_dir / "metrics.jsonl"
-        if metrics_file.exists():
-            tracker.log_artifact(metrics_file)
+        for record in ("metrics.jsonl", "faults.jsonl"):  # every execution of every step; the fault log
+            if (run_dir / record).exists():
+                tracker.log_artifact(run_dir / record)
         if error is not None:  # why a FAILED run failed, next to its metrics in the MLflow UI
             # MLflow caps a tag's length: keep the head (exception, failed rank) and the tail.
             tracker.set_tags({"error": error if len(error) <= 4000 else f"{error[:1500]}\n...\n{error[-2400:]}"})
@@ -261,27 +262,89 @@ def finish_driver_run(tracker: DriverRun, status: str, *, run_dir: Path, started
 
 
 class MLflowMetricSink:
-    """Rank 0's best-effort metric writer: ``sink(metrics, step)``. Warns once, never raises."""
+    """Rank 0's best-effort metric writer: one MLflow request per logged step, one point per step.
 
-    def __init__(self, uri: str, run_id: str) -> None:
-        from mlflow.tracking import MlflowClient
+    ``sink(metrics, step)`` only buffers; :meth:`flush` sends everything buffered in one
+    ``log_batch`` request (:class:`~framework.callbacks.metric_flush.FlushMetrics` calls it once
+    per logged optimizer step, after every callback has written that step's metrics). Points
+    buffered for one ``(key, step)`` merge, the last write winning (e.g. the run's peak memory
+    written at the end replaces the last step's sample).
 
-        self.client = MlflowClient(tracking_uri=uri)
+    **One point per step.** MLflow keeps every point it is sent and cannot delete one, so a step
+    run again after a resume (or an in-process rollback) must not be sent twice: a point whose
+    step is at or below the newest step already sent for its key is dropped. The newest step of
+    each key is read once from the run (one ``get_run``) before the first request, so a resumed
+    run (the same MLflow run, :mod:`framework.tracking`) continues each key's history where it
+    ended. MLflow therefore holds the *first* completed execution of a replayed step (exact
+    resume makes it equal to the replay; after a shrink the replayed steps ran at the new world
+    size, see docs/metrics.md); ``metrics.jsonl`` keeps every execution in order. A step rolled
+    back before its flush (:meth:`discard_after`) is never sent: its replay is.
+
+    Warns once on a tracking error and never raises (training goes on without MLflow).
+
+    Args:
+        uri: MLflow tracking URI.
+        run_id: the driver's run.
+        client: an ``MlflowClient``-like object (tests pass a fake); None = ``MlflowClient(uri)``.
+    """
+
+    MAX_METRICS_PER_REQUEST = 1000  # MLflow's log_batch limit
+
+    def __init__(self, uri: str, run_id: str, client: Any = None) -> None:
+        if client is None:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=uri)
+        self.client = client
         self.run_id = run_id
         self._warned = False
+        self._pending: dict[int, dict[str, float]] = {}  # step -> key -> value
+        self._newest: dict[str, int] | None = None  # key -> newest step sent (None: not read from the run yet)
 
     def __call__(self, metrics: Mapping[str, float], step: int) -> None:
+        bucket = self._pending.setdefault(int(step), {})
+        for k, v in metrics.items():
+            bucket[sanitize_key(k)] = float(v)
+
+    def discard_after(self, step: int) -> None:
+        """Drop buffered points of steps after ``step`` (training was rewound to ``step``)."""
+        for s in [s for s in self._pending if s > step]:
+            del self._pending[s]
+
+    def _read_newest(self) -> dict[str, int]:
+        """Newest step of each metric the run already holds (from an earlier attempt); {} if unreadable."""
+        try:
+            return {m.key: int(m.step) for m in self.client.get_run(self.run_id).data.to_proto().metrics}
+        except Exception as err:
+            self._warn(err)
+            return {}
+
+    def flush(self) -> None:
+        """Send the buffered points not sent before in one ``log_batch`` (more only past 1000 metrics)."""
         from mlflow.entities import Metric
 
-        try:
-            ts = int(time.time() * 1000)
-            batch = [Metric(sanitize_key(k), float(v), ts, int(step)) for k, v in metrics.items()]
-            self.client.log_batch(self.run_id, metrics=batch)
-        except Exception as err:  # tracking must never stop training
-            if not self._warned:
-                log.warning("MLflow logging failed (training goes on; further errors are silent): %s", err)
-                self._warned = True
+        if not self._pending:
+            return
+        if self._newest is None:
+            self._newest = self._read_newest()
+        pending, self._pending = self._pending, {}
+        ts = int(time.time() * 1000)
+        batch = []
+        for step in sorted(pending):
+            for k, v in pending[step].items():
+                if step > self._newest.get(k, -1):
+                    batch.append(Metric(k, v, ts, step))
+                    self._newest[k] = step
+        for i in range(0, len(batch), self.MAX_METRICS_PER_REQUEST):
+            try:
+                self.client.log_batch(self.run_id, metrics=batch[i : i + self.MAX_METRICS_PER_REQUEST])
+            except Exception as err:  # tracking must never stop training
+                self._warn(err)
 
+    def _warn(self, err: BaseException) -> None:
+        if not self._warned:
+            log.warning("MLflow logging failed (training goes on; further errors are silent): %s", err)
+            self._warned = True
 
     def log_params(self, params: Mapping[str, str]) -> None:
         """Best-effort params from rank 0 (e.g. how the peak FLOP/s was obtained); existing keys are kept."""

@@ -157,11 +157,13 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
 
     Profiler first, then the step clock both metric callbacks read; step metrics, validation,
     fault injection/guard, checkpointing (after the others: a save happens once everything else
-    of a step is done), the plugin's own, and the step breakdown last (checkpoint and validation
-    run inside the step it times).
+    of a step is done), the plugin's own, the step breakdown (checkpoint and validation run
+    inside the step it times), and last the flush of the buffered tracking sink (one request
+    per logged step).
     """
     from framework.callbacks.breakdown import StepBreakdown
     from framework.callbacks.clock import StepClock
+    from framework.callbacks.metric_flush import FlushMetrics
     from framework.callbacks.step_metrics import StepMetrics
     from framework.callbacks.validation import ValidationLoss
     from framework.checkpoint.policy import build_checkpointing
@@ -180,6 +182,8 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
         sinks=sinks,
         progress_bar=trainer_cfg.progress_bar,
         hardware_flops_per_token=flops.hardware_per_token,
+        dp_degree=resolved.layout.dp,
+        grad_accum_steps=resolved.grad_accum_steps,
     )
     breakdown = StepBreakdown(
         clock=clock,
@@ -206,7 +210,10 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
         first, last = trainer_cfg.profile_steps
         callbacks.insert(0, StepProfiler(first=first, last=last, out_dir=launch.run_dir / "profile"))
     callbacks += plugin.callbacks(resolved, sinks)  # plugin-specific metrics (e.g. pipeline bubble)
-    callbacks.append(breakdown)  # last: checkpoint and validation run inside the step it times
+    callbacks.append(breakdown)  # after the others: checkpoint and validation run inside the step it times
+    buffered = [s for s in sinks if hasattr(s, "flush")]
+    if buffered:  # last: one tracking request per logged step, once every callback wrote its metrics
+        callbacks.append(FlushMetrics(clock=clock, sinks=buffered, on_time_spent=breakdown.add_logging_time))
     return step_metrics, callbacks, ckpt_plugins
 
 

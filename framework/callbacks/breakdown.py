@@ -21,13 +21,14 @@ optimizer      ``on_before_optimizer_step`` -> optimizer step-post hook: grad-no
 ckpt_blocking  seconds a checkpoint save held the step (reported by the checkpoint callback to
                the step clock)
 other          everything else: Lightning bookkeeping between hooks, LR scheduler, metric
-               logging (StepMetrics, this callback's own writes)
+               logging (the callbacks' writes and the per-step tracking request, see
+               :meth:`StepBreakdown.add_logging_time`)
 ============== ==========================================================================
 
 **What counts as communication** is the framework's decision, not the plugin's: the plugin's
 meter hooks report every collective they see (``install_comm_meter``), and the
 :class:`~framework.metrics.timing.CommMeter` counts them only inside the training window this
-callback keeps (it is the last callback, so its hooks run after the others' of the same name):
+callback keeps (it is the last metric callback, so its hooks run after the others' of the same name):
 
 - open from ``on_train_batch_start`` (the training forward) to ``on_after_backward`` (the end of
   the backward, after the gradient reductions a backward waits for);
@@ -41,8 +42,9 @@ callback keeps (it is the last callback, so its hooks run after the others' of t
   checkpoints), and validation, which also pauses every meter
   (:func:`~framework.metrics.timing.comm_paused`).
 
-Validation passes are left out of the step (as from throughput). The callback must be the
-*last* in the Trainer's list, so that the checkpoint and validation callbacks run inside the
+Validation passes are left out of the step (as from throughput). The callback must come after
+every other callback but :class:`~framework.callbacks.metric_flush.FlushMetrics` (which only
+sends what the others wrote), so that the checkpoint and validation callbacks run inside the
 step they belong to. The spans partition the step, so the fractions add to 1 up to clock
 error; ``perf/breakdown_step_s`` (their sum) can be checked against ``perf/step_time_s``.
 
@@ -297,6 +299,13 @@ class StepBreakdown(pl.Callback):
         out["perf/comm_bytes_wire"] = float(self.estimate.wire_bytes(payload))
         out.update({f"perf/comm_bytes_{k}": float(v) for k, v in payload.items()})
         return out
+
+    def add_logging_time(self, seconds: float) -> None:
+        """Metrics were sent for ``seconds`` after this callback's step end (the per-step flush of the
+        buffered tracking sink, :class:`~framework.callbacks.metric_flush.FlushMetrics`): that time
+        falls in the next step's first data-wait span and is counted as ``other``, like this
+        callback's own logging."""
+        self._carry_s += seconds
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.meter.close()  # an epoch ended by a skipped batch (rollback) never reaches on_train_batch_end

@@ -1,4 +1,5 @@
-"""Per-optimizer-step metrics: loss, LR, grad norm, step counters, step time, tokens/s and MFU, plus a progress bar.
+"""Per-optimizer-step metrics: loss, LR, grad norm, step counters, step time, tokens/s and MFU, the layout in force
+(``elastic/world_size``, ``elastic/dp_degree``, ``elastic/grad_accum_steps``), plus a progress bar.
 
 Step ends, the steps since a (re)start and the seconds spent outside training (validation,
 checkpoint blocking) come from the run's :class:`~framework.callbacks.clock.StepClock`.
@@ -44,6 +45,10 @@ class StepMetrics(pl.Callback):
         progress_bar: show a tqdm bar on rank 0.
         hardware_flops_per_token: FLOPs per token the hardware runs (recompute included);
             None = ``flops_per_token`` (no activation recomputation).
+        dp_degree: data-parallel degree of this launch (``elastic/dp_degree``).
+        grad_accum_steps: micro-batches per optimizer step per rank of this launch
+            (``elastic/grad_accum_steps``); with ``num_devices`` (``elastic/world_size``) logged at
+            every logged step, so a shrink shows in the history at the step it took effect.
     """
 
     def __init__(
@@ -59,6 +64,8 @@ class StepMetrics(pl.Callback):
         sinks: list[MetricSink],
         progress_bar: bool = True,
         hardware_flops_per_token: float | None = None,
+        dp_degree: int = 1,
+        grad_accum_steps: int = 1,
     ) -> None:
         self.clock = clock
         self.tokens_per_step = tokens_per_step
@@ -80,6 +87,8 @@ class StepMetrics(pl.Callback):
         self._timed_steps = 0
         self.last_loss = float("nan")
         self.summary: dict[str, float] = {}
+        self.elastic = {"elastic/world_size": float(num_devices), "elastic/dp_degree": float(dp_degree),
+                        "elastic/grad_accum_steps": float(grad_accum_steps)}
 
     # -- helpers -------------------------------------------------------------------------
     def _sync(self, pl_module: pl.LightningModule) -> None:
@@ -147,7 +156,8 @@ class StepMetrics(pl.Callback):
         now = time.perf_counter()
         metrics = {"train/loss": self.last_loss, "train/lr": pl_module.last_lr, "train/grad_norm": pl_module.last_grad_norm,
                    # Both counters: a dropped update (fault guard) counts as attempted, not applied.
-                   "train/steps_attempted": float(step), "train/optimizer_updates": float(pl_module.optimizer_updates)}
+                   "train/steps_attempted": float(step), "train/optimizer_updates": float(pl_module.optimizer_updates),
+                   **self.elastic}
         if self._window_t0 is not None and self._window_steps > 0:
             step_time = self._elapsed(now, self._window_t0, self._window_excl) / self._window_steps
             tps = self.tokens_per_step / step_time

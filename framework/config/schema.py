@@ -305,6 +305,7 @@ class ResilienceConfig:
     max_faults: Optional[int] = None  # abort (run FAILED) once more faults than this are detected; None = no limit
     max_restarts: int = 3  # restart/shrink: elastic-agent restarts at one world size (none: trainer.max_restarts)
     min_world_size: int = 1  # shrink: never fewer ranks than this
+    shrink_to: Optional[float] = None  # shrink: target world size: null = one rank less; (0, 1) = that fraction of the ranks (0.75: 4 -> 3); >= 1 = that many ranks
     rewarmup_steps: int = 0  # shrink: linear LR re-warm-up over this many steps after shrinking; 0 = off
     skip_steps: list[int] = field(default_factory=list)  # optimizer steps whose update is always dropped (known-bad data)
     rollback_skip_window: bool = False  # rollback: drop the offending step's update when it is replayed (PaLM-style)
@@ -324,6 +325,9 @@ class ResilienceConfig:
         _require(self.max_restarts >= 0, f"resilience.max_restarts={self.max_restarts} must be >= 0")
         _require(self.min_world_size >= 1, f"resilience.min_world_size={self.min_world_size} must be >= 1")
         _require(self.rewarmup_steps >= 0, f"resilience.rewarmup_steps={self.rewarmup_steps} must be >= 0")
+        _require(self.shrink_to is None or 0 < self.shrink_to < 1 or (self.shrink_to >= 1 and float(self.shrink_to).is_integer()),
+                 f"resilience.shrink_to={self.shrink_to} is not a target; allowed: null (one rank less), a fraction in"
+                 " (0, 1) of the ranks, or a whole number of ranks >= 1")
         _require(all(s >= 1 for s in self.skip_steps), f"resilience.skip_steps={list(self.skip_steps)} must hold steps >= 1")
         for key in ("grad_spike_factor", "loss_spike_factor", "straggler_factor"):
             v = getattr(self, key)

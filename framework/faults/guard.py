@@ -41,6 +41,7 @@ from framework.checkpoint.memory import MemorySnapshot
 from framework.config.schema import ResilienceConfig
 from framework.faults.audit import local_state, max_abs_diff, max_abs_diff_by_part
 from framework.faults.detect import RunningMean, Watchdog, gather_health
+from framework.faults.elastic import rewarmup_factor
 from framework.faults.events import FaultLog
 from framework.faults.lightning_adapter import align_batch_counter, closes_optimizer_step, set_optimizer_step
 
@@ -181,11 +182,10 @@ class FaultGuard(pl.Callback):
             self._accepted += 1
             self.loss_stat.update(health.loss)
             self.grad_stat.update(health.grad_norm)
-        if self.shrunk_at is not None and self.cfg.rewarmup_steps > 0:
-            k = trainer.global_step - self.shrunk_at
-            if 0 <= k < self.cfg.rewarmup_steps:  # the scheduler resets lr every step: no compounding
-                for group in optimizer.param_groups:
-                    group["lr"] *= (k + 1) / self.cfg.rewarmup_steps
+        factor = rewarmup_factor(trainer.global_step, self.shrunk_at, self.cfg.rewarmup_steps)
+        if factor != 1.0:  # after a shrink; the scheduler resets lr every step: no compounding
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
 
     def _on_fault(self, detector: str, step: int, health: Any, pl_module: Any) -> None:
         policy = self.cfg.policy

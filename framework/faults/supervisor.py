@@ -4,9 +4,11 @@
   to ``resilience.max_restarts`` times when one exits (crash, watchdog, failed save); every
   restarted rank resumes from the newest *valid* checkpoint (:func:`resume_path`), not from the
   one the driver started with.
-- ``shrink``: once those restarts are used up, the driver relaunches with fewer ranks (one less,
-  or fewer still if the global batch would not divide), keeping ``global_batch_size`` and
-  ``micro_batch_size`` and re-deriving ``grad_accum_steps``; the DDP checkpoint loads at the new
+- ``shrink``: once those restarts are used up, the driver relaunches with fewer ranks
+  (``resilience.shrink_to``: one less, a fraction or a size; fewer still if the global batch
+  would not divide: :mod:`framework.faults.elastic`), keeping ``global_batch_size`` and
+  ``micro_batch_size`` and re-deriving ``grad_accum_steps``; the MLflow tags ``world_size`` and
+  ``layout`` follow (:func:`~framework.faults.elastic.shrink_tags`); the DDP checkpoint loads at the new
   world size (replicated weights and optimizer state; the data position is global, in samples);
   per-rank RNG states are mapped as the checkpoint code maps them for any resume at another
   world size (:class:`~framework.checkpoint.periodic.PeriodicCheckpoint`), and Lightning's
@@ -19,14 +21,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from typing import Any, Optional
 
-from framework.config.resolved import ResolvedRun
+from framework.config.schema import ConfigError
+from framework.faults.elastic import resolve_shrunk, shrink_tags
 from framework.faults.events import FaultLog
 from framework.launch import LaunchSpec
+
+__all__ = ["ShrinkImpossible", "max_restarts_for", "resolve_shrunk", "resume_path", "supervise"]
+
+
+class ShrinkImpossible(RuntimeError):
+    """The ranks failed under ``resilience.policy=shrink`` and no smaller layout keeps the global batch."""
 
 
 def _warn(msg: str) -> None:
@@ -65,33 +73,6 @@ def max_restarts_for(run: Any) -> int:
     return run.resilience.max_restarts if policy in ("restart", "shrink") else 0
 
 
-def resolve_shrunk(run: Any, world_size: int) -> Optional[ResolvedRun]:
-    """``run`` resolved at the largest world size below ``world_size`` (>= ``min_world_size``) that validates.
-
-    ``global_batch_size`` and ``micro_batch_size`` are kept and ``grad_accum_steps`` re-derived,
-    so a size fits when the global batch divides. The listed faults are dropped from the copy
-    (the schedule already lives in the launch object; ranks that no longer exist cannot be
-    checked against the new world size). None if no size fits. Called by the driver only: the
-    ranks of the next launch receive the result and validate nothing.
-    """
-    from framework.config.schema import ConfigError
-    from framework.config.validate import validate
-
-    t = run.trainer
-    for w in range(world_size - 1, run.resilience.min_world_size - 1, -1):
-        new = dataclasses.replace(
-            run,
-            parallelism=dataclasses.replace(run.parallelism, world_size=w, dp_degree=-1),
-            trainer=dataclasses.replace(t, grad_accum_steps=None),
-            fault=dataclasses.replace(run.fault, events=[], mtbf_steps=0.0),
-        )
-        try:
-            return validate(new)
-        except ConfigError:
-            continue
-    return None
-
-
 def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
     """Run the ranks to completion under the resilience policy, then log the recovery figures.
 
@@ -101,6 +82,8 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
 
     Raises:
         ChildFailedError: the ranks failed and the policy has no recovery left.
+        ShrinkImpossible: the ranks failed under ``shrink`` and no smaller layout keeps the
+            global batch (the one-line reason of :func:`~framework.faults.elastic.resolve_shrunk`).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -113,6 +96,7 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
         launch_ranks(launch)
         return
     log = FaultLog(launch.run_dir)
+    shrinks: list = []  # (before, after, resumed step) of each shrink, for the MLflow tags
     launch = launch.replace(fault_schedule=build_schedule(run, resolved.world_size), launch_index=0)
     log.append("driver_start", world_size=resolved.world_size)
     if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
@@ -130,11 +114,10 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
                           f" {aborts[-1]['faults']} faults detected > resilience.max_faults", file=sys.stderr, flush=True)
                 if aborts or run.resilience.policy != "shrink":
                     raise
-                new_resolved = resolve_shrunk(run, resolved.world_size)
-                if new_resolved is None:
-                    _warn(f"resilience: cannot shrink below world_size={resolved.world_size}"
-                          f" (min_world_size={run.resilience.min_world_size}, global batch must divide)")
-                    raise
+                try:
+                    new_resolved = resolve_shrunk(run, resolved.world_size)
+                except ConfigError as err:
+                    raise ShrinkImpossible(str(err)) from None
                 from framework.checkpoint.format import find_latest_valid, read_manifest
 
                 latest = find_latest_valid(resolved.checkpoint_dir, warn=_warn)
@@ -145,10 +128,22 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
                       f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}", file=sys.stderr, flush=True)
                 launch = launch.replace(resolved=new_resolved, resume_from=str(latest) if latest else None,
                                         launch_index=launch.launch_index + 1, shrunk_at_step=step)
+                shrinks.append((resolved, new_resolved, step))
+                _set_tags(tracker, shrink_tags(shrinks))
                 run, resolved = new_resolved.run, new_resolved
     finally:
         log.append("driver_end")
         _report(log, tracker)
+
+
+def _set_tags(tracker: Any, tags: dict[str, str]) -> None:
+    """Best-effort MLflow tags (the launch in force after a shrink)."""
+    if tracker is None:
+        return
+    try:
+        tracker.set_tags(tags)
+    except Exception as err:  # tracking never masks the training outcome
+        _warn(f"could not update the MLflow tags after the shrink: {err}")
 
 
 def _report(log: FaultLog, tracker: Any) -> None:

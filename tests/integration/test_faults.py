@@ -66,6 +66,18 @@ def _mlflow_metrics(fr, name) -> dict[str, float]:
     return run.data.metrics
 
 
+def _mlflow_history(fr, name, key) -> dict[int, float]:
+    """step -> value of ``key`` in the run's MLflow history (asserting one point per step)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{fr.workdir / 'mlruns.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
+                                filter_string=f"attributes.run_name = '{name}'")
+    points = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+    assert len(points) == len({s for s, _ in points}), f"{key}: more than one point at a step: {sorted(points)}"
+    return dict(points)
+
+
 def test_nan_grad_skip_step_equals_a_run_without_that_update(fr):
     """(1) NaN gradients on rank 1 in step 8, ``skip_step``: every rank drops step 8's update, and the
     losses equal (exactly) a fault-free run told to drop step 8's update (``resilience.skip_steps``).
@@ -144,6 +156,8 @@ def test_loss_spike_rollback_leaves_no_spike(fr):
     assert_bitwise_equal(_ckpt(fr, "spike_rollback"), _ckpt(fr, "ref"))
     m = _mlflow_metrics(fr, "spike_rollback")
     assert m["recovery/rollbacks"] == 1 and m["recovery/recomputed_steps"] == 3 and m["recovery/restarts"] == 0
+    # MLflow: one point per step; the rolled-back step 8 was never sent, its replay was
+    assert _mlflow_history(fr, "spike_rollback", "train/loss") == ref
 
 
 def test_repeated_crash_shrinks_to_one_rank_with_the_same_global_batch(fr):
@@ -165,6 +179,56 @@ def test_repeated_crash_shrinks_to_one_rank_with_the_same_global_batch(fr):
         assert got[s] == pytest.approx(ref[s], rel=1e-5), f"step {s}"
     m = _mlflow_metrics(fr, "shrink")
     assert m["recovery/restarts"] == 2 and m["recovery/recomputed_steps"] == (6 + 1 - 5) + (8 + 1 - 5)
+
+
+def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
+    """The guide's quarter of the ranks lost (1024 -> 768), at 4 -> 3 ranks: rank 3 crashes in step 4
+    with no restarts left, ``resilience.shrink_to=0.75`` relaunches on 3 ranks from checkpoint 3 with the
+    global batch of 12 kept (micro-batch 1: grad_accum_steps 3 -> 4) and the LR re-warmed over 3 steps.
+    MLflow: the tags name the launch in force, ``elastic/*`` show the change at step 4, ``train/lr`` is the
+    schedule x 1/3, 2/3, 3/3, the fault log is an artifact, and each step is one request (one timestamp)."""
+    import math
+
+    from mlflow.tracking import MlflowClient
+
+    from framework.module import warmup_cosine
+
+    fr.go("shrink_3of4", "parallelism.world_size=4", "trainer.max_steps=6",  # later overrides win over COMMON's
+           "trainer.global_batch_size=12", "trainer.micro_batch_size=1", "checkpoint.every_n_steps=3",
+           "resilience=shrink", "resilience.max_restarts=0", "resilience.shrink_to=0.75", "resilience.rewarmup_steps=3",
+           "fault.events=[{kind:rank_crash,step:4,ranks:[3]}]")
+    log = _log(fr, "shrink_3of4")
+    starts = [(s["launch"], s["world_size"], s["grad_accum_steps"], s["step"]) for s in log if s["ev"] == "start"]
+    assert starts == [(0, 4, 3, 0), (1, 3, 4, 3)]
+    client = MlflowClient(tracking_uri=f"sqlite:///{fr.workdir / 'mlruns.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
+                                filter_string="attributes.run_name = 'shrink_3of4'")
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert (tags["world_size"], tags["layout"], tags["elastic.shrinks"]) == ("3", "dp3-tp1-pp1", "1")
+    assert tags["elastic.history"] == "step 3: 4 -> 3 ranks, dp 4 -> 3, grad_accum_steps 3 -> 4"
+    assert run.data.params["derived.world_size"] == "4", "params keep the configured run"
+
+    def history(key):
+        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+
+    assert history("elastic/world_size") == {1: 4, 2: 4, 3: 4, 4: 3, 5: 3, 6: 3}
+    assert history("elastic/dp_degree") == {1: 4, 2: 4, 3: 4, 4: 3, 5: 3, 6: 3}
+    assert history("elastic/grad_accum_steps") == {1: 3, 2: 3, 3: 3, 4: 4, 5: 4, 6: 4}
+    lr = history("train/lr")
+    o = {"warmup_steps": 20, "max_steps": 6, "min_lr_ratio": 0.1}  # conf/config.yaml optim, lr 3e-3
+    for step, rewarm in [(1, 1), (2, 1), (3, 1), (4, 1 / 3), (5, 2 / 3), (6, 1)]:
+        assert math.isclose(lr[step], 3e-3 * warmup_cosine(step - 1, **o) * rewarm, rel_tol=1e-6), step
+    assert "faults.jsonl" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    stamps: dict[int, set[int]] = {}
+    for key in run.data.metrics:
+        if key.split("/")[0] in ("train", "val", "perf", "mem", "ckpt", "elastic"):
+            for m in client.get_metric_history(run.info.run_id, key):
+                stamps.setdefault(m.step, set()).add(m.timestamp)
+    assert sorted(stamps) == [0, 1, 2, 3, 4, 5, 6] and all(len(t) == 1 for t in stamps.values()), stamps
+    print(f"shrink 3/4 MLflow tags: { {k: v for k, v in tags.items() if not k.startswith('mlflow.')} }")
+    for key in ("elastic/world_size", "elastic/dp_degree", "elastic/grad_accum_steps", "train/lr", "train/loss"):
+        print(f"shrink 3/4 {key}: {sorted(history(key).items())}")
 
 
 def test_compare_report_shows_recovery_side_by_side(fr):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from framework.config.schema import ConfigError
 from framework.config.validate import load_run_config, validate
 from framework.faults.schedule import build_schedule
 from framework.faults.supervisor import resolve_shrunk
@@ -48,4 +51,5 @@ def test_a_shrink_re_resolves_the_run_at_a_smaller_world_size(compose):
     # 3 ranks do not divide 16 sequences in micro-batches of 2: the next size that does is 2
     assert shrunk.world_size == 2 and shrunk.global_batch_size == 16 and shrunk.grad_accum_steps == 4
     assert shrunk.micro_batch_size == 2 and shrunk.run.fault.events == []
-    assert resolve_shrunk(shrunk.run, 1) is None
+    with pytest.raises(ConfigError, match="dp degrees tried: none"):
+        resolve_shrunk(shrunk.run, 1)

@@ -1,0 +1,62 @@
+"""Send each logged optimizer step's metrics to the tracking server in one request.
+
+The metric callbacks (step metrics, validation, checkpoints, breakdown, plugin callbacks) each
+write a step's metrics to the buffering sinks (:class:`~framework.tracking.MLflowMetricSink`);
+:class:`FlushMetrics`, the last callback of the Trainer, sends them once all of them ran:
+
+- at the start of training (a fresh run's ``val/loss`` of step 0);
+- at the end of every optimizer step, except the last one, whose metrics go out at the end of
+  training together with the run's summary (``train/loss_final``, ``perf/*_mean``, ...);
+- when training fails with a Python exception (what was written so far).
+
+A step rewound by a rollback (:func:`framework.faults.guard.rewind_to_snapshot`, which runs in
+that step's ``on_train_batch_end``, before this callback) is discarded unsent: its replay is
+logged instead. The seconds a flush takes are reported to ``on_time_spent`` (the step-time
+breakdown counts them as ``other``, like any metric write).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import pytorch_lightning as pl
+
+from framework.callbacks.clock import StepClock
+
+
+class FlushMetrics(pl.Callback):
+    """Flushes buffering metric sinks once per logged step (see the module docstring).
+
+    Args:
+        clock: the run's step clock (whether a batch closed an optimizer step).
+        sinks: objects with ``flush()`` and ``discard_after(step)`` (e.g. ``MLflowMetricSink``).
+        on_time_spent: called with the seconds each flush took; None = not reported.
+    """
+
+    def __init__(self, *, clock: StepClock, sinks: list[Any], on_time_spent: Optional[Callable[[float], None]] = None) -> None:
+        self.clock = clock
+        self.sinks = sinks
+        self.on_time_spent = on_time_spent
+
+    def _flush(self) -> None:
+        t0 = time.perf_counter()
+        for sink in self.sinks:
+            sink.flush()
+        if self.on_time_spent is not None:
+            self.on_time_spent(time.perf_counter() - t0)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for sink in self.sinks:
+            sink.discard_after(trainer.global_step)  # a rollback in this batch's hooks rewound the step
+        if self.clock.step_ended and trainer.global_step < trainer.max_steps:
+            self._flush()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._flush()
