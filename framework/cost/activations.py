@@ -74,7 +74,7 @@ def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int,
     per_layer = activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel,
                                            recompute=recompute)
     inflight = microbatches_in_flight(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
-    layers_per_stage = shape.n_layer / pp
+    layers_per_stage = -(-shape.n_layer // pp)  # the busiest stage: ceil(L/p)
     working = (activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel)
                if recompute == "full" else 0.0)
     sp_div = tp if sequence_parallel else 1

@@ -80,7 +80,7 @@ def layout_collectives(shape, lay, gpus_per_node: int) -> list[Collective]:
     act_bytes = 4 if lay.precision == "fp32" else 2
     b, s, h = lay.micro_batch_size, shape.seq_len, shape.d_model
     m, t, p, d = lay.n_microbatches, lay.tp, lay.pp, lay.dp
-    layers = shape.n_layer / p
+    layers = -(-shape.n_layer // p)  # the busiest stage: ceil(L/p)
     out: list[Collective] = []
     if t > 1:
         tp_inter = lay.group_inter_node("tp", gpus_per_node)

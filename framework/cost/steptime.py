@@ -41,7 +41,7 @@ from typing import Optional
 
 from framework.cost.collectives import Collective, layout_collectives
 from framework.cost.flops import hardware_flops_per_token
-from framework.cost.memory import PRECISIONS, stage_params
+from framework.cost.memory import PRECISIONS, stage_layers, stage_params
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,9 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     model_fpt = hardware_flops_per_token(shape, "none")
     hw_fpt = hardware_flops_per_token(shape, lay.recompute)
     rate = cluster.achievable_flops
-    t_f = model_fpt / 3 * tokens_mb / (lay.tp * p) / rate          # one micro-batch's forward on this rank
-    t_b = (2 * model_fpt / 3 + (hw_fpt - model_fpt)) * tokens_mb / (lay.tp * p) / rate
+    imbalance = stage_layers(shape.n_layer, p) * p / shape.n_layer  # the busiest stage's share of the layers, x p
+    t_f = model_fpt / 3 * tokens_mb * imbalance / (lay.tp * p) / rate  # one micro-batch's forward on this rank
+    t_b = (2 * model_fpt / 3 + (hw_fpt - model_fpt)) * tokens_mb * imbalance / (lay.tp * p) / rate
     slot = t_f + t_b
 
     def t(c: Collective) -> float:
@@ -148,7 +149,7 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     tp_mb = sum(t(c) * c.calls for c in colls if c.group == "tp") / m
     z3 = [c for c in colls if c.name.startswith("zero3")]
     z3_mb = sum(t(c) * c.calls for c in z3) / m
-    z3_first = (sum(t(c) for c in z3 if c.name == "zero3_fwd") / max(shape.n_layer / p, 1)) if z3 else 0.0
+    z3_first = (sum(t(c) for c in z3 if c.name == "zero3_fwd") / stage_layers(shape.n_layer, p)) if z3 else 0.0
     z3_exposed_mb = (max(0.0, z3_mb - params.zero3_prefetch * slot) + z3_first) if z3 else 0.0
     hop = sum(t(c) for c in colls if c.name in ("pp_fwd", "pp_bwd")) * v  # one slot's hand-offs (each chunk's)
     hop = params.pp_handoff_exposed * hop + (params.handoff_s if p > 1 else 0.0)
@@ -167,7 +168,7 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     z2 = [c for c in colls if c.name == "dp_grad" and c.per_microbatch]  # ZeRO-2: per micro-batch, overlapped with its backward
     if z2:
         t_z2 = sum(t(c) for c in z2)
-        dp_exposed += m * max(t_z2 - params.dp_overlap * t_b, 0.0) + t_z2 / max(shape.n_layer / p, 1)
+        dp_exposed += m * max(t_z2 - params.dp_overlap * t_b, 0.0) + t_z2 / stage_layers(shape.n_layer, p)
     gather = sum(t(c) * c.calls for c in colls if c.name == "dp_param")
     dp_exposed += max(gather - params.param_gather_overlap * t_f, 0.0)
 

@@ -1,7 +1,7 @@
 """Enumerate the layouts of a cluster and price each with the cost model.
 
 Candidates: TP a power of two up to a node that divides the heads (and the KV heads); PP a
-divisor of the layers; DP = world / (TP·PP) dividing the global batch; a micro-batch size
+divisor of the layers or a power of two (uneven stages: the busiest holds ``ceil(L/p)``); DP = world / (TP·PP) dividing the global batch; a micro-batch size
 dividing the per-replica batch; for PP > 1 each schedule (interleaved: ``v`` chunks with
 ``L % (p·v) == 0`` and ``m % p == 0``, Narayanan et al. 2021 §2.2.2); DP sharding none/ZeRO-1/2/3
 (only for DP > 1); recompute none/selective/full; SP with TP > 1. A layout that does not fit the
@@ -55,9 +55,10 @@ def degree_candidates(shape, world: int, gpus_per_node: int, space: SearchSpace)
     tps = [t for t in tps if shape.n_head % t == 0 and (shape.kv_heads % t == 0 or t % shape.kv_heads == 0) and world % t == 0]
     out = []
     for t in tps:
-        pps = space.pp_degrees or tuple(p for p in range(1, shape.n_layer + 1) if shape.n_layer % p == 0)
+        pps = space.pp_degrees or tuple(sorted({p for p in range(1, shape.n_layer + 1) if shape.n_layer % p == 0}
+                                                | {2**i for i in range(1, 12) if 2**i <= shape.n_layer // 2}))
         for p in pps:
-            if (world // t) % p == 0 and shape.n_layer % p == 0:
+            if (world // t) % p == 0 and p <= shape.n_layer:
                 out.append((t, p, world // (t * p)))
     return out
 
