@@ -29,8 +29,9 @@ backward two thirds plus any recomputed forward.
 - Optimizer: memory-bound, ``optimizer_bytes_per_param`` bytes touched per local parameter
   at HBM bandwidth.
 
-Step time = pipeline (``(m + (p-1)/v)`` slots of compute + exposed TP + exposed ZeRO-3 + hand-off)
-+ exposed DP + optimizer.
+Step time = pipeline (``m + (p-1)/v`` slots, each a micro-batch's compute + exposed TP + exposed
+ZeRO-3 + hand-off; the ``(p-1)/v`` idle slots are reported as ``bubble``, the ``m`` busy ones by
+part) + exposed DP + optimizer.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ class StepTime:
     """Modelled time of one optimizer step on the busiest rank, by component (seconds).
 
     ``forward``/``backward`` are the whole step's compute (all micro-batches, recompute in
-    backward); ``bubble`` the idle slots; the ``*_exposed`` parts what overlap leaves on the
+    backward); ``bubble`` the ``(p-1)/v`` idle slots (each as long as a busy one: compute + exposed
+    TP + ZeRO-3 + hand-off); ``tp_exposed``, ``pp_handoff``, ``zero3_exposed`` those of the ``m`` busy slots; the ``*_exposed`` parts what overlap leaves on the
     critical path; ``comm_total`` every collective's time, exposed or not, by collective name.
     """
 
@@ -177,9 +179,11 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     shard = lay.dp if lay.dp_sharding != "none" else 1
     opt_bytes = params.optimizer_bytes_per_param * (prec.optimizer_bytes / 12 if prec.optimizer_bytes else 1)
     optimizer = psi / shard * opt_bytes / cluster.hbm_bandwidth
+    hop = hop if p > 1 else 0.0
+    full_slot = slot + tp_exposed_mb + z3_exposed_mb + hop  # a micro-batch slot on the critical path
     return StepTime(
-        forward=m * t_f, backward=m * t_b, bubble=bubble_slots * slot, tp_exposed=slots * tp_exposed_mb,
-        pp_handoff=(slots * hop if p > 1 else 0.0), zero3_exposed=slots * z3_exposed_mb, dp_exposed=dp_exposed,
+        forward=m * t_f, backward=m * t_b, bubble=bubble_slots * full_slot, tp_exposed=m * tp_exposed_mb,
+        pp_handoff=m * hop, zero3_exposed=m * z3_exposed_mb, dp_exposed=dp_exposed,
         optimizer=optimizer, comm_total=comm_total,
     )
 
