@@ -64,7 +64,8 @@ def print_plan(cfg, shape, cluster, result, *, world: int, wall_s: float) -> Non
     best = result.fitting[0]
     parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.time.parts().items() if v > 0)
     con.print(f"best: {best.layout.describe()}: {parts}")
-    over, notes = trainlab_overrides(best.layout, model=cfg.model.name, seq_len=shape.seq_len, nodes=int(p.nodes))
+    over, notes = trainlab_overrides(best.layout, model=cfg.model.name, seq_len=shape.seq_len, nodes=int(p.nodes),
+                                     run_with=OmegaConf.to_container(p.run_with, resolve=True))
     con.print("run it: python -m framework.train " + over, soft_wrap=True)
     for n in notes:
         con.print(f"note: {n}")

@@ -121,30 +121,36 @@ def search(shape, cluster, *, world: int, global_batch_size: int, space: SearchS
     return SearchResult(fitting=fitting, closest_miss=miss, dropped=dropped, evaluated=len(layouts))
 
 
-def trainlab_overrides(lay: PlanLayout, *, model: str, seq_len: int, nodes: int) -> tuple[str, list[str]]:
-    """The Hydra overrides that run ``lay`` in trainlab, and a note on what trainlab cannot express.
+def trainlab_overrides(lay: PlanLayout, *, model: str, seq_len: int, nodes: int, run_with: dict) -> tuple[str, list[str]]:
+    """The Hydra overrides that run ``lay`` in trainlab, and notes on what trainlab cannot express.
 
-    TP/PP layouts run on the ``tp`` (megatron) plugin, whose dp dimension is FSDP2 (``zero3``) or
-    replicate (DDP: ``none``); pure DP runs ddp / DeepSpeed ZeRO-1/2 / fsdp. Full recompute is
-    ``model.activation_checkpointing=true``; selective recompute has no trainlab switch yet.
+    ``run_with`` (``plan.run_with`` in ``conf/plan.yaml``: the planner never names a plugin
+    itself) maps a pure-DP layout's ``dp_sharding`` to its ``parallelism=`` overrides
+    (``data_parallel``), gives the overrides of a TP/PP layout (``model_parallel``) and of its dp
+    dimension by sharding (``model_parallel_dp``; null = no equivalent), and the schedule names
+    (``schedules``), and whether SP runs together with PP (``sequence_parallel_with_pp``). Full recompute is ``model.activation_checkpointing=true``; selective
+    recompute has no trainlab switch yet.
     """
     notes = []
     o = [f"model={model}", f"data.seq_len={seq_len}", f"trainer.global_batch_size={lay.global_batch_size}",
          f"trainer.micro_batch_size={lay.micro_batch_size}", "trainer.grad_accum_steps=null"]
     if lay.tp == 1 and lay.pp == 1:
-        o.insert(0, {"none": "parallelism=ddp", "zero1": "parallelism=zero1", "zero2": "parallelism=zero2",
-                     "zero3": "parallelism=fsdp"}[lay.dp_sharding])
+        o.insert(0, run_with["data_parallel"][lay.dp_sharding])
     else:
-        o[:0] = ["parallelism=tp", f"parallelism.tp_degree={lay.tp}", f"parallelism.pp_degree={lay.pp}"]
+        o[:0] = [run_with["model_parallel"], f"parallelism.tp_degree={lay.tp}", f"parallelism.pp_degree={lay.pp}"]
         if lay.pp > 1:
-            o.append("parallelism.schedule=" + {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved_1f1b"}[lay.schedule])
+            o.append(f"parallelism.schedule={run_with['schedules'][lay.schedule]}")
             if lay.v > 1:
                 o.append(f"parallelism.virtual_stages={lay.v}")
-        if lay.sequence_parallel:
+        if lay.sequence_parallel and (lay.pp == 1 or run_with["sequence_parallel_with_pp"]):
             o.append("parallelism.sequence_parallel=true")
-        o.append("parallelism.data_parallel=" + ("fsdp" if lay.dp_sharding == "zero3" else "ddp"))
-        if lay.dp_sharding in ("zero1", "zero2"):
-            notes.append(f"{lay.dp_sharding} with tp/pp: trainlab's tp plugin shards dp only as fsdp (zero3) or not at all")
+        elif lay.sequence_parallel:
+            notes.append("sequence parallelism with pp > 1: trainlab cannot run it yet (plan.run_with.sequence_parallel_with_pp)")
+        dp = run_with["model_parallel_dp"].get(lay.dp_sharding)
+        if dp:
+            o.append(dp)
+        else:
+            notes.append(f"dp_sharding={lay.dp_sharding} with tp/pp has no trainlab equivalent (plan.run_with.model_parallel_dp)")
     o[1:1] = [f"parallelism.world_size={lay.world_size}", f"parallelism.nnodes={nodes}"]
     if lay.recompute == "full":
         o.append("model.activation_checkpointing=true")

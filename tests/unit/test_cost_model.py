@@ -205,3 +205,27 @@ def test_planner_bad_input_is_one_line(overrides, fragment, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and "\n" not in err
+
+
+@pytest.mark.parametrize("lay", [
+    PlanLayout(dp=2, tp=2, pp=2, micro_batch_size=2, global_batch_size=16, schedule="Interleaved1F1B", virtual_stages=2,
+               dp_sharding="zero3", recompute="full", sequence_parallel=True, precision="fp32"),
+    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, dp_sharding="zero3", precision="fp32"),
+    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, dp_sharding="zero1", precision="fp32"),
+])
+def test_planner_overrides_run_in_trainlab(compose, lay):
+    """The overrides the planner prints compose and validate as a trainlab run of the same layout."""
+    from omegaconf import OmegaConf
+
+    from framework.config.load import load_run_config
+    from framework.config.validate import validate
+    from framework.plan.search import trainlab_overrides
+
+    run_with = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "plan.yaml").plan.run_with)
+    over, notes = trainlab_overrides(lay, model="gpt_tiny", seq_len=128, nodes=1, run_with=run_with)
+    resolved = validate(load_run_config(compose(*over.split(), "checkpoint=none")))
+    assert (resolved.layout.dp, resolved.layout.tp, resolved.layout.pp) == (lay.dp, lay.tp, lay.pp)
+    assert (resolved.micro_batch_size, resolved.global_batch_size) == (lay.micro_batch_size, lay.global_batch_size)
+    assert resolved.run.model.activation_checkpointing == (lay.recompute == "full")
+    assert notes == (["sequence parallelism with pp > 1: trainlab cannot run it yet (plan.run_with.sequence_parallel_with_pp)"]
+                     if lay.sequence_parallel and lay.pp > 1 else [])
