@@ -51,9 +51,9 @@ def gpt(L: int, h: int, a: int, s: int = 2048) -> ModelShape:
 
 
 def llama(L: int, h: int, a: int, ff: int, s: int = 8192) -> ModelShape:
-    """Llama 3 shapes: 8 KV heads, SwiGLU, V = 128256, untied, RoPE, no biases."""
+    """Llama 3 shapes: 8 KV heads, SwiGLU, V = 128256, untied, RoPE, no biases, no dropout."""
     return ModelShape(n_layer=L, d_model=h, n_head=a, n_kv_head=8, d_ff=ff, mlp="swiglu", vocab_size=128256, seq_len=s,
-                      bias=False, tied_embeddings=False, learned_positions=False)
+                      bias=False, tied_embeddings=False, learned_positions=False, dropout=False)
 
 
 @dataclass(frozen=True)

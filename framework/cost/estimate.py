@@ -72,9 +72,8 @@ def memory_per_rank(shape, lay) -> tuple[StateBytes, dict]:
     states = model_states_per_rank(psi, dp=lay.dp, dp_sharding=lay.dp_sharding, precision=lay.precision)
     acts = activation_bytes_per_rank(shape, micro_batch_size=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                                      n_microbatches=lay.n_microbatches, sequence_parallel=lay.sequence_parallel,
-                                     recompute=lay.recompute, schedule=lay.schedule, virtual_stages=lay.v)
-    if lay.precision == "fp32":
-        acts = {k: 2 * v for k, v in acts.items()}  # Table 2 counts 16-bit activations
+                                     recompute=lay.recompute, schedule=lay.schedule, virtual_stages=lay.v,
+                                     act_bytes=4 if lay.precision == "fp32" else 2, dropout=shape.dropout)
     return states, acts
 
 

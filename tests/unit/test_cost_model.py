@@ -229,3 +229,11 @@ def test_planner_overrides_run_in_trainlab(compose, lay):
     assert resolved.run.model.activation_checkpointing == (lay.recompute == "full")
     assert notes == (["sequence parallelism with pp > 1: trainlab cannot run it yet (plan.run_with.sequence_parallel_with_pp)"]
                      if lay.sequence_parallel and lay.pp > 1 else [])
+
+
+def test_activation_bytes_without_dropout_and_in_fp32():
+    """Derived from Korthikanti §4.1's accounting: e-byte activations, no dropout masks."""
+    sh = _gpt_table2_shape()
+    s, b, h, a = sh.seq_len, 1, sh.d_model, sh.n_head
+    got = A.activation_bytes_per_layer(sh, micro_batch_size=b, act_bytes=4, dropout=False)
+    assert got == pytest.approx(s * b * (4 * h * 4 + (2 * h + 2 * h + 8 * h) * 4) + a * s * s * b * 4)
