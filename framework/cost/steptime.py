@@ -211,12 +211,13 @@ class MeasuredBreakdown:
     backward: float = 0.0
     optimizer: float = 0.0
     checkpoint_blocking: float = 0.0
+    other: float = 0.0
     collectives: tuple[MeasuredCollective, ...] = ()
 
     def step_time(self) -> float:
         """Critical path: each phase lasts ``max(phase, overlapping comm - tails) + tails``; the
         exposed collectives add; data wait, optimizer and checkpoint blocking are serial."""
-        total = self.data_wait + self.optimizer + self.checkpoint_blocking
+        total = self.data_wait + self.optimizer + self.checkpoint_blocking + self.other
         for phase in ("forward", "backward"):
             over = [c for c in self.collectives if c.overlaps == phase]
             hidden = sum(max(c.time_s - c.tail_s, 0.0) for c in over)
@@ -233,10 +234,31 @@ def whatif(b: MeasuredBreakdown, delta_s: float = 1e-3) -> dict[str, float]:
     collectives' names."""
     base = b.step_time()
     out: dict[str, float] = {}
-    for k in ("data_wait", "forward", "backward", "optimizer", "checkpoint_blocking"):
+    for k in ("data_wait", "forward", "backward", "optimizer", "checkpoint_blocking", "other"):
         out[k] = base - replace(b, **{k: max(getattr(b, k) - delta_s, 0.0)}).step_time()
     for i, c in enumerate(b.collectives):
         shorter = replace(c, time_s=max(c.time_s - delta_s, 0.0), tail_s=min(c.tail_s, max(c.time_s - delta_s, 0.0)))
         colls = b.collectives[:i] + (shorter,) + b.collectives[i + 1:]
         out[c.name] = base - replace(b, collectives=colls).step_time()
     return out
+
+
+def breakdown_from_metrics(m: dict, *, forward_share: float = 1 / 3) -> MeasuredBreakdown:
+    """A :class:`MeasuredBreakdown` from a trainlab run's step-time breakdown metrics (seconds per step,
+    ``framework/callbacks/breakdown.py``; docs/metrics.md): ``perf/data_wait_s``, ``perf/compute_s``
+    (split into forward and backward by ``forward_share``: the ``2N`` of ``6N``, an assumption),
+    ``perf/optimizer_s``, ``perf/ckpt_blocking_s``, ``perf/other_s``, and the gradient
+    communication as one collective overlapping backward: ``perf/comm_inflight_s`` long with the
+    exposed ``perf/comm_s`` as its tail (the part from the last bucket's launch). Missing keys count 0;
+    the ``_mean`` variants are used when the plain keys are absent.
+    """
+    def get(k: str) -> float:
+        v = m.get(k, m.get(k.replace("_s", "_s_mean"), 0.0))
+        return float(v or 0.0)
+
+    compute, exposed = get("perf/compute_s"), get("perf/comm_s")
+    inflight = max(get("perf/comm_inflight_s"), exposed)
+    colls = (MeasuredCollective("dp_grad_reduction", inflight, "backward", tail_s=exposed),) if inflight > 0 else ()
+    return MeasuredBreakdown(data_wait=get("perf/data_wait_s"), forward=forward_share * compute,
+                             backward=(1 - forward_share) * compute, optimizer=get("perf/optimizer_s"),
+                             checkpoint_blocking=get("perf/ckpt_blocking_s"), other=get("perf/other_s"), collectives=colls)

@@ -237,3 +237,15 @@ def test_activation_bytes_without_dropout_and_in_fp32():
     s, b, h, a = sh.seq_len, 1, sh.d_model, sh.n_head
     got = A.activation_bytes_per_layer(sh, micro_batch_size=b, act_bytes=4, dropout=False)
     assert got == pytest.approx(s * b * (4 * h * 4 + (2 * h + 2 * h + 8 * h) * 4) + a * s * s * b * 4)
+
+
+def test_breakdown_from_trainlab_metrics():
+    from framework.cost.steptime import breakdown_from_metrics
+
+    m = {"perf/data_wait_s": 0.002, "perf/compute_s": 0.030, "perf/comm_s": 0.001, "perf/comm_inflight_s": 0.008,
+         "perf/optimizer_s": 0.004, "perf/other_s": 0.003}
+    b = breakdown_from_metrics(m)
+    # the all-reduce's 7 ms before its exposed tail hide behind the 20 ms backward: the step is the spans' sum
+    assert b.step_time() == pytest.approx(0.002 + 0.030 + 0.001 + 0.004 + 0.003)
+    g = whatif(b)
+    assert g["dp_grad_reduction"] == pytest.approx(0) and g["backward"] == pytest.approx(1e-3) and g["other"] == pytest.approx(1e-3)
