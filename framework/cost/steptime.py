@@ -26,8 +26,8 @@ backward two thirds plus any recomputed forward.
   (``param_gather_overlap = 1``).
 - ZeRO-3 / FSDP: the gathers and the reduce-scatter of a micro-batch overlap its compute by
   prefetching the next unit (``zero3_prefetch = 1``); the first unit's gather is exposed.
-- Optimizer: memory-bound, ``optimizer_bytes_per_param`` bytes touched per local parameter
-  at HBM bandwidth.
+- Optimizer: memory-bound: per parameter of its shard, the state ``optimizer_state_passes`` times
+  plus the gradient read and the weight write, at HBM bandwidth.
 
 Step time = pipeline (``m + (p-1)/v`` slots, each a micro-batch's compute + exposed TP + exposed
 ZeRO-3 + hand-off; the ``(p-1)/v`` idle slots are reported as ``bubble``, the ``m`` busy ones by
@@ -56,8 +56,8 @@ class StepTimeParams:
         bucket_bytes: the last gradient bucket, never hidden (DDP ``bucket_cap_mb`` 25 MB).
         param_gather_overlap: fraction of the next step's first forward that hides ZeRO's parameter all-gather.
         zero3_prefetch: fraction of a micro-batch's compute that hides its ZeRO-3 gathers/reduce-scatter.
-        optimizer_bytes_per_param: HBM bytes the optimizer step touches per local parameter
-            (AdamW with fp32 master: read+write master, m, v (24) + read grad (2-4) + write bf16 weight (2)).
+        optimizer_state_passes: how often the optimizer step moves its state through HBM (2: read and
+            write master weights and moments); it also reads the gradient and writes the weight once.
         allreduce_algorithm: ``ring`` or ``tree`` latency for all-reduces.
         handoff_s: fixed cost per micro-batch hand-off (s; e.g. a measured framework overhead per slot).
     """
@@ -68,7 +68,7 @@ class StepTimeParams:
     bucket_bytes: float = 25e6
     param_gather_overlap: float = 1.0
     zero3_prefetch: float = 1.0
-    optimizer_bytes_per_param: float = 30.0
+    optimizer_state_passes: float = 2.0
     allreduce_algorithm: str = "ring"
     handoff_s: float = 0.0
 
@@ -177,8 +177,8 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     prec = PRECISIONS[lay.precision]
     psi = stage_params(shape, tp=lay.tp, pp=p, stage=0)
     shard = lay.dp if lay.dp_sharding != "none" else 1
-    opt_bytes = params.optimizer_bytes_per_param * (prec.optimizer_bytes / 12 if prec.optimizer_bytes else 1)
-    optimizer = psi / shard * opt_bytes / cluster.hbm_bandwidth
+    touched = params.optimizer_state_passes * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes
+    optimizer = psi / shard * touched / cluster.hbm_bandwidth
     hop = hop if p > 1 else 0.0
     full_slot = slot + tp_exposed_mb + z3_exposed_mb + hop  # a micro-batch slot on the critical path
     return StepTime(
