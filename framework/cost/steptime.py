@@ -59,7 +59,9 @@ class StepTimeParams:
         optimizer_state_passes: how often the optimizer step moves its state through HBM (2: read and
             write master weights and moments); it also reads the gradient and writes the weight once.
         allreduce_algorithm: ``ring`` or ``tree`` latency for all-reduces.
-        handoff_s: fixed cost per micro-batch hand-off (s; e.g. a measured framework overhead per slot).
+        handoff_s: fixed cost per micro-batch hand-off between pipeline stages (s).
+        microbatch_overhead_s: fixed cost of every micro-batch's forward + backward (s: kernel
+            launches, framework hooks; 0 on a large GPU model, seconds' fractions on small CPU runs).
     """
 
     tp_overlap: float = 0.0
@@ -71,6 +73,7 @@ class StepTimeParams:
     optimizer_state_passes: float = 2.0
     allreduce_algorithm: str = "ring"
     handoff_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
 
 
 def latency_steps(kind: str, n: int, algorithm: str = "ring") -> float:
@@ -140,6 +143,7 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     imbalance = stage_layers(shape.n_layer, p) * p / shape.n_layer  # the busiest stage's share of the layers, x p
     t_f = model_fpt / 3 * tokens_mb * imbalance / (lay.tp * p) / rate  # one micro-batch's forward on this rank
     t_b = (2 * model_fpt / 3 + (hw_fpt - model_fpt)) * tokens_mb * imbalance / (lay.tp * p) / rate
+    t_b += params.microbatch_overhead_s  # counted with backward (one fixed cost per micro-batch)
     slot = t_f + t_b
 
     def t(c: Collective) -> float:

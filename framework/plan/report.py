@@ -42,14 +42,14 @@ def print_plan(cfg, shape, cluster, result, *, world: int, wall_s: float) -> Non
 
     con = Console(width=None if os.isatty(1) else 240)
     p = cfg.plan
-    con.print(f"[bold]{cfg.model.name}[/] ({shape.num_params() / 1e9:.1f}B params, s={shape.seq_len}) on "
+    con.print(f"[bold]{cfg.model.name}[/] ({shape.num_params() / 1e9:.3g}B params, s={shape.seq_len}) on "
               f"{p.nodes} x {cluster.gpus_per_node} {cluster.name} = {world} GPUs, global batch "
               f"{cfg.trainer.global_batch_size} sequences, {p.precision}; usable {cluster.usable_memory_bytes / GIB:.1f} GiB/GPU")
     t = Table(title=f"top {p.top_k} of {len(result.fitting)} fitting layouts (of {result.evaluated} priced in {wall_s:.2f} s)")
-    cols = [("#", "rank", "{}"), ("layout", "layout", "{}"), ("m", "m", "{}"), ("W GiB", "weights_gib", "{:.1f}"),
-            ("G GiB", "grads_gib", "{:.1f}"), ("Opt GiB", "optimizer_gib", "{:.1f}"), ("Act GiB", "activations_gib", "{:.1f}"),
-            ("Mem GiB", "memory_gib", "{:.1f}"), ("NVLink GB", "nvlink_gb", "{:.1f}"), ("NIC GB", "nic_gb", "{:.1f}"),
-            ("bubble", "bubble", "{:.3f}"), ("step s", "step_s", "{:.3f}"), ("tok/s/GPU", "tokens_per_sec_per_gpu", "{:.0f}"),
+    cols = [("#", "rank", "{}"), ("layout", "layout", "{}"), ("m", "m", "{}"), ("W GiB", "weights_gib", "{:.3g}"),
+            ("G GiB", "grads_gib", "{:.3g}"), ("Opt GiB", "optimizer_gib", "{:.3g}"), ("Act GiB", "activations_gib", "{:.3g}"),
+            ("Mem GiB", "memory_gib", "{:.3g}"), ("NVLink GB", "nvlink_gb", "{:.3g}"), ("NIC GB", "nic_gb", "{:.3g}"),
+            ("bubble", "bubble", "{:.3f}"), ("step s", "step_s", "{:.3g}"), ("tok/s/GPU", "tokens_per_sec_per_gpu", "{:.0f}"),
             ("MFU", "mfu", "{:.1%}"), ("days", "days", "{:.1f}"), ("GPU-h", "gpu_hours", "{:.3g}"),
             ("money", "money", "{:.3g}"), ("MWh", "energy_mwh", "{:.0f}")]
     for name, _, _ in cols:
