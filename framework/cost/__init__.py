@@ -13,4 +13,7 @@ searches layouts of a cluster with it; the studies set it beside measurement.
 - :mod:`.flops`        FLOPs per token and per step (PaLM App. B; Narayanan et al. eq. 3)
 - :mod:`.hardware`     cluster specs from ``conf/cluster/`` and the local CPU microbenchmark
 - :mod:`.steptime`     alpha-beta collective times, overlaps, step time, what-if
+- :mod:`.layout`       PlanLayout: one candidate layout (degrees, schedule, micro-batch, sharding, recompute, SP)
+- :mod:`.estimate`     everything about one layout: memory, bytes, bubble, step time, tokens/s, MFU, cost
+- :mod:`.whatif`       ``python -m framework.cost.whatif RUN_ID``: the what-if of a measured trainlab run
 """
