@@ -24,7 +24,7 @@ pipeline, so the step's loss is the mean over the global batch's valid targets.
 **Bubble.** Each stage's forward and backward compute (``forward_one_chunk`` /
 ``backward_one_chunk``) is timed; a rank's idle fraction of a step is
 ``1 - busy / wall`` with ``wall`` the whole ``schedule.step``. The model is
-:func:`framework.metrics.comm.pp_bubble_fraction`.
+:func:`framework.cost.comm.pp_bubble_fraction`.
 
 Validation runs the stages in order with plain ``send``/``recv`` of the activations (any batch
 size; no schedule), and broadcasts the loss over the pipeline group.
