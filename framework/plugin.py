@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from framework.config.resolved import ResolvedRun
     from framework.layout import ParallelLayout
-    from framework.metrics.comm import CommEstimate, ModelStats
+    from framework.cost.comm import CommEstimate, ModelStats
     from framework.metrics.timing import CommMeter
     from framework.parallelize import ParallelPlan
 
@@ -146,7 +146,7 @@ class ParallelPlugin:
 
     # -- cost model and measurement ---------------------------------------------------------------
     def comm_volume(self, stats: "ModelStats", resolved: "ResolvedRun") -> "CommEstimate":
-        """Modelled payload bytes per rank per optimizer step, by collective kind (:mod:`framework.metrics.comm`)."""
+        """Modelled payload bytes per rank per optimizer step, by collective kind (:mod:`framework.cost.comm`)."""
         raise NotImplementedError(f"plugin {self.name!r} does not implement comm_volume")
 
     def model_states_bytes(self, stats: "ModelStats", resolved: "ResolvedRun") -> int:

@@ -25,7 +25,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from framework.config.schema import ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
-from framework.metrics.comm import CommEstimate, ModelStats, ddp_comm_volume, replicated_adamw_model_states_bytes
+from framework.cost.comm import CommEstimate, ModelStats, ddp_comm_volume
+from framework.cost.memory import replicated_adamw_model_states_bytes
 from framework.metrics.timing import CommMeter
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin

@@ -29,7 +29,8 @@ from framework.checkpoint.sharded_strategy import ShardedCheckpointing
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
 from framework.mesh_strategy import LayoutStrategy
-from framework.metrics.comm import CommEstimate, ModelStats, dim0_sharded_numel
+from framework.cost.comm import CommEstimate, ModelStats, fsdp_comm_volume
+from framework.cost.memory import fsdp_model_states_bytes
 from framework.metrics.timing import CommMeter
 from framework.parallelize import ParallelPlan
 from framework.plugin import ParallelPlugin, PluginCapabilities
@@ -56,12 +57,6 @@ def fsdp2_collectives() -> list[tuple[str, str, int]]:
     gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     return [(gather, "allgather", 0), (scatter, "reduce_scatter", 1)]
-
-
-def _padded_numel(stats: ModelStats, n: int) -> int:
-    """Ψ as FSDP2 moves it over ``n`` ranks: ``n`` x one rank's dim-0-padded shard elements
-    (without ``stats.param_shapes``: as if the parameters were one flat tensor of Ψ elements)."""
-    return n * dim0_sharded_numel(stats.param_shapes or ((stats.num_params,),), n)
 
 
 @dataclass
@@ -107,30 +102,21 @@ class FSDPPlugin(ParallelPlugin):
         (Ψ); with ``grad_accum_steps`` micro-batches that repeats per micro-batch (FSDP2 reduces
         on each backward). All-gather payload = the gathered size, reduce-scatter payload = the
         input size (the ``S`` of the ring formulas). FSDP2 moves dim-0-padded shards, so Ψ here
-        is ``dp x`` the padded shard (:func:`~framework.metrics.comm.dim0_sharded_numel` of the
+        is ``dp x`` the padded shard (:func:`~framework.cost.comm.fsdp_padded_numel` of the
         parameter shapes; Ψ itself when every dim 0 divides by dp). Measured equal, byte for byte,
         on 2 and 3 CPU ranks (``tests/integration/test_train_e2e.py``, ``test_perf_e2e.py``).
         """
-        n = resolved.layout.dp
-        if n <= 1:
-            return CommEstimate(group_size=1)
-        psi = _padded_numel(stats, n)
-        gathers = 2 if self.cfg.reshard_after_forward else 1
-        a = resolved.grad_accum_steps
-        return CommEstimate(
-            payload_bytes={"allgather": gathers * psi * stats.param_bytes * a, "reduce_scatter": psi * stats.grad_bytes * a},
-            group_size=n,
-        )
+        return fsdp_comm_volume(stats, dp_degree=resolved.layout.dp, grad_accum_steps=resolved.grad_accum_steps,
+                                reshard_after_forward=self.cfg.reshard_after_forward)
 
     def model_states_bytes(self, stats: ModelStats, resolved: Any) -> int:
         """ZeRO-3 (§5, Fig. 1): parameters, gradients and fp32 AdamW state all sharded over dp.
 
         ``(param_bytes + grad_bytes + 8) * Ψ_shard`` plus one 4-byte AdamW step counter per
         parameter tensor, with ``Ψ_shard`` the largest rank's (rank 0's) elements: ``ceil(d0 / dp)``
-        rows of every parameter (FSDP2's padded shards, :func:`~framework.metrics.comm.dim0_sharded_numel`).
+        rows of every parameter (FSDP2's padded shards, :func:`~framework.cost.comm.fsdp_padded_numel`).
         """
-        shard = _padded_numel(stats, resolved.layout.dp) // resolved.layout.dp
-        return (stats.param_bytes + stats.grad_bytes + 8) * shard + 4 * stats.num_param_tensors
+        return fsdp_model_states_bytes(stats, dp_degree=resolved.layout.dp)
 
     def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
         """Meter FSDP2's collectives by wrapping the ``torch.distributed`` functions it calls

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from framework.config.schema import ParallelConfig
-from framework.metrics.comm import CommEstimate, ModelStats, replicated_adamw_model_states_bytes
+from framework.cost.comm import CommEstimate, ModelStats
+from framework.cost.memory import replicated_adamw_model_states_bytes
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin
 

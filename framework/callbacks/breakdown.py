@@ -76,7 +76,7 @@ import torch
 
 from framework.callbacks.clock import StepClock
 from framework.callbacks.step_metrics import MetricSink
-from framework.metrics.comm import CommEstimate
+from framework.cost.comm import CommEstimate
 from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
 from framework.metrics.timing import CommMeter, CommRecord, comm_paused, make_clock
 

@@ -2,7 +2,7 @@
 
 Conventions (see /work/shared/REFERENCES.md, section 2.1):
 
-- ``flops_per_token = 6N + 12 * L * h * s`` (PaLM, Chowdhery et al. 2022, Appendix B; also
+- ``flops_per_token = 6N + 12 * L * h * s`` (:mod:`framework.cost.flops`, re-exported here) (PaLM, Chowdhery et al. 2022, Appendix B; also
   nanoGPT's ``estimate_mfu``). 6N is the forward (2N) and backward (4N) matmuls over the
   parameters; ``12 * L * h * s`` is the attention score and value matmuls, forward and
   backward. N is the non-embedding parameters plus the output projection V * h; for a tied
@@ -25,6 +25,8 @@ import time
 from typing import Callable, Optional
 
 import torch
+
+from framework.cost.flops import flops_per_token, recompute_flops_per_token  # noqa: F401  (the formulas live in the cost model)
 
 FLOPS_CONVENTION = "palm_appB:6N+12*L*h*s;N=params-wpe(tied head once)"
 """Log as an MLflow param next to ``perf/mfu`` so the N convention is on record."""
@@ -56,24 +58,6 @@ _DTYPES = {
     "fp16": torch.float16, "16-mixed": torch.float16, "16-true": torch.float16,
 }
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def flops_per_token(*, n_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
-    """Training (forward + backward) FLOPs per token: ``6 * n_params + 12 * n_layer * d_model * seq_len``.
-
-    PaLM (Chowdhery et al., 2022), Appendix B. ``n_params`` is N as in :data:`FLOPS_CONVENTION`
-    (e.g. ``GPT.num_flops_params()``). The attention term counts the full s x s score matrix
-    (no discount for causal masking), as PaLM does.
-    """
-    return 6 * int(n_params) + 12 * int(n_layer) * int(d_model) * int(seq_len)
-
-
-def recompute_flops_per_token(*, n_block_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
-    """Extra hardware FLOPs per token when every transformer block's forward is recomputed in
-    backward (activation checkpointing per block): ``2 * n_block_params + 4 * n_layer * d_model * seq_len``,
-    the forward third of the blocks' ``6N + 12 * L * h * s`` (PaLM App. B convention).
-    """
-    return 2 * int(n_block_params) + 4 * int(n_layer) * int(d_model) * int(seq_len)
 
 
 def _gpu_key(device_name: str) -> Optional[str]:

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
-from framework.metrics.comm import ModelStats
+from framework.cost.comm import ModelStats
 
 
 def peak_memory_bytes(device: torch.device) -> int:

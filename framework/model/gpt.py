@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.config.schema import ModelConfig
-from framework.metrics.flops import flops_per_token as _flops_per_token
-from framework.metrics.flops import recompute_flops_per_token
+from framework.cost.flops import flops_per_token as _flops_per_token
+from framework.cost.flops import recompute_flops_per_token
 
 
 class CausalSelfAttention(nn.Module):

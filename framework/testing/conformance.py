@@ -193,7 +193,7 @@ class Conformance:
         _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"single checkpoint resumed by {case.name}")
 
     def check_bytes(self, case: PluginCase) -> None:
-        from framework.metrics.comm import KINDS
+        from framework.cost.comm import KINDS
 
         records = self.plugin_run(case).records
         comm = [r for r in records if "perf/comm_bytes" in r]

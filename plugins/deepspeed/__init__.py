@@ -21,7 +21,7 @@ from typing import Any
 
 from framework.checkpoint.kinds import CheckpointKind, register_checkpoint_kind
 from framework.config.schema import ConfigError, ParallelConfig
-from framework.metrics.comm import CommEstimate, ModelStats
+from framework.cost.comm import CommEstimate, ModelStats
 from framework.metrics.timing import CommMeter
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin

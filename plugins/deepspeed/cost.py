@@ -1,4 +1,4 @@
-"""What DeepSpeed ZeRO costs: model-state bytes per rank, bytes per collective, and the meter.
+"""What DeepSpeed ZeRO costs (figures from :mod:`framework.cost`): model-state bytes per rank, bytes per collective, and the meter.
 
 Notation (ZeRO, Rajbhandari et al. 2020): Ψ parameters, N = dp_degree ranks, K optimizer
 bytes per parameter, a = grad_accum_steps micro-batches per optimizer step.
@@ -51,44 +51,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from framework.metrics.comm import CommEstimate, ModelStats
+from framework.cost import comm as _comm
+from framework.cost import memory as _memory
+from framework.cost.comm import CommEstimate, ModelStats
 
 
 def zero_model_states_bytes(stats: ModelStats, cfg: Any, resolved: Any) -> int:
-    """Modelled model-state bytes of one rank for ``cfg.zero_stage`` (table in the module docstring).
-
-    ``stats``: Ψ and bytes per element (4 in fp32); ``resolved``: dp degree N and grad_accum_steps a.
-    """
-    psi, n, a = stats.num_params, resolved.layout.dp, resolved.grad_accum_steps
-    p, g = stats.param_bytes * psi, stats.grad_bytes * psi
-    if cfg.zero_stage == 0:
-        return p + g + 8 * psi
-    master = stats.param_bytes * psi  # DeepSpeed's fp32 master copy (K = 12 with AdamW's 8)
-    optimizer = (master + 8 * psi) / n
-    if cfg.zero_stage == 1:
-        return int(p + (g if a > 1 else g / n) + optimizer)
-    if cfg.zero_stage == 2:
-        return int(p + g / n + optimizer)
-    return int((p + g) / n + optimizer)
+    """Modelled model-state bytes of one rank for ``cfg.zero_stage`` (table in the module docstring;
+    :func:`framework.cost.memory.zero_model_states_bytes`)."""
+    return _memory.zero_model_states_bytes(stats, zero_stage=cfg.zero_stage, dp_degree=resolved.layout.dp,
+                                           grad_accum_steps=resolved.grad_accum_steps)
 
 
 def zero_comm_volume(stats: ModelStats, cfg: Any, resolved: Any) -> CommEstimate:
-    """Modelled payload bytes per rank per optimizer step, by collective (module docstring table)."""
-    n, a = resolved.layout.dp, resolved.grad_accum_steps
-    if n <= 1:
-        return CommEstimate(group_size=1)
-    params = stats.num_params * stats.param_bytes
-    grads = stats.num_params * stats.grad_bytes
-    if cfg.zero_stage == 0:
-        payload = {"allreduce": grads}
-    elif cfg.zero_stage == 1:
-        payload = {"allreduce": grads, "allgather": params}
-    elif cfg.zero_stage == 2:
-        payload = {"allreduce": a * grads, "allgather": params}
-    else:
-        kept = min(cfg.max_live_parameters, cfg.max_reuse_distance) >= stats.num_params
-        payload = {"allgather": a * params * (1 if kept else 2), "reduce_scatter": a * grads}
-    return CommEstimate(payload_bytes=payload, group_size=n)
+    """Modelled payload bytes per rank per optimizer step, by collective (module docstring table;
+    :func:`framework.cost.comm.zero_comm_volume`). Stage 3 keeps gathered parameters from forward
+    to backward when ``min(max_live_parameters, max_reuse_distance) >= Ψ``."""
+    kept = cfg.zero_stage == 3 and min(cfg.max_live_parameters, cfg.max_reuse_distance) >= stats.num_params
+    return _comm.zero_comm_volume(stats, zero_stage=cfg.zero_stage, dp_degree=resolved.layout.dp,
+                                  grad_accum_steps=resolved.grad_accum_steps, stage3_keeps_gathered=kept)
 
 
 # DeepSpeed's communication backend (``deepspeed.comm.comm.cdb``, a TorchBackend) methods

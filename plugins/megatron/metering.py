@@ -7,7 +7,7 @@
   those module functions once per process so that each call reports its payload to the run's
   :class:`~framework.metrics.timing.CommMeter` (the same idea as
   ``torch.distributed.tensor.debug.CommDebugMode``, which counts calls but not bytes). Payload
-  follows :mod:`framework.metrics.comm`: all-reduce and reduce-scatter = the input, all-gather
+  follows :mod:`framework.cost.comm`: all-reduce and reduce-scatter = the input, all-gather
   = the gathered output (input x group size).
 - **Pipeline parallel.** Each :class:`~torch.distributed.pipelining.PipelineStage` builds its
   point-to-point sends in ``get_fwd_send_ops`` / ``get_bwd_send_ops``;

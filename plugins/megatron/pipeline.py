@@ -21,7 +21,7 @@ Huang et al. 2019), ``1f1b`` (PipeDream-Flush; Narayanan et al. 2021 §2.2.1), a
 **Bubble.** Each stage's forward and backward compute (``forward_one_chunk`` /
 ``backward_one_chunk``) is timed; a rank's idle fraction of a step is
 ``1 - busy / wall`` with ``wall`` the whole ``schedule.step``. The model is
-:func:`framework.metrics.comm.pp_bubble_fraction`.
+:func:`framework.cost.comm.pp_bubble_fraction`.
 
 Validation runs the stages in order with plain ``send``/``recv`` of the activations (any batch
 size; no schedule), and broadcasts the loss over the pipeline group.

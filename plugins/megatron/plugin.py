@@ -8,7 +8,7 @@ stage split, TP plan, DP wrapper: FSDP2 ``fully_shard`` or ``replicate`` on the 
 dimension) that :func:`framework.parallelize.parallelize_gpt` applies in torchtitan's order:
 pipeline split, TP on each stage, activation checkpointing, compile, DP.
 
-Cost model (per rank per optimizer step, :mod:`framework.metrics.comm`): TP payload per
+Cost model (per rank per optimizer step, :mod:`framework.cost.comm`): TP payload per
 micro-batch x ``grad_accum_steps`` micro-batches; PP sends; the tied-embedding all-reduce
 between the first and last stage; with ``data_parallel=fsdp`` on dp > 1 and no pipeline, the
 FSDP2 parameter all-gathers and gradient reduce-scatters of this rank's (TP-local) parameters.
@@ -35,13 +35,14 @@ import torch
 import torch.distributed as dist
 
 from framework.distributed import process_group_backend, resolve_accelerator
-from framework.metrics.comm import (
+from framework.cost.comm import (
     CommEstimate,
     ModelStats,
     pp_p2p_bytes_per_step,
     sp_norm_grad_allreduce_bytes,
     tp_payload_bytes_per_microbatch,
 )
+from framework.cost.memory import adamw_fp32_local_states_bytes
 from framework.metrics.timing import CommMeter
 from framework.layout import ParallelLayout
 from framework.parallelize import ParallelPlan
@@ -301,8 +302,7 @@ class MegatronPlugin(ParallelPlugin):
         row-parallel weight ``1/t`` of its columns; a pipeline rank holds its stages (and the
         head copy on the last stage); FSDP holds ``ceil(rows/dp)`` rows of each.
         """
-        elems = sum(math.prod(s) for _, s in self._local_shapes)
-        return 16 * elems + 4 * len(self._local_shapes)
+        return adamw_fp32_local_states_bytes([s for _, s in self._local_shapes])
 
     def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
         """Meter DTensor's functional collectives, the pipeline's sends and FSDP2's collectives (see :mod:`.metering`;

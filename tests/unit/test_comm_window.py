@@ -17,7 +17,7 @@ import torch
 from framework.callbacks.breakdown import StepBreakdown
 from framework.callbacks.clock import StepClock
 from framework.callbacks.validation import ValidationLoss
-from framework.metrics.comm import CommEstimate
+from framework.cost.comm import CommEstimate
 from framework.plugin import ParallelPlugin
 
 ACCUM = 2  # micro-batches per optimizer step

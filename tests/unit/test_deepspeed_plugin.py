@@ -8,7 +8,7 @@ import pytest
 
 from framework.config.schema import ConfigError
 from framework.config.validate import load_run_config, validate
-from framework.metrics.comm import ModelStats
+from framework.cost.comm import ModelStats
 from plugins.deepspeed import DeepSpeedConfig
 from plugins.deepspeed.cost import zero_comm_volume, zero_model_states_bytes
 

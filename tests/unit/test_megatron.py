@@ -6,8 +6,8 @@ import pytest
 
 from framework.config.schema import ConfigError
 from framework.config.validate import load_run_config, validate
-from framework.metrics.comm import (
-    pp_bubble_fraction,
+from framework.cost.bubble import pp_bubble_fraction
+from framework.cost.comm import (
     pp_p2p_bytes_per_step,
     ring_wire_bytes,
     sp_norm_grad_allreduce_bytes,

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from framework.config.schema import ModelConfig
-from framework.metrics.comm import (
+from framework.cost.comm import (
     CommEstimate,
     ModelStats,
     ddp_comm_volume,
     dim0_sharded_numel,
-    replicated_adamw_model_states_bytes,
     ring_wire_bytes,
 )
+from framework.cost.memory import replicated_adamw_model_states_bytes
 from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
 from framework.metrics.timing import CommMeter, HostClock, comm_paused, make_clock
 from framework.model import GPT

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework.metrics.comm import CommEstimate, ModelStats
+from framework.cost.comm import CommEstimate, ModelStats
 from framework.metrics.timing import CommMeter
 from plugins.ddp import DDPConfig, DDPPlugin
 

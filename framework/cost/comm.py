@@ -1,4 +1,4 @@
-"""Closed-form communication volumes per optimizer step, shared by the parallelism plugins.
+"""Closed-form communication volumes per optimizer step: the plugins' ``comm_volume`` and the planner.
 
 A plugin states what it *should* communicate with ``comm_volume(stats, resolved) ->
 CommEstimate``; :class:`~framework.callbacks.breakdown.StepBreakdown` logs that next to what
@@ -134,16 +134,64 @@ def ddp_comm_volume(stats: ModelStats, dp_degree: int) -> CommEstimate:
     return CommEstimate(payload_bytes={"allreduce": stats.num_params * stats.grad_bytes}, group_size=dp_degree)
 
 
-def replicated_adamw_model_states_bytes(stats: ModelStats) -> int:
-    """Model-state bytes of a rank holding a full replica trained with AdamW (single, DDP).
+def fsdp_padded_numel(stats: ModelStats, n: int) -> int:
+    """Ψ as FSDP2 moves it over ``n`` ranks: ``n`` x one rank's dim-0-padded shard elements
+    (without ``stats.param_shapes``: as if the parameters were one flat tensor of Ψ elements)."""
+    return n * dim0_sharded_numel(stats.param_shapes or ((stats.num_params,),), n)
 
-    ZeRO §3.1 counts ``(2 + 2 + K) * Psi`` for mixed-precision Adam (K = 12); here master
-    weights and gradients are fp32 and AdamW keeps fp32 ``exp_avg`` and ``exp_avg_sq``, so
-    ``param_bytes*Psi + grad_bytes*Psi + 8*Psi`` (= 16 bytes/param in fp32), plus torch's one
-    fp32 ``step`` counter per parameter tensor (4 bytes each).
+
+def fsdp_comm_volume(stats: ModelStats, *, dp_degree: int, grad_accum_steps: int, reshard_after_forward: bool) -> CommEstimate:
+    """FSDP2 / ZeRO-3 payload bytes per rank per optimizer step on the dp group (ZeRO §7.2).
+
+    Every micro-batch all-gathers the full parameters for forward (Ψ) and, with
+    ``reshard_after_forward``, again for backward (Ψ: 3Ψ per micro-batch with the reduce-scatter,
+    2Ψ without), and reduce-scatters the full gradients (Ψ); FSDP2 reduces on each backward, so
+    all of it repeats ``grad_accum_steps`` times. Ψ is FSDP2's padded size
+    (:func:`fsdp_padded_numel`). All-gather payload = the gathered size, reduce-scatter = the input.
     """
-    psi = stats.num_params
-    return psi * stats.param_bytes + psi * stats.grad_bytes + 8 * psi + 4 * stats.num_param_tensors
+    n = dp_degree
+    if n <= 1:
+        return CommEstimate(group_size=1)
+    psi = fsdp_padded_numel(stats, n)
+    gathers = 2 if reshard_after_forward else 1
+    a = grad_accum_steps
+    return CommEstimate(
+        payload_bytes={"allgather": gathers * psi * stats.param_bytes * a, "reduce_scatter": psi * stats.grad_bytes * a},
+        group_size=n,
+    )
+
+
+def zero_comm_volume(
+    stats: ModelStats, *, zero_stage: int, dp_degree: int, grad_accum_steps: int, stage3_keeps_gathered: bool = False
+) -> CommEstimate:
+    """DeepSpeed ZeRO payload bytes per rank per optimizer step, by collective, on the dp group.
+
+    Stage 0: all-reduce of the gradients (Ψ·grad_bytes, once per step). Stage 1: that all-reduce
+    at the boundary + an all-gather of the updated parameters. Stage 2: the all-reduce on every
+    micro-batch (DeepSpeed's bucketed all-reduce, not the paper's reduce-scatter) + the
+    all-gather. Stage 3: per micro-batch an all-gather for forward and (unless
+    ``stage3_keeps_gathered``) again for backward, and a reduce-scatter of the gradients
+    (ZeRO §7.2; DeepSpeed's behaviour as measured in ``plugins/deepspeed``).
+
+    Raises:
+        ValueError: ``zero_stage`` not in 0-3.
+    """
+    n, a = dp_degree, grad_accum_steps
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage} is not allowed; allowed: 0, 1, 2, 3")
+    if n <= 1:
+        return CommEstimate(group_size=1)
+    params = stats.num_params * stats.param_bytes
+    grads = stats.num_params * stats.grad_bytes
+    if zero_stage == 0:
+        payload = {"allreduce": grads}
+    elif zero_stage == 1:
+        payload = {"allreduce": grads, "allgather": params}
+    elif zero_stage == 2:
+        payload = {"allreduce": a * grads, "allgather": params}
+    else:
+        payload = {"allgather": a * params * (1 if stage3_keeps_gathered else 2), "reduce_scatter": a * grads}
+    return CommEstimate(payload_bytes=payload, group_size=n)
 
 
 # --- Tensor and pipeline parallelism (plugins/megatron) ---------------------------------------
@@ -187,18 +235,6 @@ def pp_p2p_bytes_per_step(
     """
     sends = sum((k != num_stages - 1) + (k != 0) for k in stage_ids)
     return sends * n_microbatches * micro_batch_size * seq_len * d_model * elem_bytes
-
-
-def pp_bubble_fraction(*, pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a pipeline step: ``(p-1) / (v·m + p - 1)``.
-
-    Narayanan et al. 2021 §2.2.1 (GPipe, 1F1B: bubble time / ideal time = ``(p-1)/m``) and
-    §2.2.2 (interleaved with ``v`` chunks per rank: ``(p-1)/(v·m)``), expressed as a fraction
-    of the whole step, ``x / (1 + x)``. Assumes equal forward/backward time in every stage.
-    """
-    if pp <= 1:
-        return 0.0
-    return (pp - 1) / (virtual_stages * n_microbatches + pp - 1)
 
 
 def sp_norm_grad_allreduce_bytes(*, n_layer: int, d_model: int, bias: bool, elem_bytes: int = 4) -> int:

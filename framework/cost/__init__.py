@@ -1,0 +1,16 @@
+"""trainlab's cost model: pure functions of a model shape, a layout, a batch and the hardware.
+
+One source of truth for what a layout costs. The parallelism plugins declare their modelled
+bytes with it (``comm_volume``, ``model_states_bytes``); the planner (:mod:`framework.plan`)
+searches layouts of a cluster with it; the studies set it beside measurement.
+
+- :mod:`.shape`        ModelShape: parameter counts by part, per layer, per TP rank
+- :mod:`.memory`       model-state bytes per rank (DDP, ZeRO-1/2/3, FSDP, TP, PP; fp32 / bf16)
+- :mod:`.activations`  activation memory per rank (Korthikanti et al. 2022, Table 2)
+- :mod:`.comm`         payload and ring wire bytes by collective (the plugins' figures)
+- :mod:`.collectives`  the planner's collectives of a layout by group and link
+- :mod:`.bubble`       pipeline bubble (GPipe, 1F1B, interleaved 1F1B) and micro-batches in flight
+- :mod:`.flops`        FLOPs per token and per step (PaLM App. B; Narayanan et al. eq. 3)
+- :mod:`.hardware`     cluster specs from ``conf/cluster/`` and the local CPU microbenchmark
+- :mod:`.steptime`     alpha-beta collective times, overlaps, step time, what-if
+"""

@@ -1,0 +1,87 @@
+"""Activation memory per rank (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", §4 and Table 2), 16-bit activations.
+
+Per layer and micro-batch (b sequences of s tokens, hidden h, a heads, TP degree t):
+
+=============================== =====================================
+no recompute, no TP             ``s·b·h·(34 + 5·a·s/h)``
+TP                              ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``
+TP + sequence parallel (SP)     ``s·b·h·(34/t + 5·a·s/(h·t))``
+selective recompute (+ SP)      the ``5·a·s/h`` term dropped: ``s·b·h·(10 + 24/t)`` (``34/t`` with SP)
+full recompute                  ``2·s·b·h`` (the layer input; ``/t`` with SP)
+=============================== =====================================
+
+The 34 splits (§4.1) into 10 not split by TP (layer-norm inputs 4, attention and MLP inputs 2
++ 2, two dropout masks 1 + 1) and 24 split by TP (Q, K 4, V 2, projection input 2, MLP
+activations 8 + 8). Derived generalisation for other shapes (exact on the paper's GPT, tested):
+Q 2h, K and V ``2·kv_dim`` each, projection input 2h, MLP ``4f`` (GELU: fc output + GELU
+output) or ``6f`` (SwiGLU: gate, up and their product), so the TP-split part is
+``4h + 4·kv_dim + 4f`` (or ``6f``) bytes per token.
+
+Not in Table 2 and added here: under full recompute, the backward of one layer rematerialises
+that layer's activations (one layer, one micro-batch, no-recompute size); the last stage holds
+the fp32 logits ``4·s·b·V/t`` of one micro-batch (the output layer's input and the
+cross-entropy); the first stage the embedding output ``2·s·b·h`` (+ dropout mask ``s·b·h``)
+per micro-batch in flight (§4.3).
+"""
+
+from __future__ import annotations
+
+from framework.cost.bubble import microbatches_in_flight
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
+                               recompute: str = "none") -> float:
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank (module table).
+
+    Args:
+        shape: a :class:`~framework.cost.shape.ModelShape` (h, a, f, kv heads, s).
+        micro_batch_size: b sequences.
+        tp: tensor-parallel degree t.
+        sequence_parallel: SP splits the non-TP part (norms, dropouts, layer inputs) by ``t``.
+        recompute: ``none`` | ``selective`` | ``full``.
+
+    Raises:
+        ValueError: unknown ``recompute``.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not allowed; allowed: {', '.join(RECOMPUTE)}")
+    s, b, h, a = shape.seq_len, micro_batch_size, shape.d_model, shape.n_head
+    sp_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return 2.0 * s * b * h / sp_div
+    mlp = (6 if shape.mlp == "swiglu" else 4) * shape.ff
+    split = 4 * h + 4 * shape.kv_dim + mlp  # bytes per token, divided by t
+    per_token = 10 * h / sp_div + split / tp
+    scores = 5.0 * a * s * s * b / tp if recompute == "none" else 0.0
+    return s * b * per_token + scores
+
+
+def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int, n_microbatches: int,
+                              sequence_parallel: bool, recompute: str, schedule: str = "1F1B",
+                              virtual_stages: int = 1) -> dict[str, float]:
+    """Peak activation bytes of the busiest rank, by part (module docstring).
+
+    The first stage holds ``L/p`` layers' activations for :func:`~framework.cost.bubble.microbatches_in_flight`
+    micro-batches (1F1B: ``min(p, m)``; GPipe: ``m``; interleaved: ``p·(1 + (p-1)/(p·v))``); with
+    ``pp == 1`` one micro-batch is in flight (gradient accumulation frees each micro-batch's
+    activations in its backward). Returns ``{"layers", "recompute_working", "embedding", "logits",
+    "total"}`` for the larger of the first and the last stage.
+    """
+    s, b, h = shape.seq_len, micro_batch_size, shape.d_model
+    per_layer = activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel,
+                                           recompute=recompute)
+    inflight = microbatches_in_flight(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
+    layers_per_stage = shape.n_layer / pp
+    working = (activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel)
+               if recompute == "full" else 0.0)
+    sp_div = tp if sequence_parallel else 1
+    embedding = 3.0 * s * b * h / sp_div
+    logits = 4.0 * s * b * shape.vocab_size / tp
+    first = {"layers": per_layer * layers_per_stage * inflight, "recompute_working": working,
+             "embedding": embedding * inflight, "logits": logits if pp == 1 else 0.0}
+    last = {"layers": per_layer * layers_per_stage * 1.0, "recompute_working": working, "embedding": 0.0, "logits": logits}
+    worst = max((first, last), key=lambda d: sum(d.values())) if pp > 1 else first
+    return {**worst, "total": sum(worst.values())}
