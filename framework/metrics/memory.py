@@ -128,9 +128,9 @@ def model_stats(module: torch.nn.Module) -> ModelStats:
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
-    """A trainable leaf (a parameter, FSDP's unsharded one included) or a view of one."""
-    base = t._base if t._base is not None else t
-    return base.is_leaf and base.requires_grad
+    """A parameter (FSDP's unsharded one and a DTensor parameter included) or a view of one (a Linear's
+    transposed weight). A leaf that is not a parameter (a pipeline stage's received activation) is an activation."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 class _Saved:

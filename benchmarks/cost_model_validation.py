@@ -1,0 +1,449 @@
+"""The cost model beside measurement, on every layout this machine holds (issue 15, item 5).
+
+Runs each layout (single, ddp, zero1-3, fsdp, tp2, pp2 x schedule x m, dp2xtp2, dp2xpp2,
+tp2xpp2) for a few steps of ``gpt_tiny`` (and, where it runs in reasonable time, ``gpt_50m``)
+through the driver, each under ``flock /tmp/trainlab-heavy.lock``, 1 thread per rank on the
+multi-rank layouts, and prints per layout predicted / measured:
+
+- comm payload bytes per step by kind (``perf/comm_bytes_<kind>`` vs the plugin's figure from
+  :mod:`framework.cost.comm`): must be exact;
+- model-state bytes per rank (``mem/model_states_bytes`` vs :mod:`framework.cost.memory`): 5%;
+- peak activation bytes per rank (``mem/activation_peak_bytes``, saved-tensor hooks, max over
+  ranks, vs :func:`gpt_activation_bytes`, Korthikanti et al. 2022 Table 2 adapted to trainlab's
+  GPT; the cost model's own 16-bit figure is printed beside it): 10%;
+- pipeline bubble (``perf/pp_bubble_frac`` vs :func:`bubble_with_handoff`: the schedule's idle
+  fraction with measured stage times and per-micro-batch hand-off): 0.05 absolute;
+- step time (``perf/step_time_s_mean`` vs :func:`step_time_s`): 20%; and the Spearman rank
+  correlation of predicted and measured step time over the layouts (>= 0.8).
+
+    python benchmarks/cost_model_validation.py [--models gpt_tiny gpt_50m]
+        [--layouts NAME ...] [--steps 6] [--workdir bench-cost-model] [--out FILE.md] [--reuse]
+        [--bubble-parts parts.json]
+
+It takes ``/tmp/trainlab-heavy.lock`` itself (once per model, for all its runs). ``--reuse`` reads
+the metrics of runs already in ``--workdir`` instead of running them again (no lock);
+``--bubble-parts`` is the JSON ``benchmarks/pp_bubble_parts.py --json`` wrote (measured stage
+times and hand-off per schedule and m: the bubble model's inputs).
+
+**Adapters** (marked ``ADAPTER``): the cost model (``framework/cost``) has no activation-byte
+width, dropout or fused-attention switch (Table 2 assumes 16-bit activations, dropout masks and
+the ``s x s`` score matrices), counts the embedding output and no final-norm / head input, divides
+the logits by ``t`` (our head is replicated) and keeps one micro-batch on the last stage under
+GPipe; and it has no step-time model yet. The functions below carry what this machine needs
+until it does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOCK = "/tmp/trainlab-heavy.lock"
+GLOBAL_BATCH = 16  # sequences per optimizer step, every layout (seq_len 128: 2,048 tokens)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One run: plugin, degrees, schedule and micro-batching at the global batch of 16 sequences."""
+
+    name: str
+    plugin: str
+    world: int
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    v: int = 1
+    m: int = 1  # micro-batches per optimizer step per rank (grad_accum_steps / pipeline micro-batches)
+    extra: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return GLOBAL_BATCH // (self.dp * self.m)
+
+    def overrides(self) -> list[str]:
+        o = [f"parallelism={self.plugin}", f"trainer.micro_batch_size={self.micro_batch_size}",
+             f"trainer.global_batch_size={GLOBAL_BATCH}", "trainer.grad_accum_steps=null"]
+        if self.plugin != "single":
+            o.append(f"parallelism.world_size={self.world}")
+        if self.plugin in ("tp", "pp"):
+            o += [f"parallelism.tp_degree={self.tp}", f"parallelism.pp_degree={self.pp}",
+                  f"parallelism.schedule={self.schedule}", f"parallelism.virtual_stages={self.v}"]
+        if self.world > 2:
+            o.append("trainer.threads_per_rank=1")  # 4 ranks on 2 cores: ranks x threads <= 4 (oversubscribed 2x)
+        return o + list(self.extra)
+
+
+def layouts() -> list[Layout]:
+    """Every layout a 2-core machine holds at 2 or 4 ranks (see the module docstring)."""
+    out = [Layout("single", "single", 1, m=2), Layout("ddp", "ddp", 2, dp=2),
+           Layout("zero1", "zero1", 2, dp=2), Layout("zero2", "zero2", 2, dp=2), Layout("zero3", "zero3", 2, dp=2),
+           Layout("fsdp", "fsdp", 2, dp=2), Layout("tp2", "tp", 2, tp=2, m=2)]
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        for m in (2, 4, 8):
+            out.append(Layout(f"pp2-{schedule}-m{m}", "pp", 2, pp=2, schedule=schedule, v=v, m=m))
+    out += [Layout("dp2tp2", "tp", 4, dp=2, tp=2), Layout("dp2pp2", "pp", 4, dp=2, pp=2, m=4),
+            Layout("tp2pp2", "pp", 4, tp=2, pp=2, m=4)]
+    return out
+
+
+# gpt_50m (~60M parameters) takes ~10-30 s per step per layout on 2 cores: a subset, 4 steps.
+GPT50M_LAYOUTS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp2", "pp2-gpipe-m4", "pp2-1f1b-m4",
+                  "pp2-interleaved_1f1b-m4", "dp2tp2", "dp2pp2", "tp2pp2")
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+def run_layout(model: str, lay: Layout, *, steps: int, warmup: int, work: Path, reuse: bool) -> dict:
+    """Train ``lay`` for ``steps`` steps (the caller holds the heavy-job lock); returns the run's last value of each metric."""
+    name = f"{model}-{lay.name}"
+    run_dir = work / "outputs" / "default" / name
+    metrics = run_dir / "metrics.jsonl"
+    if not (reuse and metrics.exists()):
+        cmd = [sys.executable, "-m", "framework.train", f"model={model}", *lay.overrides(),
+               "checkpoint=none", "tracking=none", "trainer.progress_bar=false", f"trainer.max_steps={steps}",
+               f"trainer.log_every_n_steps={steps}", f"trainer.warmup_steps_excluded={warmup}", "trainer.val_sequences=8",
+               "trainer.val_every_n_steps=1000", "resume=never", f"run_name={name}"]
+        if metrics.exists():
+            metrics.unlink()
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        done = subprocess.run(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if done.returncode != 0:
+            print(done.stdout[-3000:], file=sys.stderr)
+            raise RuntimeError(f"{name}: exit code {done.returncode}")
+    out: dict = {}
+    for line in metrics.read_text().splitlines():
+        out.update(json.loads(line))
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        out.update(json.loads(summary.read_text()))
+    return out
+
+
+# -- ADAPTER: activation memory of trainlab's GPT ---------------------------------------------------
+
+def gpt_activation_bytes(*, n_layer: int, d_model: int, n_head: int, d_ff: int, vocab: int, seq_len: int,
+                         micro_batch_size: int, tp: int = 1, act_bytes: int = 4) -> dict[str, float]:
+    """Bytes trainlab's GPT saves for backward per micro-batch, by part (fp32, no dropout, fused attention).
+
+    Korthikanti et al. 2022 §4.1 / Table 2 (``s·b·h·(34 + 5·a·s/h)`` at 2 bytes) adapted, per layer
+    (s tokens, b sequences, h hidden, a heads, f MLP width, e = ``act_bytes``, t = TP degree):
+
+    - not split by TP: the two LayerNorm inputs ``2·e·sbh``, the attention and MLP inputs (the
+      LayerNorm outputs the QKV and fc GEMMs keep) ``2·e·sbh``; LayerNorm mean and rstd
+      ``2·2·4·sb`` (fp32; not in Table 2);
+    - split by TP: Q, K, V (one ``qkv`` output) ``3·e·sbh/t``, the attention output (= the
+      projection input: CPU flash attention writes ``[b, s, a, d]``, so the reshape is a view)
+      ``e·sbh/t``, the GELU input and output ``2·e·sbf/t``, the attention's log-sum-exp
+      ``4·b·a·s/t`` (fp32);
+    - not held: the ``5·a·s²·b`` softmax / score terms (fused attention keeps no ``s x s`` matrix)
+      and the dropout masks ``2·sbh`` (``dropout=0``).
+
+    Table 2's ``34`` = 2 x 16 elements + 2 mask bytes; our 16 elements are the same tensors.
+    Outside the layers: first stage, the token ids and positions (int64, ``8·sb + 8·s``); last
+    stage, ``ln_f``'s input and stats ``e·sbh + 8·sb``, the head's input ``e·sbh``, the fp32
+    ``log_softmax`` output ``4·sbV`` (the head is replicated under TP: not divided), and the
+    targets ``8·sb`` and the loss's weight sum (4 bytes).
+
+    Returns ``{"layer", "first_extra", "last_extra"}`` in bytes.
+    """
+    s, b, h, a, f, e, t = seq_len, micro_batch_size, d_model, n_head, d_ff, act_bytes, tp
+    layer = 4 * e * s * b * h + 16 * s * b + (4 * e * s * b * h + 2 * e * s * b * f + 4 * b * a * s) / t
+    first_extra = 8 * s * b + 8 * s
+    last_extra = 2 * e * s * b * h + 8 * s * b + 4 * s * b * vocab + 8 * s * b + 4
+    return {"layer": layer, "first_extra": first_extra, "last_extra": last_extra}
+
+
+def inflight(schedule: str, *, pp: int, m: int, v: int, stage: int) -> float:
+    """Micro-batches a pipeline rank holds at its peak, in units of one micro-batch through its ``L/p`` layers.
+
+    GPipe: every stage runs all ``m`` forwards before any backward. 1F1B: stage ``k`` warms up
+    with ``p - k`` forwards (at most ``m``). Interleaved (torch's ``ScheduleInterleaved1F1B``, ``v``
+    chunks of ``L/(p·v)`` layers): rank ``k`` warms up with ``(v-1)·p + 2·(p-1-k)`` chunk forwards, +1
+    for its first 1F1B forward, at most ``v·m``; divided by ``v`` to count in ``L/p`` units.
+    """
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(pp - stage, m))
+    chunks = min((v - 1) * pp + 2 * (pp - 1 - stage) + 1, v * m)
+    return chunks / v
+
+
+def predicted_activation_bytes(cfg: dict, lay: Layout) -> float:
+    """The largest pipeline rank's peak activation bytes (max over stages)."""
+    b = lay.micro_batch_size
+    parts = gpt_activation_bytes(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], d_ff=cfg["d_ff"],
+                                 vocab=cfg["vocab"], seq_len=cfg["seq_len"], micro_batch_size=b, tp=lay.tp)
+    best = 0.0
+    for stage in range(lay.pp):
+        n = inflight(lay.schedule, pp=lay.pp, m=lay.m, v=lay.v, stage=stage)
+        layers = cfg["n_layer"] / lay.pp
+        total = parts["layer"] * layers * n
+        if stage == 0:
+            total += parts["first_extra"] * math.ceil(n)
+        if stage == lay.pp - 1:
+            total += parts["last_extra"] * (math.ceil(n) if lay.schedule == "gpipe" else 1)
+        best = max(best, total)
+    return best
+
+
+def cost_model_activation_bytes(cfg: dict, lay: Layout) -> float:
+    """The cost model's own figure (:func:`framework.cost.activations.activation_bytes_per_rank`, 16-bit)."""
+    from framework.cost.activations import activation_bytes_per_rank
+    from framework.cost.shape import ModelShape
+
+    shape = ModelShape(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
+                       seq_len=cfg["seq_len"], d_ff=cfg["d_ff"])
+    sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[lay.schedule]
+    return activation_bytes_per_rank(shape, micro_batch_size=lay.micro_batch_size, tp=lay.tp, pp=lay.pp, n_microbatches=lay.m,
+                                     sequence_parallel=False, recompute="none", schedule=sched, virtual_stages=lay.v)["total"]
+
+
+# -- ADAPTER: step time on this machine -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Machine:
+    """What the step-time adapter reads: GEMM FLOP/s of one rank at 1 and 2 threads, cores, gloo (alpha_s, bytes/s) per kind."""
+
+    gemm_flops: dict[int, float]
+    cores: int
+    links: dict[str, tuple[float, float]]
+
+
+def machine(cache_dir: Path) -> Machine:
+    """This machine's figures: GEMM rates (:func:`framework.metrics.flops.peak_flops`, cached) and gloo's alpha/beta
+    (:func:`framework.cost.hardware.load_or_measure_local_cpu` when the cost model has it; else none: comm costs 0)."""
+    import torch
+
+    from framework.metrics.flops import peak_flops
+
+    rates = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        rates[threads] = peak_flops(torch.device("cpu"), dtype="fp32", threads=threads, cache_dir=str(cache_dir))[0]
+    links: dict[str, tuple[float, float]] = {}
+    try:
+        from framework.cost.hardware import load_or_measure_local_cpu
+
+        links = {k: (float(a), float(b)) for k, (a, b) in load_or_measure_local_cpu(str(cache_dir), ranks=2)["links"].items()}
+    except ImportError:
+        pass
+    return Machine(gemm_flops=rates, cores=os.cpu_count() or 2, links=links)
+
+
+def stage_flops_per_token(cfg: dict, lay: Layout) -> list[float]:
+    """Training FLOPs per token of each pipeline rank's work on one TP rank (6N + 12·L·h·s, PaLM App. B, split by part):
+    blocks ``(6·N_block + 12·h·s)`` per layer divided by ``t``; the head ``6·h·V`` on the last stage, not divided
+    (our head is replicated under TP)."""
+    h, f, s, V, L = cfg["d_model"], cfg["d_ff"], cfg["seq_len"], cfg["vocab"], cfg["n_layer"]
+    n_block = 4 * h * h + 2 * h * f + 9 * h + f  # qkv, proj, fc, proj weights + biases + 2 LayerNorms
+    per_layer = (6 * n_block + 12 * h * s) / lay.tp
+    head = 6 * h * V
+    out = []
+    for stage in range(lay.pp):
+        x = per_layer * L / lay.pp
+        if stage == lay.pp - 1:
+            x += head
+        out.append(x)
+    return out
+
+
+def step_time_s(cfg: dict, lay: Layout, mach: Machine, comm_payload: dict[str, float], *, efficiency: float = 1.0,
+                bubble_parts: dict | None = None) -> float:
+    """Predicted seconds per optimizer step (ADAPTER until the cost model's step-time model lands).
+
+    compute: FLOPs of the busiest rank / (GEMM rate at its thread count x ``efficiency`` x core share), the core
+    share ``min(1, cores / (ranks x threads))`` (4 ranks on 2 cores run at half speed); comm: every collective
+    exposed (gloo's transfers run on the same cores as compute), ``sum over kinds of n·alpha + wire / bw``;
+    pipeline: the busiest rank's wall from :func:`benchmarks.pp_bubble_parts.pipeline_walls` with stage times in
+    proportion to their FLOPs, the measured hand-off ``c`` and loss share (``bubble_parts``).
+    """
+    threads = 2 if lay.world == 1 else max(1, mach.cores // lay.world)
+    share = min(1.0, mach.cores / (lay.world * threads))
+    rate = mach.gemm_flops[min(threads, 2)] * efficiency * share
+    tokens_rank = GLOBAL_BATCH * cfg["seq_len"] / lay.dp
+    per_stage = [tokens_rank * x / rate for x in stage_flops_per_token(cfg, lay)]  # seconds per step per stage
+    comm = 0.0
+    for kind, payload in comm_payload.items():
+        if kind in mach.links and payload > 0:
+            alpha, bw = mach.links[kind]
+            n_group = 2
+            wire = payload * (2 * (n_group - 1) / n_group if kind == "allreduce" else 1.0)
+            comm += _collectives_per_step(kind, cfg, lay) * alpha + wire / bw
+    if lay.pp == 1:
+        return per_stage[0] + comm
+    from benchmarks.pp_bubble_parts import pipeline_walls, schedule_orders
+
+    c = bubble_parts.get("handoff_s", 0.0) if bubble_parts else 0.0
+    if lay.schedule == "interleaved_1f1b" or lay.pp != 2:
+        walls = max(per_stage) * (lay.v * lay.m + lay.pp - 1) / (lay.v * lay.m)  # the cost model's bubble, busiest stage
+        return walls + comm
+    m = lay.m
+    dur = {}
+    for st in range(lay.pp):
+        dur[("F", st)] = per_stage[st] / m / 3
+        dur[("B", st)] = per_stage[st] / m * 2 / 3
+        dur[("L", st)] = 0.0
+    return max(w for _, w in pipeline_walls(schedule_orders(lay.schedule, pp=lay.pp, m=m), dur=dur, handoff_s=c, gap_s=0.0,
+                                            pp=lay.pp)) + comm
+
+
+def _collectives_per_step(kind: str, cfg: dict, lay: Layout) -> int:
+    """Calls of one kind per step (for the alpha term): TP 4 all-reduces per layer per micro-batch; FSDP/ZeRO-3 an
+    all-gather twice and a reduce-scatter once per block per micro-batch; PP two sends per micro-batch per boundary;
+    otherwise one bucket."""
+    L, m = cfg["n_layer"], lay.m
+    if kind == "allreduce" and lay.tp > 1:
+        return 4 * L * m // lay.pp
+    if kind in ("allgather", "reduce_scatter") and lay.plugin in ("fsdp", "zero3") or (lay.dp > 1 and lay.plugin in ("tp", "pp")):
+        return (2 if kind == "allgather" else 1) * (L + 1) * m
+    if kind == "p2p":
+        return 2 * m * lay.v
+    return 1
+
+
+# -- the table --------------------------------------------------------------------------------------
+
+def _model_cfg(model: str) -> dict:
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / f"{model}.yaml")
+    return {"n_layer": conf.n_layer, "d_model": conf.d_model, "n_head": conf.n_head, "d_ff": conf.d_ff or 4 * conf.d_model,
+            "vocab": conf.vocab_size or 4096, "seq_len": 128}
+
+
+def _spearman(x: list[float], y: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def _row(model: str, lay: Layout, r: dict, mach: Machine, bubble_parts: dict) -> dict:
+    """Predicted and measured figures of one run."""
+    from framework.cost.bubble import pp_bubble_fraction
+
+    cfg = _model_cfg(model)
+    kinds = sorted({k[len("perf/comm_bytes_"):-len("_model")] for k in r
+                    if k.startswith("perf/comm_bytes_") and k.endswith("_model")} - {"wire"})
+    comm = {k: (r.get(f"perf/comm_bytes_{k}", 0.0), r[f"perf/comm_bytes_{k}_model"]) for k in kinds}
+    parts = bubble_parts.get(model, {}).get(f"{lay.schedule}-m{lay.m}") if lay.pp > 1 else None
+    row = {"model": model, "layout": lay.name, "lay": lay, "comm": comm,
+           "states": (r["mem/model_states_bytes"], r["mem/model_states_bytes_model"]),
+           "act": (r.get("mem/activation_peak_bytes", float("nan")), predicted_activation_bytes(cfg, lay)),
+           "act_cost_model": cost_model_activation_bytes(cfg, lay),
+           "step": (r.get("perf/step_time_s_mean", float("nan")),
+                    step_time_s(cfg, lay, mach, {k: v[0] for k, v in comm.items()}, bubble_parts=parts))}
+    if lay.pp > 1:
+        modelled = parts["model"] if parts and lay.dp == 1 and lay.tp == 1 else float("nan")
+        row["bubble"] = (r.get("perf/pp_bubble_frac", float("nan")), pp_bubble_fraction(pp=lay.pp, n_microbatches=lay.m, virtual_stages=lay.v),
+                         modelled)
+    return row
+
+
+def report(results: list, *, mach: Machine, bubble_parts: dict) -> str:
+    """The markdown table of predicted / measured per layout, the misses, and the rank correlation per model."""
+    rows = [_row(model, lay, r, mach, bubble_parts) for model, lay, r in results]
+    cal = {}
+    for row in rows:
+        if row["layout"] == "single":
+            cal[row["model"]] = row["step"][0] / row["step"][1]
+    lines = ["| model | layout | comm payload bytes/step, measured (= model unless shown) | model states MiB meas / model "
+             "| activations MiB meas / model (err) [cost model, 16-bit] | bubble meas / formula / model "
+             "| step s meas / model (err) / calibrated (err) |", "|" + "---|" * 7]
+    misses: list[str] = []
+    for row in rows:
+        name = f"{row['model']} {row['layout']}"
+        comm = ", ".join(f"{k} {m:,.0f}" + ("" if m == p else f" != {p:,.0f}") for k, (m, p) in row["comm"].items()) or "none"
+        if any(m != p for m, p in row["comm"].values()):
+            misses.append(f"{name}: comm bytes not exact")
+        sm, sp = row["states"]
+        if abs(sm - sp) > 0.05 * sp:
+            misses.append(f"{name}: model states {sm:,.0f} vs {sp:,.0f} ({sm / sp - 1:+.1%})")
+        am, ap = row["act"]
+        if not abs(am / ap - 1) <= 0.10:
+            misses.append(f"{name}: activations {am:,.0f} vs {ap:,.0f} ({am / ap - 1:+.1%})")
+        bub = "-"
+        if "bubble" in row:
+            bm, bf, bp = row["bubble"]
+            bub = f"{bm:.3f} / {bf:.3f} / " + ("-" if bp != bp else f"{bp:.3f}")
+            if not abs(bm - bp) <= 0.05:
+                misses.append(f"{name}: bubble {bm:.3f} vs model " + ("(none)" if bp != bp else f"{bp:.3f}"))
+        tm, tp = row["step"]
+        tc = tp * cal.get(row["model"], float("nan"))
+        if not abs(tm / tc - 1) <= 0.20:
+            misses.append(f"{name}: step time {tm:.3f} s vs calibrated {tc:.3f} s ({tm / tc - 1:+.0%})")
+        lines.append(f"| {row['model']} | {row['layout']} | {comm} | {_mib(sm)} / {_mib(sp)} | {_mib(am)} / {_mib(ap)} "
+                     f"({am / ap - 1:+.1%}) [{_mib(row['act_cost_model'])}] | {bub} | {tm:.3f} / {tp:.3f} ({tm / tp - 1:+.0%}) / "
+                     f"{tc:.3f} ({tm / tc - 1:+.0%}) |")
+    out = "\n".join(lines) + "\n"
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model and r["step"][0] == r["step"][0]]
+        if len(mine) > 2:
+            rho = _spearman([r["step"][1] for r in mine], [r["step"][0] for r in mine])
+            out += (f"\n{model}: Spearman rank correlation of predicted and measured step time over {len(mine)} layouts: "
+                    f"{rho:.2f}; calibrated = model x {cal.get(model, float('nan')):.2f} (measured / model of single)")
+    return out + "\n\nMisses:\n" + ("\n".join(f"- {x}" for x in misses) if misses else "- none") + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["gpt_tiny", "gpt_50m"])
+    parser.add_argument("--layouts", nargs="*", default=None, help="layout names (default: all)")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per gpt_tiny run (gpt_50m: 4)")
+    parser.add_argument("--workdir", default="bench-cost-model")
+    parser.add_argument("--out", default=None, help="also write the table as markdown here")
+    parser.add_argument("--reuse", action="store_true", help="read runs already in --workdir")
+    parser.add_argument("--bubble-parts", default=None,
+                        help="JSON from pp_bubble_parts.py --json-by-model: {model: {schedule-mM: {model, handoff_s, ...}}}")
+    args = parser.parse_args()
+    work = Path(args.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for model in args.models:
+        steps, warmup = (args.steps, 2) if model == "gpt_tiny" else (4, 1)
+        todo = [lay for lay in layouts() if (not args.layouts or lay.name in args.layouts)
+                and (model != "gpt_50m" or lay.name in GPT50M_LAYOUTS)]
+        with open(LOCK, "a") as lock:  # one model's runs back to back, one heavy job at a time on the machine
+            if not args.reuse:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            for lay in todo:
+                print(f"running {model} {lay.name} ...", file=sys.stderr, flush=True)
+                results.append((model, lay, run_layout(model, lay, steps=steps, warmup=warmup, work=work, reuse=args.reuse)))
+    mach = machine(work / ".cache" / "trainlab")
+    parts = json.loads(Path(args.bubble_parts).read_text()) if args.bubble_parts else {}
+    text = report(results, mach=mach, bubble_parts=parts)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
