@@ -33,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPES = {  # (n_layer, d_model, n_head, micro-batch of 16 sequences at m=?, vocab, seq_len)
+SHAPES = {  # micro-batch = global_batch / m, or fixed (micro_batch)
     "gpt_tiny": dict(n_layer=4, d_model=128, n_head=4, vocab=4096, seq_len=128, global_batch=16),  # the validation's runs
-    "gpt_50m": dict(n_layer=8, d_model=768, n_head=12, vocab=4096, seq_len=128, global_batch=16),
+    "gpt_50m": dict(n_layer=8, d_model=768, n_head=12, vocab=4096, seq_len=128, global_batch=8),  # the validation's gpt_50m runs
     "bench": dict(n_layer=8, d_model=256, n_head=8, vocab=4096, seq_len=128, micro_batch=2),  # benchmarks/pp_bubble.py
 }
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
@@ -283,6 +283,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt_tiny")
     parser.add_argument("--steps", type=int, default=6, help="steps per run; the first 2 are warm-up")
     parser.add_argument("--m", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--schedules", nargs="+", default=[name for name, _ in SCHEDULES])
     parser.add_argument("--json", default=None, help="write the parts of every run here")
     args = parser.parse_args()
     from framework.cost.bubble import pp_bubble_fraction
@@ -293,6 +294,8 @@ def main() -> None:
           f"{'measured':>8s} {'r0':>5s} {'r1':>5s} | {'f0 ms':>6s} {'b0 ms':>6s} {'f1 ms':>6s} {'b1 ms':>6s} {'loss':>5s} "
           f"{'c ms':>5s} {'gap':>5s} {'head':>5s} {'tail':>5s}")
     for schedule, v in SCHEDULES:
+        if schedule not in args.schedules:
+            continue
         for m in args.m:
             runs = measure(shape, schedule, v, m, args.steps)
             p = parts(runs, warmup=2)
