@@ -41,6 +41,12 @@ class ModelConfig:
     bias: bool = True  # biases in Linear and LayerNorm
     init_std: float = 0.02  # std of the normal init (GPT-2)
     activation_checkpointing: bool = False  # recompute each block's forward in backward (torch.utils.checkpoint): less memory, +1 forward
+    # Shape keys of published models that the planner (python -m framework.plan) sizes; trainlab's
+    # GPT trains only the defaults (framework/config/validate.py rejects others before a rank starts).
+    n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention); None = n_head
+    mlp: str = "gelu"  # gelu (2 matrices h x d_ff) | swiglu (3 matrices; planning only)
+    tied_embeddings: bool = True  # output head = token embedding; False = an untied head (planning only)
+    learned_positions: bool = True  # learned position embedding; False = rotary (planning only)
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model", "max_seq_len"):
@@ -55,6 +61,11 @@ class ModelConfig:
             f"model.vocab_size={self.vocab_size} must be > 0 or null (= tokenizer size)",
         )
         _require(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
+        _require(self.mlp in ("gelu", "swiglu"), f"model.mlp={self.mlp!r} is not allowed; allowed: gelu, swiglu")
+        _require(
+            self.n_kv_head is None or (self.n_kv_head > 0 and self.n_head % self.n_kv_head == 0),
+            f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} (or be null)",
+        )
 
 
 DATA_SOURCES = ("stdlib_code", "text_files", "jsonl")

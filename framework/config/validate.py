@@ -93,6 +93,11 @@ def validate(run: RunConfig) -> ResolvedRun:
                 dp_degree=layout.dp,
             )
         )
+    planning_only = {"n_kv_head": None, "mlp": "gelu", "tied_embeddings": True, "learned_positions": True}
+    for key, default in planning_only.items():
+        if getattr(run.model, key) != default:
+            errors.append(f"model.{key}={getattr(run.model, key)!r} is a planning shape (python -m framework.plan);"
+                          f" trainlab's GPT trains only model.{key}={default!r}")
     if run.data.seq_len > run.model.max_seq_len:
         errors.append(f"data.seq_len={run.data.seq_len} is longer than model.max_seq_len={run.model.max_seq_len}")
     if run.model.vocab_size is not None and run.model.vocab_size < run.data.vocab_size:

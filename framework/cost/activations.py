@@ -18,10 +18,17 @@ Q 2h, K and V ``2·kv_dim`` each, projection input 2h, MLP ``4f`` (GELU: fc outp
 output) or ``6f`` (SwiGLU: gate, up and their product), so the TP-split part is
 ``4h + 4·kv_dim + 4f`` (or ``6f``) bytes per token.
 
+Element size and dropout (derived from the same §4.1 accounting, parameters ``act_bytes`` and
+``dropout``): with ``e``-byte activations and 1-byte dropout masks the non-TP part is
+``(4h)·e + 2h`` (layer-norm inputs 2h, attention and MLP inputs h + h, two masks), the TP part
+``(2h + 2·kv_dim + 2f (3f SwiGLU))·e`` and the scores ``a·s·(2e + 1)`` per token (softmax
+output, its dropout mask and output); without dropout the masks and the dropout output go:
+``4h·e`` and ``a·s·e``. ``e = 2`` with dropout is Table 2.
+
 Not in Table 2 and added here: under full recompute, the backward of one layer rematerialises
 that layer's activations (one layer, one micro-batch, no-recompute size); the last stage holds
 the fp32 logits ``4·s·b·V/t`` of one micro-batch (the output layer's input and the
-cross-entropy); the first stage the embedding output ``2·s·b·h`` (+ dropout mask ``s·b·h``)
+cross-entropy); the first stage the embedding output ``e·s·b·h`` (+ dropout mask ``s·b·h``)
 per micro-batch in flight (§4.3).
 """
 
@@ -33,7 +40,7 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none") -> float:
+                               recompute: str = "none", act_bytes: int = 2, dropout: bool = True) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank (module table).
 
     Args:
@@ -42,6 +49,8 @@ def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, seq
         tp: tensor-parallel degree t.
         sequence_parallel: SP splits the non-TP part (norms, dropouts, layer inputs) by ``t``.
         recompute: ``none`` | ``selective`` | ``full``.
+        act_bytes: bytes per activation element (2: bf16/fp16, Table 2; 4: fp32).
+        dropout: dropout layers keep 1-byte masks (Table 2); False = no dropout (p = 0).
 
     Raises:
         ValueError: unknown ``recompute``.
@@ -50,18 +59,20 @@ def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, seq
         raise ValueError(f"recompute={recompute!r} is not allowed; allowed: {', '.join(RECOMPUTE)}")
     s, b, h, a = shape.seq_len, micro_batch_size, shape.d_model, shape.n_head
     sp_div = tp if sequence_parallel else 1
+    e = act_bytes
     if recompute == "full":
-        return 2.0 * s * b * h / sp_div
-    mlp = (6 if shape.mlp == "swiglu" else 4) * shape.ff
-    split = 4 * h + 4 * shape.kv_dim + mlp  # bytes per token, divided by t
-    per_token = 10 * h / sp_div + split / tp
-    scores = 5.0 * a * s * s * b / tp if recompute == "none" else 0.0
+        return float(e) * s * b * h / sp_div
+    mlp = (3 if shape.mlp == "swiglu" else 2) * shape.ff
+    split = (2 * h + 2 * shape.kv_dim + mlp) * e  # bytes per token, divided by t
+    unsplit = 4 * h * e + (2 * h if dropout else 0)
+    per_token = unsplit / sp_div + split / tp
+    scores = a * s * s * b * (2 * e + 1 if dropout else e) / tp if recompute == "none" else 0.0
     return s * b * per_token + scores
 
 
 def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int, n_microbatches: int,
                               sequence_parallel: bool, recompute: str, schedule: str = "1F1B",
-                              virtual_stages: int = 1) -> dict[str, float]:
+                              virtual_stages: int = 1, act_bytes: int = 2, dropout: bool = True) -> dict[str, float]:
     """Peak activation bytes of the busiest rank, by part (module docstring).
 
     The first stage holds ``L/p`` layers' activations for :func:`~framework.cost.bubble.microbatches_in_flight`
@@ -71,14 +82,15 @@ def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int,
     "total"}`` for the larger of the first and the last stage.
     """
     s, b, h = shape.seq_len, micro_batch_size, shape.d_model
+    kw = dict(act_bytes=act_bytes, dropout=dropout)
     per_layer = activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel,
-                                           recompute=recompute)
+                                           recompute=recompute, **kw)
     inflight = microbatches_in_flight(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
-    layers_per_stage = shape.n_layer / pp
-    working = (activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel)
+    layers_per_stage = -(-shape.n_layer // pp)  # the busiest stage: ceil(L/p)
+    working = (activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel, **kw)
                if recompute == "full" else 0.0)
     sp_div = tp if sequence_parallel else 1
-    embedding = 3.0 * s * b * h / sp_div
+    embedding = (act_bytes + (1 if dropout else 0)) * s * b * h / sp_div
     logits = 4.0 * s * b * shape.vocab_size / tp
     first = {"layers": per_layer * layers_per_stage * inflight, "recompute_working": working,
              "embedding": embedding * inflight, "logits": logits if pp == 1 else 0.0}

@@ -121,16 +121,21 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
+def stage_layers(n_layer: int, pp: int) -> int:
+    """Layers of the busiest pipeline stage: ``ceil(L/p)`` (uneven splits put the remainder on some stages)."""
+    return -(-n_layer // pp)
+
+
 def stage_params(shape, *, tp: int, pp: int, stage: int) -> float:
     """Parameters one rank of pipeline ``stage`` (of ``pp``) holds under TP degree ``tp``.
 
-    Layers ``L/p`` each (:meth:`ModelShape.layer_params`); the first stage adds the token (and
+    Layers ``ceil(L/p)`` (:func:`stage_layers`) (:meth:`ModelShape.layer_params`); the first stage adds the token (and
     position) embedding, vocab-parallel over ``tp``; the last stage the final norm and the
     output head (a tied head is a second copy of the embedding there when ``pp > 1``, as in
     Megatron and trainlab's pipeline).
     """
     sharded, replicated = shape.layer_params(tp)
-    n = shape.n_layer / pp * (sharded + replicated)
+    n = stage_layers(shape.n_layer, pp) * (sharded + replicated)
     if stage == 0:
         n += shape.embedding_params() / tp
     if stage == pp - 1:

@@ -29,6 +29,7 @@ class ModelShape:
         tied_embeddings: the output head is the token embedding (counted once).
         learned_positions: a learned ``max_seq_len x h`` position embedding (GPT-2); False = rotary.
         max_seq_len: rows of the learned position embedding (None = ``seq_len``).
+        dropout: the model applies dropout (its masks are activation memory; Korthikanti Table 2 assumes it).
     """
 
     n_layer: int
@@ -43,6 +44,7 @@ class ModelShape:
     tied_embeddings: bool = True
     learned_positions: bool = True
     max_seq_len: Optional[int] = None
+    dropout: bool = True
 
     def __post_init__(self) -> None:
         if self.mlp not in ("gelu", "swiglu"):
@@ -117,4 +119,5 @@ class ModelShape:
             d_ff=cfg.d_ff, n_kv_head=getattr(cfg, "n_kv_head", None), mlp=getattr(cfg, "mlp", "gelu"), bias=cfg.bias,
             tied_embeddings=getattr(cfg, "tied_embeddings", True),
             learned_positions=getattr(cfg, "learned_positions", True), max_seq_len=cfg.max_seq_len,
+            dropout=cfg.dropout > 0,
         )

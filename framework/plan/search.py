@@ -1,0 +1,161 @@
+"""Enumerate the layouts of a cluster and price each with the cost model.
+
+Candidates: TP a power of two up to a node that divides the heads (and the KV heads); PP a
+divisor of the layers or a power of two (uneven stages: the busiest holds ``ceil(L/p)``); DP = world / (TP·PP) dividing the global batch; a micro-batch size
+dividing the per-replica batch; for PP > 1 each schedule (interleaved: ``v`` chunks with
+``L % (p·v) == 0`` and ``m % p == 0``, Narayanan et al. 2021 §2.2.2); DP sharding none/ZeRO-1/2/3
+(only for DP > 1); recompute none/selective/full; SP with TP > 1. A layout that does not fit the
+usable memory per GPU is dropped with its overshoot; the rest are ranked by step time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from framework.cost.estimate import Estimate, estimate
+from framework.cost.layout import PlanLayout
+from framework.cost.steptime import StepTimeParams
+
+
+class PlanError(ValueError):
+    """Bad planning input (one line)."""
+
+
+@dataclass
+class SearchSpace:
+    """What to enumerate (``conf/plan.yaml`` ``plan.*``)."""
+
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    tp_degrees: Optional[tuple[int, ...]] = None
+    pp_degrees: Optional[tuple[int, ...]] = None
+    virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
+    schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "GPipe")
+    dp_sharding: tuple[str, ...] = ("none", "zero1", "zero2", "zero3")
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    precision: str = "bf16"
+
+
+@dataclass
+class SearchResult:
+    """Ranked fitting estimates, the smallest non-fitting one, and how many were dropped why."""
+
+    fitting: list[Estimate]
+    closest_miss: Optional[Estimate]
+    dropped: dict[str, int] = field(default_factory=dict)
+    evaluated: int = 0
+
+
+def degree_candidates(shape, world: int, gpus_per_node: int, space: SearchSpace) -> list[tuple[int, int, int]]:
+    """``(tp, pp, dp)`` with ``tp·pp·dp == world`` (TP within a node, dividing heads and KV heads;
+    PP dividing the layers)."""
+    tps = space.tp_degrees or tuple(2**i for i in range(0, 8) if 2**i <= gpus_per_node)
+    tps = [t for t in tps if shape.n_head % t == 0 and (shape.kv_heads % t == 0 or t % shape.kv_heads == 0) and world % t == 0]
+    out = []
+    for t in tps:
+        pps = space.pp_degrees or tuple(sorted({p for p in range(1, shape.n_layer + 1) if shape.n_layer % p == 0}
+                                                | {2**i for i in range(1, 12) if 2**i <= shape.n_layer // 2}))
+        for p in pps:
+            if (world // t) % p == 0 and p <= shape.n_layer:
+                out.append((t, p, world // (t * p)))
+    return out
+
+
+def enumerate_layouts(shape, world: int, global_batch_size: int, gpus_per_node: int, space: SearchSpace,
+                      dropped: dict[str, int]) -> list[PlanLayout]:
+    """Every valid :class:`~framework.cost.layout.PlanLayout` (module docstring); counts what does not divide in ``dropped``."""
+    out = []
+    for t, p, d in degree_candidates(shape, world, gpus_per_node, space):
+        if global_batch_size % d:
+            dropped["dp does not divide global batch"] = dropped.get("dp does not divide global batch", 0) + 1
+            continue
+        per_replica = global_batch_size // d
+        for b in space.micro_batch_sizes:
+            if per_replica % b:
+                dropped["micro-batch does not divide"] = dropped.get("micro-batch does not divide", 0) + 1
+                continue
+            m = per_replica // b
+            scheds: list[tuple[str, int]] = [("1F1B", 1)]
+            if p > 1:
+                scheds = [(s, 1) for s in space.schedules if s != "Interleaved1F1B"]
+                if "Interleaved1F1B" in space.schedules and m % p == 0:
+                    scheds += [("Interleaved1F1B", v) for v in space.virtual_stages if shape.n_layer % (p * v) == 0]
+            shardings = space.dp_sharding if d > 1 else ("none",)
+            sps = space.sequence_parallel if t > 1 else (False,)
+            for (sched, v), z, rc, sp in itertools.product(scheds, shardings, space.recompute, sps):
+                out.append(PlanLayout(dp=d, tp=t, pp=p, micro_batch_size=b, global_batch_size=global_batch_size,
+                                      schedule=sched, virtual_stages=v, dp_sharding=z, recompute=rc,
+                                      sequence_parallel=sp, precision=space.precision))
+    return out
+
+
+def search(shape, cluster, *, world: int, global_batch_size: int, space: SearchSpace = SearchSpace(),
+           params: StepTimeParams = StepTimeParams(), progress: Optional[Callable[[int, int], None]] = None) -> SearchResult:
+    """Price every layout; keep those that fit, ranked by step time (fastest first).
+
+    Raises:
+        PlanError: no layout divides the global batch (one line naming the batch and the dp degrees tried).
+    """
+    dropped: dict[str, int] = {}
+    layouts = enumerate_layouts(shape, world, global_batch_size, cluster.gpus_per_node, space, dropped)
+    if not layouts:
+        dps = sorted({d for _, _, d in degree_candidates(shape, world, cluster.gpus_per_node, space)})
+        raise PlanError(
+            f"trainer.global_batch_size={global_batch_size}: no layout of {world} GPUs divides it (dp degrees possible: "
+            f"{', '.join(map(str, dps)) or 'none'}; micro-batch sizes {list(space.micro_batch_sizes)}); "
+            f"use a multiple of one of the dp degrees")
+    fitting, miss = [], None
+    for i, lay in enumerate(layouts):
+        e = estimate(shape, lay, cluster, params)
+        if e.fits:
+            fitting.append(e)
+        else:
+            dropped["does not fit memory"] = dropped.get("does not fit memory", 0) + 1
+            if miss is None or e.memory_bytes < miss.memory_bytes:
+                miss = e
+        if progress is not None and (i % 500 == 0 or i == len(layouts) - 1):
+            progress(i + 1, len(layouts))
+    fitting.sort(key=lambda e: (round(e.time.total, 9), e.memory_bytes))  # ties (GPipe vs 1F1B): less memory first
+    return SearchResult(fitting=fitting, closest_miss=miss, dropped=dropped, evaluated=len(layouts))
+
+
+def trainlab_overrides(lay: PlanLayout, *, model: str, seq_len: int, nodes: int, run_with: dict) -> tuple[str, list[str]]:
+    """The Hydra overrides that run ``lay`` in trainlab, and notes on what trainlab cannot express.
+
+    ``run_with`` (``plan.run_with`` in ``conf/plan.yaml``: the planner never names a plugin
+    itself) maps a pure-DP layout's ``dp_sharding`` to its ``parallelism=`` overrides
+    (``data_parallel``), gives the overrides of a TP/PP layout (``model_parallel``) and of its dp
+    dimension by sharding (``model_parallel_dp``; null = no equivalent), and the schedule names
+    (``schedules``), and whether SP runs together with PP (``sequence_parallel_with_pp``). Full recompute is ``model.activation_checkpointing=true``; selective
+    recompute has no trainlab switch yet.
+    """
+    notes = []
+    o = [f"model={model}", f"data.seq_len={seq_len}", f"trainer.global_batch_size={lay.global_batch_size}",
+         f"trainer.micro_batch_size={lay.micro_batch_size}", "trainer.grad_accum_steps=null"]
+    if lay.tp == 1 and lay.pp == 1:
+        o.insert(0, run_with["data_parallel"][lay.dp_sharding])
+    else:
+        o[:0] = [run_with["model_parallel"], f"parallelism.tp_degree={lay.tp}", f"parallelism.pp_degree={lay.pp}"]
+        if lay.pp > 1:
+            o.append(f"parallelism.schedule={run_with['schedules'][lay.schedule]}")
+            if lay.v > 1:
+                o.append(f"parallelism.virtual_stages={lay.v}")
+        if lay.sequence_parallel and (lay.pp == 1 or run_with["sequence_parallel_with_pp"]):
+            o.append("parallelism.sequence_parallel=true")
+        elif lay.sequence_parallel:
+            notes.append("sequence parallelism with pp > 1: trainlab cannot run it yet (plan.run_with.sequence_parallel_with_pp)")
+        dp = run_with["model_parallel_dp"].get(lay.dp_sharding)
+        if dp:
+            o.append(dp)
+        else:
+            notes.append(f"dp_sharding={lay.dp_sharding} with tp/pp has no trainlab equivalent (plan.run_with.model_parallel_dp)")
+    o[1:1] = [f"parallelism.world_size={lay.world_size}", f"parallelism.nnodes={nodes}"]
+    if lay.recompute == "full":
+        o.append("model.activation_checkpointing=true")
+    elif lay.recompute == "selective":
+        notes.append("selective recompute: no trainlab switch yet (runs without recompute)")
+    if lay.precision.startswith("bf16"):
+        o.append("trainer.precision=bf16-mixed")
+    return " ".join(o), notes
