@@ -25,12 +25,16 @@ the metrics of runs already in ``--workdir`` instead of running them again (no l
 ``--bubble-parts`` is the JSON ``benchmarks/pp_bubble_parts.py --json`` wrote (measured stage
 times and hand-off per schedule and m: the bubble model's inputs).
 
-**Adapters** (marked ``ADAPTER``): the cost model (``framework/cost``) has no activation-byte
-width, dropout or fused-attention switch (Table 2 assumes 16-bit activations, dropout masks and
-the ``s x s`` score matrices), counts the embedding output and no final-norm / head input, divides
-the logits by ``t`` (our head is replicated) and keeps one micro-batch on the last stage under
-GPipe; and it has no step-time model yet. The functions below carry what this machine needs
-until it does.
+**Adapters** (marked ``ADAPTER``): the cost model's activation figure
+(:func:`framework.cost.activations.activation_bytes_per_rank`, Table 2 with ``act_bytes`` and
+``dropout``) is printed beside ours, but it keeps the ``s x s`` scores unless recompute is
+selective (fused attention keeps none), counts the embedding output (we keep only the token ids),
+leaves out the final norm's and the head's inputs, the attention's log-sum-exp and the LayerNorm
+statistics, divides the logits by ``t`` (our head is replicated) and keeps one micro-batch on
+the last stage under GPipe (it keeps ``m``): :func:`gpt_activation_bytes` and :func:`inflight`
+carry trainlab's GPT exactly. The step time is the cost model's
+(:func:`framework.cost.steptime.step_time` on ``conf/cluster/local_cpu``) times the core share
+of 4 ranks on 2 cores.
 """
 
 from __future__ import annotations
@@ -76,8 +80,9 @@ class Layout:
         if self.plugin in ("tp", "pp"):
             o += [f"parallelism.tp_degree={self.tp}", f"parallelism.pp_degree={self.pp}",
                   f"parallelism.schedule={self.schedule}", f"parallelism.virtual_stages={self.v}"]
-        if self.world > 2:
-            o.append("trainer.threads_per_rank=1")  # 4 ranks on 2 cores: ranks x threads <= 4 (oversubscribed 2x)
+        # 1 thread per rank everywhere: single as the ddp ranks (its default, 2 threads, times erratically on
+        # 2 shared cores); 4 ranks on 2 cores are oversubscribed 2x (the step-time adapter's core share).
+        o.append("trainer.threads_per_rank=1")
         return o
 
 
@@ -200,118 +205,59 @@ def predicted_activation_bytes(cfg: dict, lay: Layout) -> float:
 
 
 def cost_model_activation_bytes(cfg: dict, lay: Layout) -> float:
-    """The cost model's own figure (:func:`framework.cost.activations.activation_bytes_per_rank`, 16-bit)."""
+    """The cost model's own figure (:func:`framework.cost.activations.activation_bytes_per_rank`) for our runs: fp32
+    (``act_bytes=4``), no dropout, and ``recompute="selective"`` standing in for fused attention (no ``s x s`` scores)."""
     from framework.cost.activations import activation_bytes_per_rank
-    from framework.cost.shape import ModelShape
 
-    shape = ModelShape(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
-                       seq_len=cfg["seq_len"], d_ff=cfg["d_ff"])
+    shape = _shape(cfg)
     sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[lay.schedule]
     return activation_bytes_per_rank(shape, micro_batch_size=lay.micro_batch_size, tp=lay.tp, pp=lay.pp, n_microbatches=lay.m,
-                                     sequence_parallel=False, recompute="none", schedule=sched, virtual_stages=lay.v)["total"]
+                                     sequence_parallel=False, recompute="selective", schedule=sched, virtual_stages=lay.v,
+                                     act_bytes=4, dropout=False)["total"]
 
 
-# -- ADAPTER: step time on this machine -------------------------------------------------------------
+# -- step time: the cost model on conf/cluster/local_cpu --------------------------------------------
 
-@dataclass(frozen=True)
-class Machine:
-    """What the step-time adapter reads: GEMM FLOP/s of one rank at 1 and 2 threads, cores, gloo (alpha_s, bytes/s) per kind."""
+def local_cpu(cache_dir: Path):
+    """``conf/cluster/local_cpu.yaml`` with its measured figures (GEMM rate of one rank at 1 thread, gloo alpha and
+    bandwidth by kind: :func:`framework.cost.hardware.load_or_measure_local_cpu`, cached in ``cache_dir``)."""
+    from omegaconf import OmegaConf
 
-    gemm_flops: dict[int, float]
-    cores: int
-    links: dict[str, tuple[float, float]]
+    from framework.cost.hardware import cluster_from_dict
 
-
-def machine(cache_dir: Path) -> Machine:
-    """This machine's figures: GEMM rates (:func:`framework.metrics.flops.peak_flops`, cached) and gloo's alpha/beta
-    (:func:`framework.cost.hardware.load_or_measure_local_cpu` when the cost model has it; else none: comm costs 0)."""
-    import torch
-
-    from framework.metrics.flops import peak_flops
-
-    rates = {}
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        rates[threads] = peak_flops(torch.device("cpu"), dtype="fp32", threads=threads, cache_dir=str(cache_dir))[0]
-    links: dict[str, tuple[float, float]] = {}
-    try:
-        from framework.cost.hardware import load_or_measure_local_cpu
-
-        links = {k: (float(a), float(b)) for k, (a, b) in load_or_measure_local_cpu(str(cache_dir), ranks=2)["links"].items()}
-    except ImportError:
-        pass
-    return Machine(gemm_flops=rates, cores=os.cpu_count() or 2, links=links)
+    raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "cluster" / "local_cpu.yaml"))
+    return cluster_from_dict(raw, where="cluster=local_cpu", cache_dir=str(cache_dir))
 
 
-def stage_flops_per_token(cfg: dict, lay: Layout) -> list[float]:
-    """Training FLOPs per token of each pipeline rank's work on one TP rank (6N + 12·L·h·s, PaLM App. B, split by part):
-    blocks ``(6·N_block + 12·h·s)`` per layer divided by ``t``; the head ``6·h·V`` on the last stage, not divided
-    (our head is replicated under TP)."""
-    h, f, s, V, L = cfg["d_model"], cfg["d_ff"], cfg["seq_len"], cfg["vocab"], cfg["n_layer"]
-    n_block = 4 * h * h + 2 * h * f + 9 * h + f  # qkv, proj, fc, proj weights + biases + 2 LayerNorms
-    per_layer = (6 * n_block + 12 * h * s) / lay.tp
-    head = 6 * h * V
-    out = []
-    for stage in range(lay.pp):
-        x = per_layer * L / lay.pp
-        if stage == lay.pp - 1:
-            x += head
-        out.append(x)
-    return out
+def plan_layout(lay: Layout):
+    """The cost model's :class:`~framework.cost.layout.PlanLayout` of a run (fp32; FSDP and the megatron plugin's
+    FSDP on dp are ZeRO-3's sharding)."""
+    from framework.cost.layout import PlanLayout
+
+    sharding = {"ddp": "none", "single": "none", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "zero3"}
+    dp_sharding = sharding.get(lay.plugin, "zero3" if lay.dp > 1 else "none")
+    sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[lay.schedule]
+    return PlanLayout(dp=lay.dp, tp=lay.tp, pp=lay.pp, micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch,
+                      schedule=sched, virtual_stages=lay.v, dp_sharding=dp_sharding, precision="fp32")
 
 
-def step_time_s(cfg: dict, lay: Layout, mach: Machine, comm_payload: dict[str, float], *, efficiency: float = 1.0,
-                bubble_parts: dict | None = None) -> float:
-    """Predicted seconds per optimizer step (ADAPTER until the cost model's step-time model lands).
+def step_time_s(cfg: dict, lay: Layout, cluster, cores: int) -> float:
+    """Predicted seconds per optimizer step: :func:`framework.cost.steptime.step_time` (default, stated parameters)
+    x ``max(1, ranks / cores)``.
 
-    compute: FLOPs of the busiest rank / (GEMM rate at its thread count x ``efficiency`` x core share), the core
-    share ``min(1, cores / (ranks x threads))`` (4 ranks on 2 cores run at half speed); comm: every collective
-    exposed (gloo's transfers run on the same cores as compute), ``sum over kinds of n·alpha + wire / bw``;
-    pipeline: the busiest rank's wall from :func:`benchmarks.pp_bubble_parts.pipeline_walls` with stage times in
-    proportion to their FLOPs, the measured hand-off ``c`` and loss share (``bubble_parts``).
+    ADAPTER: the cost model has one rank per device; here 4 ranks of 1 thread share 2 cores, so every part of a
+    4-rank step runs at half speed (the core share is this machine's, not a fitted figure).
     """
-    threads = 2 if lay.world == 1 else max(1, mach.cores // lay.world)
-    share = min(1.0, mach.cores / (lay.world * threads))
-    rate = mach.gemm_flops[min(threads, 2)] * efficiency * share
-    tokens_rank = lay.global_batch * cfg["seq_len"] / lay.dp
-    per_stage = [tokens_rank * x / rate for x in stage_flops_per_token(cfg, lay)]  # seconds per step per stage
-    comm = 0.0
-    for kind, payload in comm_payload.items():
-        if kind in mach.links and payload > 0:
-            alpha, bw = mach.links[kind]
-            n_group = 2
-            wire = payload * (2 * (n_group - 1) / n_group if kind == "allreduce" else 1.0)
-            comm += _collectives_per_step(kind, cfg, lay) * alpha + wire / bw
-    if lay.pp == 1:
-        return per_stage[0] + comm
-    from benchmarks.pp_bubble_parts import pipeline_walls, schedule_orders
+    from framework.cost.steptime import step_time
 
-    c = bubble_parts.get("handoff_s", 0.0) if bubble_parts else 0.0
-    if lay.schedule == "interleaved_1f1b" or lay.pp != 2:
-        walls = max(per_stage) * (lay.v * lay.m + lay.pp - 1) / (lay.v * lay.m)  # the cost model's bubble, busiest stage
-        return walls + comm
-    m = lay.m
-    dur = {}
-    for st in range(lay.pp):
-        dur[("F", st)] = per_stage[st] / m / 3
-        dur[("B", st)] = per_stage[st] / m * 2 / 3
-        dur[("L", st)] = 0.0
-    return max(w for _, w in pipeline_walls(schedule_orders(lay.schedule, pp=lay.pp, m=m), dur=dur, handoff_s=c, gap_s=0.0,
-                                            pp=lay.pp)) + comm
+    return step_time(_shape(cfg), plan_layout(lay), cluster).total * max(1.0, lay.world / cores)
 
 
-def _collectives_per_step(kind: str, cfg: dict, lay: Layout) -> int:
-    """Calls of one kind per step (for the alpha term): TP 4 all-reduces per layer per micro-batch; FSDP/ZeRO-3 an
-    all-gather twice and a reduce-scatter once per block per micro-batch; PP two sends per micro-batch per boundary;
-    otherwise one bucket."""
-    L, m = cfg["n_layer"], lay.m
-    if kind == "allreduce" and lay.tp > 1:
-        return 4 * L * m // lay.pp
-    if kind in ("allgather", "reduce_scatter") and lay.plugin in ("fsdp", "zero3") or (lay.dp > 1 and lay.plugin in ("tp", "pp")):
-        return (2 if kind == "allgather" else 1) * (L + 1) * m
-    if kind == "p2p":
-        return 2 * m * lay.v
-    return 1
+def _shape(cfg: dict):
+    from framework.cost.shape import ModelShape
+
+    return ModelShape(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
+                      seq_len=cfg["seq_len"], d_ff=cfg["d_ff"], max_seq_len=256)
 
 
 # -- the table --------------------------------------------------------------------------------------
@@ -348,7 +294,7 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:.2f}"
 
 
-def _row(model: str, lay: Layout, r: dict, mach: Machine, bubble_parts: dict) -> dict:
+def _row(model: str, lay: Layout, r: dict, cluster, bubble_parts: dict) -> dict:
     """Predicted and measured figures of one run."""
     from framework.cost.bubble import pp_bubble_fraction
 
@@ -362,7 +308,7 @@ def _row(model: str, lay: Layout, r: dict, mach: Machine, bubble_parts: dict) ->
            "act": (r.get("mem/activation_peak_bytes", float("nan")), predicted_activation_bytes(cfg, lay)),
            "act_cost_model": cost_model_activation_bytes(cfg, lay),
            "step": (r.get("perf/step_time_s_mean", float("nan")),
-                    step_time_s(cfg, lay, mach, {k: v[0] for k, v in comm.items()}, bubble_parts=parts))}
+                    step_time_s(cfg, lay, cluster, os.cpu_count() or 2))}
     if lay.pp > 1:
         modelled = parts["model"] if parts and lay.dp == 1 and lay.tp == 1 else float("nan")
         row["bubble"] = (r.get("perf/pp_bubble_frac", float("nan")), pp_bubble_fraction(pp=lay.pp, n_microbatches=lay.m, virtual_stages=lay.v),
@@ -370,13 +316,10 @@ def _row(model: str, lay: Layout, r: dict, mach: Machine, bubble_parts: dict) ->
     return row
 
 
-def report(results: list, *, mach: Machine, bubble_parts: dict) -> str:
+def report(results: list, *, cluster, bubble_parts: dict, calibrate_on: str = "ddp") -> str:
     """The markdown table of predicted / measured per layout, the misses, and the rank correlation per model."""
-    rows = [_row(model, lay, r, mach, bubble_parts) for model, lay, r in results]
-    cal = {}
-    for row in rows:
-        if row["layout"] == "single":
-            cal[row["model"]] = row["step"][0] / row["step"][1]
+    rows = [_row(model, lay, r, cluster, bubble_parts) for model, lay, r in results]
+    cal = {row["model"]: row["step"][0] / row["step"][1] for row in rows if row["layout"] == calibrate_on}
     lines = ["| model | layout | comm payload bytes/step, measured (= model unless shown) | model states MiB meas / model "
              "| activations MiB meas / model (err) [cost model, 16-bit] | bubble meas / formula / model "
              "| step s meas / model (err) / calibrated (err) |", "|" + "---|" * 7]
@@ -411,7 +354,7 @@ def report(results: list, *, mach: Machine, bubble_parts: dict) -> str:
         if len(mine) > 2:
             rho = _spearman([r["step"][1] for r in mine], [r["step"][0] for r in mine])
             out += (f"\n{model}: Spearman rank correlation of predicted and measured step time over {len(mine)} layouts: "
-                    f"{rho:.2f}; calibrated = model x {cal.get(model, float('nan')):.2f} (measured / model of single)")
+                    f"{rho:.2f}; calibrated = model x {cal.get(model, float('nan')):.2f} (measured / model of {calibrate_on})")
     return out + "\n\nMisses:\n" + ("\n".join(f"- {x}" for x in misses) if misses else "- none") + "\n"
 
 
@@ -441,9 +384,14 @@ def main() -> None:
             for lay in todo:
                 print(f"running {model} {lay.name} ...", file=sys.stderr, flush=True)
                 results.append((model, lay, run_layout(model, lay, steps=steps, warmup=warmup, work=work, reuse=args.reuse)))
-    mach = machine(work / ".cache" / "trainlab")
+    if not args.reuse:  # gloo alpha/beta and the GEMM rate, measured now (2 ranks: under the lock) unless cached
+        with open(LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            cluster = local_cpu(work / ".cache" / "cost")
+    else:
+        cluster = local_cpu(work / ".cache" / "cost")
     parts = json.loads(Path(args.bubble_parts).read_text()) if args.bubble_parts else {}
-    text = report(results, mach=mach, bubble_parts=parts)
+    text = report(results, cluster=cluster, bubble_parts=parts)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

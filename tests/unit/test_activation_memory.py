@@ -33,19 +33,20 @@ def batch(b: int = B) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def adapted_layer_bytes(b: int = B) -> float:
-    """One layer's saved bytes from the cost model's Table 2 figure, adapted to our GPT term by term.
+    """One layer's saved bytes: the cost model's Table 2 figure for our GPT plus what Table 2 leaves out.
 
-    Table 2 without the score terms (``recompute="selective"`` drops ``5·a·s²·b``; fused attention
-    keeps no ``s x s`` matrix either) is ``34·sbh`` bytes at 2 bytes per element: 16 elements per
-    token and hidden unit (LayerNorm inputs 2, attention and MLP inputs 2, Q/K/V 3, projection
-    input 1, GELU input and output 8) + 2 dropout-mask bytes. Ours: no masks (``dropout=0``),
-    fp32 (x 2), plus what Table 2 leaves out: the attention's log-sum-exp ``4·b·a·s`` and the two
-    LayerNorms' mean and rstd ``2·2·4·s·b`` (fp32).
+    The cost model with fp32 activations (``act_bytes=4``), no dropout masks (``dropout=0``) and
+    ``recompute="selective"`` (no ``5·a·s²·b`` score terms: fused attention keeps no ``s x s``
+    matrix either) is ``64·sbh`` bytes: 16 elements per token and hidden unit (LayerNorm inputs 2,
+    attention and MLP inputs 2, Q/K/V 3, attention output = projection input 1, GELU input and
+    output 8). Added: the attention's log-sum-exp ``4·b·a·s`` and the two LayerNorms' mean and
+    rstd ``2·2·4·s·b`` (fp32).
     """
     shape = ModelShape(n_layer=L, d_model=H, n_head=A, vocab_size=V, seq_len=S)
-    table2 = activation_bytes_per_layer(shape, micro_batch_size=b, recompute="selective")
-    masks = 2 * S * b * H
-    return (table2 - masks) * 2 + 4 * b * A * S + 2 * 2 * 4 * S * b
+    ours = activation_bytes_per_layer(shape, micro_batch_size=b, recompute="selective", act_bytes=4, dropout=False)
+    table2 = activation_bytes_per_layer(shape, micro_batch_size=b, recompute="selective")  # 2 bytes, dropout: 34·sbh
+    assert table2 == 34 * S * b * H and ours == (table2 - 2 * S * b * H) * 2  # Table 2 less the 2 masks, at 4 bytes
+    return ours + 4 * b * A * S + 2 * 2 * 4 * S * b
 
 
 def test_one_microbatch_of_gpt_tiny_saves_the_adapted_korthikanti_bytes():
