@@ -81,8 +81,10 @@ class Layout:
             o += [f"parallelism.tp_degree={self.tp}", f"parallelism.pp_degree={self.pp}",
                   f"parallelism.schedule={self.schedule}", f"parallelism.virtual_stages={self.v}"]
         # 1 thread per rank everywhere: single as the ddp ranks (its default, 2 threads, times erratically on
-        # 2 shared cores); 4 ranks on 2 cores are oversubscribed 2x (the step-time adapter's core share).
-        o.append("trainer.threads_per_rank=1")
+        # 2 shared cores); 4 ranks get 1 by default (cores // ranks, at least 1; an explicit 1 x 4 > 2 cores is
+        # refused) and are oversubscribed 2x (the step-time adapter's core share).
+        if self.world <= 2:
+            o.append("trainer.threads_per_rank=1")
         return o
 
 
@@ -321,7 +323,7 @@ def report(results: list, *, cluster, bubble_parts: dict, calibrate_on: str = "d
     rows = [_row(model, lay, r, cluster, bubble_parts) for model, lay, r in results]
     cal = {row["model"]: row["step"][0] / row["step"][1] for row in rows if row["layout"] == calibrate_on}
     lines = ["| model | layout | comm payload bytes/step, measured (= model unless shown) | model states MiB meas / model "
-             "| activations MiB meas / model (err) [cost model, 16-bit] | bubble meas / formula / model "
+             "| activations MiB meas / model (err) [cost model: fp32, no dropout, selective] | bubble meas / formula / model "
              "| step s meas / model (err) / calibrated (err) |", "|" + "---|" * 7]
     misses: list[str] = []
     for row in rows:

@@ -226,8 +226,9 @@ def pipeline_walls(orders: list[list[tuple]], *, dur: dict, handoff_s: float, ga
 
 # -- measurement -> parts ---------------------------------------------------------------------------
 
-def parts(runs: list[list[dict]], warmup: int) -> dict:
-    """Median stage times, hand-off, local gap, head and tail over the steps after ``warmup``; the rank orders; measured idle."""
+def parts(runs: list[list[dict]], warmup: int, stat: str = "mean") -> dict:
+    """Stage times, hand-off, local gap, head and tail over the steps after ``warmup`` (``stat``: ``mean``, like the
+    measured ratio of sums, or ``median``, robust to a descheduled rank); the rank orders; measured idle per rank."""
     pp = len(runs)
     dur: dict = {}
     handoff, gaps, heads, tails, idle = [], [], [], [], [[] for _ in range(pp)]
@@ -253,10 +254,11 @@ def parts(runs: list[list[dict]], warmup: int) -> dict:
                 elif prev_end is not None and (dep is None or end_of[dep] <= prev_end):
                     gaps.append(t0 - prev_end)  # nothing to wait for
                 prev_end = t1
-    med = statistics.median
+    med = statistics.median if stat == "median" else statistics.mean
     return {"dur": {k: med(v) for k, v in dur.items()}, "handoff_s": med(handoff) if handoff else 0.0,
             "gap_s": med(gaps) if gaps else 0.0, "head_s": med(heads), "tail_s": med(tails), "orders": orders,
-            "measured": [statistics.mean(x) for x in idle], "n_handoff": len(handoff)}
+            "measured": [statistics.mean(x) for x in idle], "n_handoff": len(handoff),
+            "measured_steps": [[round(v, 3) for v in x] for x in idle]}
 
 
 def explain(p: dict, *, pp: int) -> dict[str, float]:
@@ -300,6 +302,7 @@ def main() -> None:
             runs = measure(shape, schedule, v, m, args.steps)
             p = parts(runs, warmup=2)
             e = explain(p, pp=2)
+            e["model_median"] = explain(parts(runs, warmup=2, stat="median"), pp=2)["+head/tail"]
             meas = sum(p["measured"]) / 2
             d = p["dur"]
             n_st = max(st for _, st in d) + 1
@@ -311,7 +314,7 @@ def main() -> None:
             print(f"{schedule:17s} {m:2d} {formula:7.3f} {e['+imbalance']:7.3f} {e['+loss']:7.3f} {e['+handoff']:7.3f} "
                   f"{e['+head/tail']:7.3f} {meas:8.3f} {p['measured'][0]:5.2f} {p['measured'][1]:5.2f} | {f0:6.1f} {b0:6.1f} "
                   f"{f1:6.1f} {b1:6.1f} {d[('L', n_st - 1)] * 1e3:5.1f} {p['handoff_s'] * 1e3:5.2f} {p['gap_s'] * 1e3:5.2f} "
-                  f"{p['head_s'] * 1e3:5.1f} {p['tail_s'] * 1e3:5.1f}", flush=True)
+                  f"{p['head_s'] * 1e3:5.1f} {p['tail_s'] * 1e3:5.1f} | median-based model {e['model_median']:.3f}", flush=True)
             dump[f"{schedule}-m{m}"] = {**{k: v for k, v in p.items() if k != "orders"}, "dur": {f"{k}{s}": t for (k, s), t in d.items()},
                                         "explain": e, "formula": formula, "measured_mean": meas,
                                         "model": e["+head/tail"]}
