@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -262,11 +261,13 @@ def parts(runs: list[list[dict]], warmup: int, stat: str = "mean") -> dict:
 
 
 def explain(p: dict, *, pp: int) -> dict[str, float]:
-    """Predicted mean idle fraction as each part is added (equal stages, + imbalance, + loss, + hand-off and gaps)."""
+    """Predicted mean idle fraction over ranks as each part is added: equal stages (the measurement's definition
+    alone: below the formula, see :func:`bubble_model`), + imbalance, + loss, + hand-off and gaps, + head/tail."""
     d = p["dur"]
     n_st = max(st for _, st in d) + 1
-    mean_fb = sum(d[("F", s)] + d[("B", s)] for s in range(n_st)) / n_st
-    equal = {k: (0.0 if k[0] == "L" else mean_fb / 2) for k in d}
+    mean_f = sum(d[("F", s)] for s in range(n_st)) / n_st
+    mean_b = sum(d[("B", s)] for s in range(n_st)) / n_st
+    equal = {k: {"F": mean_f, "B": mean_b, "L": 0.0}[k[0]] for k in d}  # the measured forward/backward ratio
     no_loss = {k: (0.0 if k[0] == "L" else v) for k, v in d.items()}
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     o = p["orders"]
@@ -292,7 +293,7 @@ def main() -> None:
 
     shape = SHAPES[args.shape]
     rows, dump = [], {}
-    print(f"{'schedule':17s} {'m':>2s} {'formula':>7s} {'+imbal':>7s} {'+loss':>7s} {'+hand':>7s} {'model':>7s} "
+    print(f"{'schedule':17s} {'m':>2s} {'formula':>7s} {'equal':>7s} {'+imbal':>7s} {'+loss':>7s} {'+hand':>7s} {'model':>7s} "
           f"{'measured':>8s} {'r0':>5s} {'r1':>5s} | {'f0 ms':>6s} {'b0 ms':>6s} {'f1 ms':>6s} {'b1 ms':>6s} {'loss':>5s} "
           f"{'c ms':>5s} {'gap':>5s} {'head':>5s} {'tail':>5s}")
     for schedule, v in SCHEDULES:
@@ -311,7 +312,7 @@ def main() -> None:
             f1 = sum(d[("F", s)] for s in range(n_st) if s % 2 == 1) * 1e3
             b1 = sum(d[("B", s)] for s in range(n_st) if s % 2 == 1) * 1e3
             formula = pp_bubble_fraction(pp=2, n_microbatches=m, virtual_stages=v)
-            print(f"{schedule:17s} {m:2d} {formula:7.3f} {e['+imbalance']:7.3f} {e['+loss']:7.3f} {e['+handoff']:7.3f} "
+            print(f"{schedule:17s} {m:2d} {formula:7.3f} {e['equal']:7.3f} {e['+imbalance']:7.3f} {e['+loss']:7.3f} {e['+handoff']:7.3f} "
                   f"{e['+head/tail']:7.3f} {meas:8.3f} {p['measured'][0]:5.2f} {p['measured'][1]:5.2f} | {f0:6.1f} {b0:6.1f} "
                   f"{f1:6.1f} {b1:6.1f} {d[('L', n_st - 1)] * 1e3:5.1f} {p['handoff_s'] * 1e3:5.2f} {p['gap_s'] * 1e3:5.2f} "
                   f"{p['head_s'] * 1e3:5.1f} {p['tail_s'] * 1e3:5.1f} | median-based model {e['model_median']:.3f}", flush=True)
