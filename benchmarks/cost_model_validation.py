@@ -156,18 +156,17 @@ def gpt_activation_bytes(*, n_layer: int, d_model: int, n_head: int, d_ff: int, 
       and the dropout masks ``2·sbh`` (``dropout=0``).
 
     Table 2's ``34`` = 2 x 16 elements + 2 mask bytes; our 16 elements are the same tensors.
-    Outside the layers: first stage, the token ids and positions (int64, ``8·sb + 8·s``); last
-    stage, ``ln_f``'s input and stats ``e·sbh + 8·sb``, the head's input ``e·sbh``, the fp32
-    ``log_softmax`` output ``4·sbV`` (the head is replicated under TP: not divided), and the
-    targets ``8·sb`` and the loss's weight sum (4 bytes).
+    Outside the layers: on the first stage the token ids (int64, ``ids = 8·sb``) and positions
+    (``pos = 8·s``); on the last, ``head = 2·e·sbh + 8·sb + 4·sbV + 4``: ``ln_f``'s input and stats, the
+    head's input, the fp32 ``log_softmax`` output (the head is replicated under TP: not divided)
+    and the loss's weight sum, and the targets (int64, ``targets = 8·sb``).
 
-    Returns ``{"layer", "first_extra", "last_extra"}`` in bytes.
+    Returns ``{"layer", "ids", "pos", "head", "targets"}`` in bytes per micro-batch.
     """
     s, b, h, a, f, e, t = seq_len, micro_batch_size, d_model, n_head, d_ff, act_bytes, tp
     layer = 4 * e * s * b * h + 16 * s * b + (4 * e * s * b * h + 2 * e * s * b * f + 4 * b * a * s) / t
-    first_extra = 8 * s * b + 8 * s
-    last_extra = 2 * e * s * b * h + 8 * s * b + 4 * s * b * vocab + 8 * s * b + 4
-    return {"layer": layer, "first_extra": first_extra, "last_extra": last_extra}
+    return {"layer": layer, "ids": 8 * s * b, "pos": 8 * s, "head": 2 * e * s * b * h + 8 * s * b + 4 * s * b * vocab + 4,
+            "targets": 8 * s * b}
 
 
 def inflight(schedule: str, *, pp: int, m: int, v: int, stage: int) -> float:
@@ -189,19 +188,25 @@ def inflight(schedule: str, *, pp: int, m: int, v: int, stage: int) -> float:
 
 
 def predicted_activation_bytes(cfg: dict, lay: Layout) -> float:
-    """The largest pipeline rank's peak activation bytes (max over stages)."""
-    b = lay.micro_batch_size
+    """The largest pipeline rank's peak activation bytes (max over stages).
+
+    Each in-flight micro-batch holds its layers' activations (and, under GPipe, the last stage its
+    head's); positions are made per forward. Token ids and targets are saved as views: a pipeline
+    schedule splits the step's ``[m·b, s]`` batch into micro-batch views of one storage, so any
+    micro-batch in flight keeps all ``m`` alive (``m·8·sb`` each); under gradient accumulation each
+    micro-batch is its own loader batch.
+    """
     parts = gpt_activation_bytes(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], d_ff=cfg["d_ff"],
-                                 vocab=cfg["vocab"], seq_len=cfg["seq_len"], micro_batch_size=b, tp=lay.tp)
+                                 vocab=cfg["vocab"], seq_len=cfg["seq_len"], micro_batch_size=lay.micro_batch_size, tp=lay.tp)
+    whole_batch = lay.m if lay.pp > 1 else 1
     best = 0.0
     for stage in range(lay.pp):
         n = inflight(lay.schedule, pp=lay.pp, m=lay.m, v=lay.v, stage=stage)
-        layers = cfg["n_layer"] / lay.pp
-        total = parts["layer"] * layers * n
+        total = parts["layer"] * cfg["n_layer"] / lay.pp * n
         if stage == 0:
-            total += parts["first_extra"] * math.ceil(n)
+            total += parts["ids"] * whole_batch + parts["pos"] * math.ceil(n)
         if stage == lay.pp - 1:
-            total += parts["last_extra"] * (math.ceil(n) if lay.schedule == "gpipe" else 1)
+            total += parts["head"] * (math.ceil(n) if lay.schedule == "gpipe" else 1) + parts["targets"] * whole_batch
         best = max(best, total)
     return best
 

@@ -56,7 +56,7 @@ def test_one_microbatch_of_gpt_tiny_saves_the_adapted_korthikanti_bytes():
     meter = SavedTensorMeter()
     with meter:
         loss = gpt_tiny()(x, y)
-    assert meter.peak_bytes == L * parts["layer"] + parts["first_extra"] + parts["last_extra"]  # 51,536,900
+    assert meter.peak_bytes == L * parts["layer"] + parts["ids"] + parts["pos"] + parts["head"] + parts["targets"]  # 51,536,900
     loss.backward()
     assert meter.live_bytes == 0  # backward freed every saved storage
 
@@ -77,6 +77,17 @@ def test_two_microbatches_in_flight_hold_twice_the_activations():
     assert meter.live_bytes == 0
 
 
+def test_microbatch_views_of_one_batch_keep_the_whole_batch_alive():
+    """A pipeline schedule splits the step's batch into views: one micro-batch's saved ids and targets hold all of it."""
+    model = gpt_tiny()
+    x, y = batch(4 * 2)
+    meter = SavedTensorMeter()
+    with meter:
+        model(x[:2], y[:2])  # the first of 4 micro-batches of 2
+    parts = gpt_activation_bytes(n_layer=L, d_model=H, n_head=A, d_ff=4 * H, vocab=V, seq_len=S, micro_batch_size=2)
+    assert meter.peak_bytes == L * parts["layer"] + parts["pos"] + parts["head"] + 4 * (parts["ids"] + parts["targets"])
+
+
 def test_a_last_pipeline_stage_counts_its_received_activation_not_its_parameters():
     """A stage's input is a leaf that requires grad (the received activation): counted; the head copy (a parameter) is not."""
     from plugins.megatron.pipeline import GPTStage
@@ -88,7 +99,7 @@ def test_a_last_pipeline_stage_counts_its_received_activation_not_its_parameters
     meter = SavedTensorMeter()
     with meter:
         loss = torch.nn.functional.cross_entropy(stage(hidden).reshape(B * S, V), y.reshape(B * S))
-    assert meter.peak_bytes == 2 * parts["layer"] + parts["last_extra"]
+    assert meter.peak_bytes == 2 * parts["layer"] + parts["head"] + parts["targets"]
     assert meter.peak_bytes > 0 and hidden.untyped_storage().nbytes() == 4 * B * S * H
     loss.backward()
     assert meter.live_bytes == 0
@@ -101,4 +112,4 @@ def test_activation_bytes_scale_with_the_microbatch(b):
     with meter:
         gpt_tiny()(x, y)
     parts = gpt_activation_bytes(n_layer=L, d_model=H, n_head=A, d_ff=4 * H, vocab=V, seq_len=S, micro_batch_size=b)
-    assert meter.peak_bytes == L * parts["layer"] + parts["first_extra"] + parts["last_extra"]
+    assert meter.peak_bytes == L * parts["layer"] + parts["ids"] + parts["pos"] + parts["head"] + parts["targets"]
