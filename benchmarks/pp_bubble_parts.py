@@ -241,7 +241,9 @@ def parts(runs: list[list[dict]], warmup: int, stat: str = "mean") -> dict:
             busy, wall = runs[r][step]["busy_wall"]
             idle[r].append(1 - busy / wall)
             t_start, t_end = runs[r][step]["span"]
-            heads.append(ev[r][0][3] - t_start)
+            k0, st0, mb0 = ev[r][0][:3]
+            if _dep(k0, st0, mb0, last) is None:  # a first compute that waits for no peer (rank 0's first forward)
+                heads.append(ev[r][0][3] - t_start)
             tails.append(t_end - ev[r][-1][4])
             prev_end = None
             for k, st, mb, t0, t1 in ev[r]:
