@@ -163,7 +163,31 @@ def schedule_orders(schedule: str, *, pp: int, m: int) -> list[list[tuple]]:
                     o += fwd(nf)
                     nf += 1
         else:
-            raise ValueError(f"schedule={schedule!r}: orders are generated for gpipe and 1f1b only")
+            raise ValueError(f"schedule={schedule!r}: orders are generated for gpipe and 1f1b (interleaved: interleaved_orders)")
+        orders.append(o)
+    return orders
+
+
+def interleaved_orders(*, pp: int, v: int, m: int) -> list[list[tuple]]:
+    """Per rank, torch's ``ScheduleInterleaved1F1B`` actions (its own ``_calculate_single_rank_operations``, a
+    private torch function: this follows torch's order, whatever version is installed), ``L`` after last-stage ``F``."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    sched = object.__new__(ScheduleInterleaved1F1B)  # the order needs only the sizes, not stages or a process group
+    rounds = max(1, m // pp)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, m
+    sched.number_of_rounds, sched.microbatches_per_round = rounds, m // rounds
+    last = pp * v - 1
+    orders = []
+    for r in range(pp):
+        o = []
+        for a in sched._calculate_single_rank_operations(r):
+            if a is None:
+                continue
+            kind = "F" if a.computation_type == _ComputationType.FORWARD else "B"
+            o.append((kind, a.stage_index, a.microbatch_index))
+            if kind == "F" and a.stage_index == last:
+                o.append(("L", a.stage_index, a.microbatch_index))
         orders.append(o)
     return orders
 
