@@ -31,3 +31,14 @@ def test_a_slower_last_stage_and_a_handoff_follow_the_critical_path():
     wall1 = f0 + c + m * (f1 + loss + b1)
     wall0 = wall1 + c + b0
     assert idle == pytest.approx([1 - m * (f0 + b0) / wall0, 1 - m * (f1 + b1) / wall1])
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_torch_interleaved_order_with_equal_chunks_gives_the_interleaved_bubble(m):
+    """torch's ScheduleInterleaved1F1B order (v = 2 chunks per rank) reaches (p-1)/(v·m+p-1) on the first rank."""
+    from benchmarks.pp_bubble_parts import interleaved_orders
+
+    orders = interleaved_orders(pp=2, v=2, m=m)
+    dur = {(k, s): {"F": 1.0, "B": 2.0, "L": 0.0}[k] for k in "FBL" for s in range(4)}
+    idle = bubble_model(orders, dur=dur, handoff_s=0.0, gap_s=0.0, pp=2)
+    assert idle[0] == pytest.approx(pp_bubble_fraction(pp=2, n_microbatches=m, virtual_stages=2))
