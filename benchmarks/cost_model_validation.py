@@ -389,6 +389,9 @@ def main() -> None:
             if not args.reuse:
                 fcntl.flock(lock, fcntl.LOCK_EX)
             for lay in todo:
+                if args.reuse and not (work / "outputs" / "default" / f"{model}-{lay.name}" / "summary.json").exists():
+                    print(f"no run of {model} {lay.name} in {work}: left out", file=sys.stderr)
+                    continue
                 print(f"running {model} {lay.name} ...", file=sys.stderr, flush=True)
                 results.append((model, lay, run_layout(model, lay, steps=steps, warmup=warmup, work=work, reuse=args.reuse)))
     if not args.reuse:  # gloo alpha/beta and the GEMM rate, measured now (2 ranks: under the lock) unless cached
