@@ -13,7 +13,6 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from benchmarks.cost_model_validation import Layout
 from tests.integration.conftest import Runner, losses
 
 pytestmark = pytest.mark.slow
@@ -47,16 +46,6 @@ def _assert_parity(r: Runner, name: str, records: list[dict]) -> None:
         assert loss == pytest.approx(ref[step], rel=PARITY_RTOL), f"{name} step {step}"
 
 
-def _assert_activation_bytes(records: list[dict], lay) -> None:
-    """``mem/activation_peak_bytes`` (saved-tensor hooks, max over ranks) == the activation model, to the byte
-    (Korthikanti et al. 2022 Table 2 adapted to our GPT: benchmarks/cost_model_validation.py)."""
-    from benchmarks.cost_model_validation import predicted_activation_bytes
-
-    cfg = dict(n_layer=L, d_model=H, n_head=4, d_ff=4 * H, vocab=V, seq_len=S)
-    act = [r["mem/activation_peak_bytes"] for r in records if "mem/activation_peak_bytes" in r]
-    assert act and all(a == predicted_activation_bytes(cfg, lay) for a in act), (act, predicted_activation_bytes(cfg, lay))
-
-
 def _comm(records: list[dict]) -> list[dict]:
     """Logged comm records; measured == model for the total and each kind (exactly)."""
     recs = [r for r in records if "perf/comm_bytes" in r]
@@ -75,7 +64,6 @@ def test_tp2_with_and_without_sequence_parallel(mrun):
     act = 4 * S * H * 4  # one micro-batch's b*s*h activations in fp32 bytes (micro-batch 4, 2 per step)
     recs = _train(mrun, "tp2", "parallelism=tp", "trainer.micro_batch_size=4")
     _assert_parity(mrun, "tp2", recs)
-    _assert_activation_bytes(recs, Layout("tp2", "tp", 2, tp=2, m=2, global_batch=B))
     for r in _comm(recs):
         assert r["perf/comm_bytes_allreduce"] == 2 * 4 * L * act  # 2 micro-batches x 4 all-reduces per layer
         assert r["perf/comm_bytes_wire"] == r["perf/comm_bytes"]  # ring all-reduce on 2 ranks: 2(n-1)/n = 1
@@ -94,7 +82,6 @@ def test_pp2_schedules(mrun, schedule, v, mbs):
                   f"trainer.micro_batch_size={mbs}")
     _assert_parity(mrun, name, recs)
     m = B // mbs
-    _assert_activation_bytes(recs, Layout(name, "pp", 2, pp=2, schedule=schedule, v=v, m=m, global_batch=B))
     for r in _comm(recs):
         # rank 0 sends forward from each chunk but the last stage and backward from each but the first: 2v-1 per micro-batch
         assert r["perf/comm_bytes_p2p"] == (2 * v - 1) * m * mbs * S * H * 4
