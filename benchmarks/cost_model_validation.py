@@ -365,6 +365,32 @@ def report(results: list, *, cluster, bubble_parts: dict, calibrate_on: str = "d
     return out + "\n\nMisses:\n" + ("\n".join(f"- {x}" for x in misses) if misses else "- none") + "\n"
 
 
+def one_process_activations(model: str, micro_batch_sizes: tuple[int, ...] = (1, 4)) -> str:
+    """Measured (one forward under :class:`~framework.metrics.memory.SavedTensorMeter`, this process, no ranks)
+    vs modelled activation bytes of ``model`` per micro-batch size: a check of bigger shapes without the lock."""
+    import torch
+
+    from framework.config.schema import ModelConfig
+    from framework.metrics.memory import SavedTensorMeter
+    from framework.model import GPT
+
+    cfg = _model_cfg(model)
+    torch.manual_seed(0)
+    gpt = GPT(ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], d_model=cfg["d_model"], max_seq_len=256), cfg["vocab"])
+    lines = []
+    for b in micro_batch_sizes:
+        x, y = torch.randint(0, cfg["vocab"], (2, b, cfg["seq_len"])).unbind(0)
+        x, y = x.clone(), y.clone()  # ids and targets in storages of their own, as a loader batch holds them
+        meter = SavedTensorMeter()
+        with meter:
+            loss = gpt(x, y)
+        del loss
+        lay = Layout("single", "single", 1, m=1, global_batch=b)
+        lines.append(f"{model} b={b}: measured {meter.peak_bytes:,} bytes, model {predicted_activation_bytes(cfg, lay):,.0f}, "
+                     f"cost model {cost_model_activation_bytes(cfg, lay):,.0f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt_tiny", "gpt_50m"])
@@ -373,9 +399,14 @@ def main() -> None:
     parser.add_argument("--workdir", default="bench-cost-model")
     parser.add_argument("--out", default=None, help="also write the table as markdown here")
     parser.add_argument("--reuse", action="store_true", help="read runs already in --workdir")
+    parser.add_argument("--activations-only", action="store_true",
+                        help="one forward per model in this process: measured vs modelled activation bytes, no runs")
     parser.add_argument("--bubble-parts", default=None,
                         help="JSON from pp_bubble_parts.py --json-by-model: {model: {schedule-mM: {model, handoff_s, ...}}}")
     args = parser.parse_args()
+    if args.activations_only:
+        print("\n".join(one_process_activations(model) for model in args.models))
+        return
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     results = []
