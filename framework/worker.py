@@ -156,11 +156,13 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     """``(step_metrics, callbacks, checkpoint_plugins)`` in the order they must run.
 
     Profiler first, then the step clock both metric callbacks read; step metrics, validation,
+    activation memory (saved-tensor meter),
     fault injection/guard, checkpointing (after the others: a save happens once everything else
     of a step is done), the plugin's own, the step breakdown (checkpoint and validation run
     inside the step it times), and last the flush of the buffered tracking sink (one request
     per logged step).
     """
+    from framework.callbacks.activation_memory import ActivationMemory
     from framework.callbacks.breakdown import StepBreakdown
     from framework.callbacks.clock import StepClock
     from framework.callbacks.metric_flush import FlushMetrics
@@ -198,6 +200,8 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
         step_metrics,
         ValidationLoss(every_n_steps=trainer_cfg.val_every_n_steps, sinks=sinks, on_time_spent=clock.add_validation),
     ]
+    if not trainer_cfg.compile:  # compiled graphs save their own tensors (see the callback's docstring)
+        callbacks.append(ActivationMemory(clock=clock, log_every_n_steps=trainer_cfg.log_every_n_steps, sinks=sinks))
     callbacks += build_fault_callbacks(launch, rank=rank)  # [] without faults/policy; before checkpointing
     # The folder CheckpointIO plugin and its callbacks; on_time_spent gets the seconds the step was held.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(

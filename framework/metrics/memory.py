@@ -7,13 +7,18 @@
 - :func:`model_states_bytes`: parameters + gradients + optimizer state, summed over *distinct*
   tensor storages, so a tied weight, or gradients that are views into DDP's buckets, count once.
   The cost model for it is the plugin's ``model_states_bytes`` (ZeRO §3.1).
+- :class:`SavedTensorMeter`: activation memory, the bytes of the tensors autograd saves for
+  backward (``torch.autograd.graph.saved_tensors_hooks``), live and peak; parameters (and views
+  of them, e.g. a Linear's transposed weight) are model state and not counted. Independent of
+  the allocator and the device, so it is exact on CPU and comparable with Korthikanti et al.
+  2022 (Table 2), which counts the same thing.
 """
 
 from __future__ import annotations
 
 import resource
 import sys
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -120,3 +125,99 @@ def model_stats(module: torch.nn.Module) -> ModelStats:
         grad_bytes=params[0].element_size(),
         param_shapes=tuple(tuple(getattr(p, "ds_shape", p.shape)) for p in params),  # DTensor: the global shape
     )
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter (FSDP's unsharded one and a DTensor parameter included) or a view of one (a Linear's
+    transposed weight). A leaf that is not a parameter (a pipeline stage's received activation) is an activation."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
+class _Saved:
+    """What autograd keeps for one saved tensor while the meter is on: the tensor and its storage key.
+    Freed with the graph (after backward, or when a forward's graph is dropped); the meter's count follows."""
+
+    __slots__ = ("tensor", "key", "meter", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, key: Any, meter: "SavedTensorMeter") -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.meter._release(self.key)
+
+
+class SavedTensorMeter:
+    """Live and peak bytes of the activations autograd holds for backward (see the module docstring).
+
+    Use as a context manager around forward passes (``with meter: loss = model(x)``), or call
+    :meth:`start` / :meth:`stop` from hooks. Each saved tensor is counted by the storage it lives
+    in, once however many saved tensors share it (q, k and v are views of one ``qkv`` output), and
+    released when the last saved tensor on that storage is freed (when backward has consumed the
+    graph). A DTensor counts its local shard. Not counted: trainable leaves and views of them
+    (model state), and tensors saved while the meter is off.
+
+    Attributes:
+        live_bytes: bytes of distinct saved storages alive now.
+        peak_bytes: the largest ``live_bytes`` since the last :meth:`reset_peak` (bytes).
+    """
+
+    def __init__(self) -> None:
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._refs: dict[Any, list[int]] = {}  # storage key -> [saved tensors alive on it, its bytes]
+        self._ctx: Any = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if _is_parameter(t) or local.device.type == "meta":
+            return _Saved(t, None, self)
+        # Keep a detached alias: the same storage, but no grad_fn, so a saved *output* (log_softmax's)
+        # does not hold its own node alive in a reference cycle (which would outlive backward-less graphs).
+        t = t.detach()
+        st = local.untyped_storage()
+        key = (str(local.device), st.data_ptr())
+        ref = self._refs.get(key)
+        if ref is None:
+            self._refs[key] = [1, st.nbytes()]
+            self.live_bytes += st.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        else:
+            ref[0] += 1
+        return _Saved(t, key, self)
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def _release(self, key: Any) -> None:
+        ref = self._refs.get(key)
+        if ref is None:
+            return
+        ref[0] -= 1
+        if ref[0] == 0:
+            del self._refs[key]
+            self.live_bytes -= ref[1]
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes alive now."""
+        self.peak_bytes = self.live_bytes
+
+    def start(self) -> None:
+        """Count the tensors saved from now on (this thread's autograd)."""
+        if self._ctx is None:
+            self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._ctx.__enter__()
+
+    def stop(self) -> None:
+        """Stop counting new saved tensors (those already counted are still released when freed)."""
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+
+    def __enter__(self) -> "SavedTensorMeter":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
