@@ -157,15 +157,16 @@ def gpt_activation_bytes(*, n_layer: int, d_model: int, n_head: int, d_ff: int, 
 
     Table 2's ``34`` = 2 x 16 elements + 2 mask bytes; our 16 elements are the same tensors.
     Outside the layers: on the first stage the token ids (int64, ``ids = 8·sb``) and positions
-    (``pos = 8·s``); on the last, ``head = 2·e·sbh + 8·sb + 4·sbV + 4``: ``ln_f``'s input and stats, the
+    (``pos = 8·s``); on the last, ``head = 2·e·sbh + 8·sb + 4·sbV + 8``: ``ln_f``'s input and stats, the
     head's input, the fp32 ``log_softmax`` output (the head is replicated under TP: not divided)
-    and the loss's weight sum, and the targets (int64, ``targets = 8·sb``).
+    and two fp32 scalars (the loss's weight sum, and the token-weighted loss's denominator that its
+    division keeps), and the targets (int64, ``targets = 8·sb``).
 
     Returns ``{"layer", "ids", "pos", "head", "targets"}`` in bytes per micro-batch.
     """
     s, b, h, a, f, e, t = seq_len, micro_batch_size, d_model, n_head, d_ff, act_bytes, tp
     layer = 4 * e * s * b * h + 16 * s * b + (4 * e * s * b * h + 2 * e * s * b * f + 4 * b * a * s) / t
-    return {"layer": layer, "ids": 8 * s * b, "pos": 8 * s, "head": 2 * e * s * b * h + 8 * s * b + 4 * s * b * vocab + 4,
+    return {"layer": layer, "ids": 8 * s * b, "pos": 8 * s, "head": 2 * e * s * b * h + 8 * s * b + 4 * s * b * vocab + 8,
             "targets": 8 * s * b}
 
 
