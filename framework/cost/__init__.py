@@ -1,0 +1,1 @@
+"""trainlab's cost model: pure functions (see the package modules)."""
