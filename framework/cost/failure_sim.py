@@ -100,11 +100,14 @@ def _trace(times: Sequence[float]) -> Iterator[float]:
 
 
 def simulate(*, steps: int, step_s: float, policy: Policy, restart_s: float, mtbf_s: float = math.inf,
-             seed: int = 0, failure_times: Optional[Sequence[float]] = None) -> SimResult:
+             seed: int = 0, failure_times: Optional[Sequence[float]] = None,
+             failure_steps: Optional[Sequence[int]] = None) -> SimResult:
     """Simulate ``steps`` optimizer steps of ``step_s`` seconds under ``policy`` and failures.
 
     Failures: ``failure_times`` (a trace, seconds of wall clock from the start) if given, else
-    exponential gaps of mean ``mtbf_s`` from ``random.Random(seed)`` (``inf``: none).
+    exponential gaps of mean ``mtbf_s`` from ``random.Random(seed)`` (``inf``: none). Either
+    way ``failure_steps`` adds failures tied to progress, as trainlab's fault schedule fires
+    them: at the start of step ``s`` the first time the job reaches it (never on a replay).
 
     Raises:
         ValueError: a non-positive ``steps`` or ``step_s``, or a negative time.
@@ -117,6 +120,7 @@ def simulate(*, steps: int, step_s: float, policy: Policy, restart_s: float, mtb
     fails = _trace(failure_times) if failure_times is not None else (
         _exponential(mtbf_s, rng) if math.isfinite(mtbf_s) else _trace([]))
     next_fail = next(fails)
+    step_faults = sorted(set(failure_steps or []))  # progress-tied failures not fired yet
     res = SimResult()
     t = 0.0
     pos = 0  # steps done since the newest checkpoint we would restart from (tracked as absolute positions)
@@ -148,11 +152,17 @@ def simulate(*, steps: int, step_s: float, policy: Policy, restart_s: float, mtb
         if kind == "async" and pending is not None and pending[1] > t + n * step_s:
             wait = pending[1] - (t + n * step_s)  # the previous write is still in flight: this save waits
         seg = n * step_s + wait + save
-        if next_fail < t + seg:  # the interval is lost
-            t_fail = next_fail
+        by_step = step_faults[0] if step_faults and step_faults[0] <= end_pos else None
+        t_step_fail = t + (by_step - pos - 1) * step_s if by_step is not None else math.inf
+        if min(next_fail, t_step_fail) < t + seg:  # the interval is lost
             res.failures += 1
+            if t_step_fail <= next_fail:
+                t_fail = t_step_fail
+                step_faults.pop(0)
+            else:
+                t_fail = next_fail
+                next_fail = next(fails)
             res.lost_s += t_fail - t
-            next_fail = next(fails)
             if kind == "async" and pending is not None and pending[1] <= t_fail:
                 durable, pending = pending[0], None
             elif kind == "async":

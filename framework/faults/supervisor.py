@@ -168,6 +168,9 @@ def report_figures(records: list[dict[str, Any]], tracker: Any) -> dict[str, flo
     steps = [r["step"] for r in records if r.get("ev") == "step"]
     last = max(steps) if steps else 0
     print("trainlab: goodput/recovery | " + " | ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
+    for i, a in enumerate(attempts):
+        print(f"trainlab: attempt {i} ({'restart' if a['restart'] else 'start'} at step {a['step']:.0f}) | "
+              + " | ".join(f"{k} {v:.2f}" for k, v in a.items() if k.endswith("_s")), flush=True)
     if tracker is not None:
         try:
             tracker.log_metrics(figures, step=last)

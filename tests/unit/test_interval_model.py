@@ -90,3 +90,10 @@ def test_incremental_costs():
     assert incremental_costs(1e9, 0.8, 1, write_bw=1e8, read_bw=1e8)[:2] == pytest.approx((10.0, 10.0))
     with pytest.raises(ValueError, match="full_every=0"):
         incremental_costs(1e9, 0.8, 0, write_bw=1e8, read_bw=1e8)
+
+
+def test_progress_tied_failures_fire_once_like_trainlab_schedule():
+    # saves every 10 steps of 1 s (delta 1 s); a fault at the start of step 15: steps 11..14 lost (4 s), restart 5 s
+    r = simulate(steps=30, step_s=1.0, policy=Policy("sync", 10, 1.0), restart_s=5.0, failure_steps=[15])
+    assert r.failures == 1 and r.lost_s == pytest.approx(4.0) and r.restart_s == pytest.approx(5.0)
+    assert r.wall_s == pytest.approx(30 + 3 * 1.0 + 4.0 + 5.0)  # the replayed step 15 does not fail again
