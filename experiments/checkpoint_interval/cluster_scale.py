@@ -42,6 +42,11 @@ BANDWIDTHS = {"50 GB/s": 50e9, "500 GB/s": 500e9}
 ASYNC_BLOCK_S = 2.0                # GPU -> pinned CPU copy of a 300 MB shard per GPU (~25 GB/s PCIe) + barrier: stated
 MEM_FRACTION, MEM_RESTART_S, MEM_DELTA_S = 0.8, 3 * 60, 2.0  # two-tier (Gemini-style peer memory): stated
 INTERVALS = (50, 100, 200, 500, 1000, 2000, 5000)
+# incremental saves: trainlab's lossless XOR deltas write 0.73-0.86 of a full save's bytes (issue 16, measured
+# with benchmarks/checkpoint_bench.py); the codec (XOR + zlib) speed per rank is stated (zlib level 1 ~ 100 MB/s/core)
+DELTA_RATIOS = (0.73, 0.86, 0.3)  # 0.3: a hypothetical lossy or sparse delta, for contrast
+FULL_EVERY = 4
+CODEC_BPS = 100e6
 
 
 def policies(bw: float, every: int, mtbf: float, step_s: float = STEP_S) -> dict[str, tuple[Policy, float]]:
@@ -140,16 +145,19 @@ def main() -> None:
                 hi = mid
         print(f"  delta {delta:>5.0f} s: M = {lo / 3600:.2f} h  (I/O {guide_claim(lo, delta, RESTART_S)['io']:+.0%})")
 
-    print("\nincremental saves (delta ratio 0.8 of a full save, a full save every 4) at each bandwidth:")
-    for bw_name, bw in {**BANDWIDTHS, "5 GB/s": 5e9}.items():
-        full_save, full_load, _ = incremental_costs(CKPT_BYTES, 0.8, 1, write_bw=bw, read_bw=bw)
-        inc_save, inc_load, nbytes = incremental_costs(CKPT_BYTES, 0.8, 4, write_bw=bw, read_bw=bw,
-                                                       delta_compute_s=0.0)
-        m = MTBF_LLAMA3_S
-        g_full = 1 - young_waste(young_interval(full_save, m), full_save, RESTART_S + full_load, m)
-        g_inc = 1 - young_waste(young_interval(inc_save, m), inc_save, RESTART_S + inc_load, m)
-        print(f"  {bw_name:<9} full: save {full_save:7.0f} s load {full_load:7.0f} s goodput {g_full:.4f} |"
-              f" incremental: save {inc_save:7.0f} s load {inc_load:7.0f} s goodput {g_inc:.4f}")
+    print(f"\nincremental saves (XOR + zlib deltas; a full save every {FULL_EVERY}; each rank codes its"
+          f" {CKPT_BYTES / GPUS / 1e6:.0f} MB shard at {CODEC_BPS / 1e6:.0f} MB/s), Llama 3 MTBF, each at its Young optimum:")
+    print(f"  {'bandwidth':>10} {'ratio':>5} {'full save/load s':>17} {'incr save/load s':>17} {'goodput full':>12} {'incr':>7}")
+    for bw in (5e9, 20e9, 50e9, 100e9, 200e9, 500e9):
+        for ratio in DELTA_RATIOS:
+            g = {}
+            for name, every in (("full", 1), ("incr", FULL_EVERY)):
+                save, load, _ = incremental_costs(CKPT_BYTES, ratio, every, write_bw=bw, read_bw=bw,
+                                                  delta_compute_s=CKPT_BYTES / GPUS / CODEC_BPS)
+                m = MTBF_LLAMA3_S
+                g[name] = (save, load, 1 - young_waste(young_interval(save, m), save, RESTART_S + load, m))
+            print(f"  {bw / 1e9:>6.0f} GB/s {ratio:>5.2f} {g['full'][0]:>8.0f}/{g['full'][1]:<8.0f} {g['incr'][0]:>8.0f}/"
+                  f"{g['incr'][1]:<8.0f} {g['full'][2]:>12.4f} {g['incr'][2]:>7.4f}")
     _plots(rows, args.out)
 
 

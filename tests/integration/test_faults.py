@@ -114,6 +114,13 @@ def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
     assert m["recovery/recomputed_steps"] == (6 - 5) + (11 - 5)  # completed steps run again (7 hung, 12 crashed)
     assert m["fault/injected"] == 3 and m["fault/detected"] == 3  # hang, corrupt checkpoint, crash
     assert m["recovery/time_s"] > 0 and 0 < m["goodput"] < 1
+    # goodput's parts cover the wall time, for this run and for the fault-free one (issue 16.1)
+    ref = _mlflow_metrics(fr, "ref")
+    for figs, restarted in ((m, True), (ref, False)):
+        assert 0 < figs["goodput"] < 1 and figs["goodput/productive_s"] > 0
+        assert abs(figs["goodput/unaccounted_s"]) < 0.02 * figs["goodput/wall_s"], "parts sum to the wall time within 2%"
+        assert (figs["goodput/restart_s"] > 0 and figs["goodput/lost_s"] > 0 and figs["goodput/detect_s"] > 0) == restarted
+    assert ref["recovery/restarts"] == 0 and ref["recovery/recomputed_steps"] == 0
 
 
 def test_loss_spike_rollback_leaves_no_spike(fr):
