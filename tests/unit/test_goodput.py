@@ -146,3 +146,46 @@ def test_recovery_table_rows_only_for_runs_with_faults_policy_or_recovery():
     rows = recovery_rows([run("a", zero), run("b", {**zero, "recovery/restarts": 1.0}),
                           run("c", zero, {"resilience.policy": "skip_step"})])
     assert [r["run"] for r in rows] == ["bbbbbbbb", "cccccccc"]  # every run logs the figures; a plain one has no row
+
+
+def test_run_timeline_records_steps_saves_and_a_rollback(tmp_path):
+    """RunTimeline's records (rank 0): start marks, one step record per optimizer step with the
+    save taken out of its time, a rolled-back step marked, and nothing on another rank."""
+    from types import SimpleNamespace
+
+    from framework.callbacks.clock import StepClock
+    from framework.callbacks.goodput import RunTimeline
+    from framework.faults.events import FaultLog
+
+    log = FaultLog(tmp_path)
+    clock = StepClock()
+    trainer = SimpleNamespace(global_step=2, world_size=2, accumulate_grad_batches=2)
+    tl = RunTimeline(log=log, clock=clock, segment="0.1", launch_index=0, marks={"t_proc": 1.0, "t_main": 2.0, "t_fit": 3.0})
+    other = RunTimeline(log=log, clock=clock, segment="0.1", launch_index=0, marks={}, enabled=False)
+    tl.setup(trainer, None, "fit")
+    tl.on_load_checkpoint(trainer, None, {})
+    clock.on_train_start(trainer, None)
+    tl.on_train_start(trainer, None)
+
+    def batch_end(global_step, save_s=0.0, rewind_to=None):
+        trainer.global_step = global_step
+        clock.on_train_batch_end(trainer, None, None, None, 0)
+        clock.add_checkpoint(save_s)
+        if rewind_to is not None:  # the guard's rollback, between the clock and the timeline
+            trainer.global_step = rewind_to
+            clock.on_rollback(rewind_to)
+        tl.on_train_batch_end(trainer, None, None, None, 0)
+        other.on_train_batch_end(trainer, None, None, None, 0)
+
+    batch_end(2)  # first micro-batch of step 3: inside accumulation
+    batch_end(3, save_s=0.5)
+    batch_end(4, rewind_to=3)  # step 4 rolled back to 3
+    batch_end(4)
+    tl.on_train_end(trainer, None)
+    recs = log.read()
+    assert [r["ev"] for r in recs] == ["start", "step", "step", "step", "end"]
+    start = recs[0]
+    assert start["step"] == 2 and start["t_proc"] == 1.0 and start["t_fit"] == 3.0 and start["t_rdzv"] <= start["t_loaded"]
+    assert (start["restart"], start["world_size"], start["grad_accum_steps"], start["seg"]) == (0, 2, 2, "0.1")
+    assert [(r["step"], r.get("rolled_back", False)) for r in recs[1:4]] == [(3, False), (4, True), (4, False)]
+    assert recs[1]["c"] == 0.5 and all(r["d"] >= 0 for r in recs[1:])
