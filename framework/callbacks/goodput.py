@@ -70,8 +70,8 @@ class RunTimeline(pl.Callback):
         self._c_last = self._v_last = 0.0
 
     def _append(self, ev: str, **fields: Any) -> None:
-        if self.enabled:
-            self.event_log.append(ev, seg=self.segment, **fields)
+        if self.enabled:  # step records without fsync (they survive a killed rank, and cost no disk flush per step)
+            self.event_log.append(ev, sync=ev != "step", seg=self.segment, **fields)
 
     def _since_last(self) -> tuple[float, float, float, float]:
         """``(now, d, c, v)`` since the last mark; moves the mark."""
