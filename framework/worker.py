@@ -266,6 +266,27 @@ def _shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
+PRELOAD_MODULES = ["torch", "pytorch_lightning", "framework.worker", "framework.module", "framework.data",
+                   "framework.callbacks.goodput", "framework.faults.guard", "framework.checkpoint.policy"]
+"""What the forkserver imports once when ``trainer.preload_ranks`` is on (:func:`framework.launcher.launch_ranks`)."""
+
+
+def run_rank(launch_file: str) -> int:
+    """Entry point of one rank as a function (``trainer.preload_ranks``: forked from a forkserver
+    that already imported :data:`PRELOAD_MODULES`); returns 0, the value the elastic agent waits
+    for from every rank (multiprocessing then ends the process with ``os._exit``).
+    """
+    from framework.callbacks.goodput import process_start_time
+
+    marks = {"t_proc": process_start_time(), "t_main": time.time()}
+    faulthandler.enable(all_threads=True)
+    _die_with_parent()
+    _quiet_libraries()
+    build_trainer_and_fit(LaunchSpec.read(launch_file), marks)
+    _shutdown_process_group()
+    return 0
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank: ``python -m framework.worker LAUNCH_JSON``."""
