@@ -43,10 +43,11 @@ ASYNC_BLOCK_S = 2.0                # GPU -> pinned CPU copy of a 300 MB shard pe
 MEM_FRACTION, MEM_RESTART_S, MEM_DELTA_S = 0.8, 3 * 60, 2.0  # two-tier (Gemini-style peer memory): stated
 INTERVALS = (50, 100, 200, 500, 1000, 2000, 5000)
 # incremental saves: trainlab's lossless XOR deltas write 0.73-0.86 of a full save's bytes (issue 16, measured
-# with benchmarks/checkpoint_bench.py); the codec (XOR + zlib) speed per rank is stated (zlib level 1 ~ 100 MB/s/core)
+# with benchmarks/checkpoint_bench.py); the codec (XOR + zlib): 720.7 MB of gpt_50m checkpoint in 10.8 s on 2 CPU
+# threads here (benchmarks/checkpoint_bench.py --saves 3), ~70 MB/s per rank
 DELTA_RATIOS = (0.73, 0.86, 0.3)  # 0.3: a hypothetical lossy or sparse delta, for contrast
 FULL_EVERY = 4
-CODEC_BPS = 100e6
+CODEC_BPS = 70e6
 
 
 def policies(bw: float, every: int, mtbf: float, step_s: float = STEP_S) -> dict[str, tuple[Policy, float]]:
