@@ -64,4 +64,15 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(launch.run_dir / "elastic")),
     )
+    if run.trainer.preload_ranks:
+        # Ranks fork from one forkserver per driver that imported torch, Lightning and the worker
+        # once: a restart's new ranks skip the imports (most of a restart's start-up on a CPU).
+        import multiprocessing
+
+        from framework.worker import PRELOAD_MODULES, run_rank
+
+        multiprocessing.set_forkserver_preload(PRELOAD_MODULES)
+        config.start_method = "forkserver"
+        elastic_launch(config, entrypoint=run_rank)(str(launch_file))
+        return
     elastic_launch(config, entrypoint=sys.executable)("-u", "-m", "framework.worker", str(launch_file))

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,10 +63,12 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
 
 
-def build_trainer_and_fit(launch: LaunchSpec) -> None:
+def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = None) -> None:
     """Train this rank as the driver's launch object describes; rank 0 writes ``run_dir/summary.json``.
 
-    The run arrives resolved (layout, batch split) and is not validated again here.
+    The run arrives resolved (layout, batch split) and is not validated again here. ``marks``:
+    start-up times so far (Unix seconds, ``t_proc``/``t_main``), for the run's timeline
+    (:class:`~framework.callbacks.goodput.RunTimeline`), which adds ``t_fit``.
     """
     import pytorch_lightning as pl
 
@@ -99,9 +102,11 @@ def build_trainer_and_fit(launch: LaunchSpec) -> None:
     module = LMModule(resolved, vocab_size=vocab_size, plugin=plugin)
     sinks, mlflow_sink = _metric_sinks(launch, rank)
     flops = _flops_setup(run, vocab_size, accelerator, mlflow_sink)
-    step_metrics, callbacks, ckpt_plugins = _build_callbacks(launch, plugin, rank, sinks, flops)
+    marks = {} if marks is None else marks
+    step_metrics, callbacks, ckpt_plugins = _build_callbacks(launch, plugin, rank, sinks, flops, marks)
     trainer = _build_trainer(resolved, plugin, accelerator, callbacks, ckpt_plugins, launch.run_dir)
     ckpt_path = resume_path(launch, rank)  # after an elastic restart: the newest valid checkpoint
+    marks["t_fit"] = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         summary = {**step_metrics.summary, "flops_per_token": float(flops.per_token), "peak_flops": flops.peak}
@@ -152,23 +157,27 @@ def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) 
     return flops
 
 
-def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, flops: _Flops) -> tuple[Any, list, list]:
+def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, flops: _Flops,
+                     marks: dict[str, float]) -> tuple[Any, list, list]:
     """``(step_metrics, callbacks, checkpoint_plugins)`` in the order they must run.
 
     Profiler first, then the step clock both metric callbacks read; step metrics, validation,
     activation memory (saved-tensor meter),
     fault injection/guard, checkpointing (after the others: a save happens once everything else
     of a step is done), the plugin's own, the step breakdown (checkpoint and validation run
-    inside the step it times), and last the flush of the buffered tracking sink (one request
-    per logged step).
+    inside the step it times), the run's timeline (goodput; it must see a step's save,
+    validation and rollback before it records the step), and last the flush of the buffered
+    tracking sink (one request per logged step).
     """
     from framework.callbacks.activation_memory import ActivationMemory
     from framework.callbacks.breakdown import StepBreakdown
     from framework.callbacks.clock import StepClock
     from framework.callbacks.metric_flush import FlushMetrics
+    from framework.callbacks.goodput import RunTimeline
     from framework.callbacks.step_metrics import StepMetrics
     from framework.callbacks.validation import ValidationLoss
     from framework.checkpoint.policy import build_checkpointing
+    from framework.faults.events import FaultLog
     from framework.faults.guard import build_fault_callbacks
 
     resolved, trainer_cfg = launch.resolved, launch.resolved.run.trainer
@@ -215,6 +224,9 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
         callbacks.insert(0, StepProfiler(first=first, last=last, out_dir=launch.run_dir / "profile"))
     callbacks += plugin.callbacks(resolved, sinks)  # plugin-specific metrics (e.g. pipeline bubble)
     callbacks.append(breakdown)  # after the others: checkpoint and validation run inside the step it times
+    callbacks.append(RunTimeline(log=FaultLog(launch.run_dir), clock=clock, launch_index=launch.launch_index,
+                                 segment=f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                 marks=marks, enabled=rank == 0))  # goodput and recovery counters: sees the step whole
     buffered = [s for s in sinks if hasattr(s, "flush")]
     if buffered:  # last: one tracking request per logged step, once every callback wrote its metrics
         callbacks.append(FlushMetrics(clock=clock, sinks=buffered, on_time_spent=breakdown.add_logging_time))
@@ -265,9 +277,34 @@ def _shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
+PRELOAD_MODULES = ["torch", "pytorch_lightning", "framework.worker", "framework.module", "framework.data",
+                   "framework.callbacks.goodput", "framework.faults.guard", "framework.checkpoint.policy"]
+"""What the forkserver imports once when ``trainer.preload_ranks`` is on (:func:`framework.launcher.launch_ranks`)."""
+
+
+def run_rank(launch_file: str) -> int:
+    """Entry point of one rank as a function (``trainer.preload_ranks``: forked from a forkserver
+    that already imported :data:`PRELOAD_MODULES`); returns 0, the value the elastic agent waits
+    for from every rank (multiprocessing then ends the process with ``os._exit``).
+    """
+    from framework.callbacks.goodput import process_start_time
+
+    marks = {"t_proc": process_start_time(), "t_main": time.time()}
+    faulthandler.enable(all_threads=True)
+    _die_with_parent()
+    _quiet_libraries()
+    build_trainer_and_fit(LaunchSpec.read(launch_file), marks)
+    _shutdown_process_group()
+    return 0
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank: ``python -m framework.worker LAUNCH_JSON``."""
+    t_main = time.time()  # interpreter up, torch imported (by this module's imports)
+    from framework.callbacks.goodput import process_start_time
+
+    marks = {"t_proc": process_start_time(), "t_main": t_main}
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m framework.worker LAUNCH_JSON")
@@ -276,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.enable(all_threads=True)
     _die_with_parent()
     _quiet_libraries()
-    build_trainer_and_fit(LaunchSpec.read(argv[0]))
+    build_trainer_and_fit(LaunchSpec.read(argv[0]), marks)
     _shutdown_process_group()
     from framework.distributed import exit_process
 

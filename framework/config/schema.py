@@ -167,6 +167,7 @@ class TrainerConfig:
     warmup_steps_excluded: int = 3  # first steps left out of throughput / MFU (warm-up)
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores // local ranks
     max_restarts: int = 0  # elastic agent restarts of failed ranks
+    preload_ranks: bool = False  # start ranks from a forkserver with torch/Lightning imported (cheaper restarts)
     progress_bar: bool = True  # tqdm bar on rank 0
     profile_steps: Optional[list[int]] = None  # [a, b]: torch.profiler trace of optimizer steps a..b (MLflow artifact); None = off
     compile: bool = False  # torch.compile the model (nn.Module.compile: checkpoints keep their keys)

@@ -15,5 +15,7 @@ searches layouts of a cluster with it; the studies set it beside measurement.
 - :mod:`.steptime`     alpha-beta collective times, overlaps, step time, what-if
 - :mod:`.layout`       PlanLayout: one candidate layout (degrees, schedule, micro-batch, sharding, recompute, SP)
 - :mod:`.estimate`     everything about one layout: memory, bytes, bubble, step time, tokens/s, MFU, cost
+- :mod:`.interval`     checkpoint interval: Young, Daly, async and two-tier waste, incremental saves
+- :mod:`.failure_sim`  seeded discrete-event failure simulator (goodput over seeds)
 - :mod:`.whatif`       ``python -m framework.cost.whatif RUN_ID``: the what-if of a measured trainlab run
 """

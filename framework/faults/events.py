@@ -1,4 +1,4 @@
-"""The fault log: one JSON object per line in ``<run_dir>/faults.jsonl``, appended by every rank.
+"""The run's event log (the fault log): one JSON object per line in ``<run_dir>/faults.jsonl``, appended by every rank.
 
 Ranks restart and the driver may relaunch them at another world size, but the run folder
 stays, so this file is where "what already happened" lives: an injector reads it at start and
@@ -9,12 +9,16 @@ Records (``ev`` field; ``t`` = Unix time in seconds, ``step`` = optimizer step, 
 
 - ``driver_start`` / ``driver_end``: a driver invocation (wall-time bounds for goodput).
 - ``start``: rank 0 began training (``launch`` = driver relaunch index, ``restart`` = elastic
-  restart count, ``world_size``, ``grad_accum_steps``, ``step`` = step resumed from).
+  restart count, ``world_size``, ``grad_accum_steps``, ``step`` = step resumed from, and the
+  attempt's start-up marks ``t_proc``, ``t_main``, ``t_fit``, ``t_rdzv``, ``t_loaded``);
+  written in every run by :class:`~framework.callbacks.goodput.RunTimeline`, as are ``step``
+  and ``end``.
 - ``injected``: a rank fired event ``id`` (``kind``, ``step``, ``rank``); written (and fsync'd)
   before the fault acts, so a crash cannot lose it.
 - ``detected``: a detector flagged a fault (``detector``, ``step``, ``rank``; hang: ``stalled_s``).
-- ``step``: rank 0 finished step ``step`` (``d`` = its compute seconds; ``skipped`` when the
-  update was dropped).
+- ``step``: rank 0 finished step ``step`` (``d`` = its seconds since the step before, less
+  ``c`` checkpoint blocking and ``v`` validation; ``rolled_back`` when a rollback rewound it).
+- ``end``: training finished (``c``/``v`` of the final save and validation).
 - ``skipped``: a rank dropped step ``step``'s update (``rank``, ``reason``).
 - ``rollback``: the ranks went back from ``from_step`` to the snapshot at ``to_step``.
 - ``resume_skipped_corrupt``: a restarted rank passed over a corrupt checkpoint (``path``).
@@ -44,14 +48,20 @@ class FaultLog:
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / LOG_NAME
 
-    def append(self, ev: str, **fields: Any) -> dict[str, Any]:
-        """Append record ``{"ev": ev, "t": now, **fields}``; returns it."""
+    def append(self, ev: str, *, sync: bool = True, **fields: Any) -> dict[str, Any]:
+        """Append record ``{"ev": ev, "t": now, **fields}``; returns it.
+
+        ``sync=False`` skips the ``fsync``: the line still survives the writer's SIGKILL (it is in
+        the page cache), only not a crash of the machine; for per-step records, where an fsync
+        per step would show in the step time.
+        """
         rec = {"ev": ev, "t": time.time(), **fields}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, (json.dumps(rec) + "\n").encode())
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         return rec

@@ -119,9 +119,6 @@ class FaultGuard(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
         self.snapshot = next((c for c in trainer.callbacks if isinstance(c, MemorySnapshot)), None)
-        self._record("start", launch=self.launch_index, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                     world_size=trainer.world_size, grad_accum_steps=trainer.accumulate_grad_batches,
-                     step=trainer.global_step)
         if self.watchdog is not None:
             self.watchdog.start()
 
@@ -233,12 +230,10 @@ class FaultGuard(pl.Callback):
             self._restore = "await_epoch"
             self._step = -1
             return
-        self._record("step", step=self._step, d=time.perf_counter() - self._t_step, skipped=self._skipped)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
-        self._record("end", step=trainer.global_step)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.watchdog is not None:

@@ -1,8 +1,9 @@
 """The recovery table of the compare report (``python -m framework.compare``).
 
 Printed (and written as ``compare_recovery.csv``, appended to ``compare.md``) when at least one
-run of the experiment logged recovery figures: one row per run with the fault kinds it injected and its
-resilience policy next to ``fault/*``, ``recovery/*`` and ``goodput`` (see
+run of the experiment had faults, a resilience policy or a recovery (every run logs the figures,
+most of them zero): one row per such run with the fault kinds it injected and its resilience
+policy next to ``fault/*``, ``recovery/*``, ``goodput`` and the lost and restart seconds (see
 :mod:`framework.faults.accounting` for their definitions).
 """
 
@@ -29,13 +30,22 @@ RECOVERY_COLUMNS: list[Column] = [
     ("recomputed_steps", "metric", "recovery/recomputed_steps", ".0f"),
     ("recovery_time_s", "metric", "recovery/time_s", ".2f"),
     ("goodput", "metric", "goodput", ".3f"),
+    ("lost_s", "metric", "goodput/lost_s", ".2f"),
+    ("restart_s", "metric", "goodput/restart_s", ".2f"),
     ("final_loss", "metric", "train/loss_final", ".4f"),
 ]
 
 
+RECOVERY_EVIDENCE = ("fault/injected", "fault/detected", "recovery/restarts", "recovery/rollbacks", "recovery/skipped_steps")
+
+
 def recovery_rows(runs: list[Any]) -> list[dict[str, Any]]:
-    """One row per run that logged ``fault/injected`` (an empty list when none did)."""
-    return [row_of(run, RECOVERY_COLUMNS) for run in runs if "fault/injected" in run.data.metrics]
+    """One row per run with a resilience policy tag or a non-zero fault/recovery count (an empty list when none)."""
+    def has_recovery(run: Any) -> bool:
+        m = run.data.metrics
+        return "resilience.policy" in run.data.tags or any(m.get(k, 0.0) > 0 for k in RECOVERY_EVIDENCE)
+
+    return [row_of(run, RECOVERY_COLUMNS) for run in runs if has_recovery(run)]
 
 
 def format_recovery_table(rows: list[dict[str, Any]]) -> str:

@@ -74,10 +74,13 @@ def max_restarts_for(run: Any) -> int:
 
 
 def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
-    """Run the ranks to completion under the resilience policy, then log the recovery figures.
+    """Run the ranks to completion under the resilience policy, then log goodput and the recovery figures.
 
-    Without faults or a policy this is exactly :func:`framework.launcher.launch_ranks`. With
-    them the ranks get the fault schedule, and each shrink relaunches them with the run
+    Every run writes ``driver_start``/``driver_end`` to the run's event log and logs goodput,
+    its parts, the restart parts of each attempt and the ``fault/``/``recovery/`` figures
+    (:mod:`framework.faults.accounting`), faults or none. Without faults or a policy the ranks
+    start as :func:`framework.launcher.launch_ranks` starts them (``trainer.max_restarts``).
+    With them the ranks get the fault schedule, and each shrink relaunches them with the run
     resolved at the smaller world size (:func:`resolve_shrunk`).
 
     Raises:
@@ -92,17 +95,17 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
 
     resolved = launch.resolved
     run = resolved.run
-    if not faults_enabled(run):
-        launch_ranks(launch)
-        return
     log = FaultLog(launch.run_dir)
     shrinks: list = []  # (before, after, resumed step) of each shrink, for the MLflow tags
-    launch = launch.replace(fault_schedule=build_schedule(run, resolved.world_size), launch_index=0)
     log.append("driver_start", world_size=resolved.world_size)
-    if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
-        kinds = sorted({e["kind"] for e in launch.fault_schedule})
-        tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
     try:
+        if not faults_enabled(run):
+            launch_ranks(launch)
+            return
+        launch = launch.replace(fault_schedule=build_schedule(run, resolved.world_size), launch_index=0)
+        if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
+            kinds = sorted({e["kind"] for e in launch.fault_schedule})
+            tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
         while True:
             try:
                 launch_ranks(launch, max_restarts=max_restarts_for(run))
@@ -133,7 +136,7 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
                 run, resolved = new_resolved.run, new_resolved
     finally:
         log.append("driver_end")
-        _report(log, tracker)
+        report_figures(log.read(), tracker)
 
 
 def _set_tags(tracker: Any, tags: dict[str, str]) -> None:
@@ -146,13 +149,28 @@ def _set_tags(tracker: Any, tags: dict[str, str]) -> None:
         _warn(f"could not update the MLflow tags after the shrink: {err}")
 
 
-def _report(log: FaultLog, tracker: Any) -> None:
-    from framework.faults.accounting import recovery_figures
+def report_figures(records: list[dict[str, Any]], tracker: Any) -> dict[str, float]:
+    """Print and log (into ``tracker``'s MLflow run) goodput and the recovery figures of the event log ``records``.
 
-    figures = recovery_figures(log.read())
-    print("trainlab: recovery | " + " | ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
+    The run totals are logged at the last step the run reached (the step they concern); each
+    attempt's start-up parts as ``restart/<part>_s`` at the step it resumed from (one point per
+    attempt). Returns the totals. Tracking errors only warn.
+    """
+    from framework.faults.accounting import goodput_figures, recovery_figures
+
+    figures = recovery_figures(records)
+    _, attempts = goodput_figures(records)
+    steps = [r["step"] for r in records if r.get("ev") == "step"]
+    last = max(steps) if steps else 0
+    print("trainlab: goodput/recovery | " + " | ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
+    for i, a in enumerate(attempts):
+        print(f"trainlab: attempt {i} ({'restart' if a['restart'] else 'start'} at step {a['step']:.0f}) | "
+              + " | ".join(f"{k} {v:.2f}" for k, v in a.items() if k.endswith("_s")), flush=True)
     if tracker is not None:
         try:
-            tracker.log_metrics(figures, step=0)
+            tracker.log_metrics(figures, step=last)
+            for a in attempts:
+                tracker.log_metrics({f"restart/{k}": v for k, v in a.items() if k.endswith("_s")}, step=int(a["step"]))
         except Exception as err:  # tracking never masks the training outcome
             _warn(f"could not log the recovery figures to MLflow: {err}")
+    return figures

@@ -111,9 +111,9 @@ def test_nan_grad_skip_step_equals_a_run_without_that_update(fr):
 
 def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
     """(4) rank 1 hangs in step 7 -> the watchdog (6 s) fires on the ranks, which restart from
-    checkpoint 5: 2 steps recomputed; (5) the newest checkpoint (10) is corrupted in step 11 and
+    checkpoint 5: 1 step recomputed (6; 7 never completed); (5) the newest checkpoint (10) is corrupted in step 11 and
     (2) rank 1 crashes in step 12 -> the restart skips checkpoint 10 (checksum) and resumes from 5:
-    7 steps recomputed. Final weights, optimizer and RNG states bitwise-identical to an
+    6 steps recomputed. Final weights, optimizer and RNG states bitwise-identical to an
     uninterrupted run; the driver logged it all into the same MLflow run."""
     proc = fr.go("hang_corrupt_crash", "resilience=restart", "resilience.hang_timeout_s=6",
                  "fault.events=[{kind:hang,step:7,ranks:[1],delay_s:3600},{kind:ckpt_corrupt,step:11,ranks:[0]},"
@@ -134,9 +134,16 @@ def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
     assert _losses(fr, "hang_corrupt_crash") == _losses(fr, "ref")
     m = _mlflow_metrics(fr, "hang_corrupt_crash")
     assert m["recovery/restarts"] == 2
-    assert m["recovery/recomputed_steps"] == (6 + 1 - 5) + (11 + 1 - 5)
+    assert m["recovery/recomputed_steps"] == (6 - 5) + (11 - 5)  # completed steps run again (7 hung, 12 crashed)
     assert m["fault/injected"] == 3 and m["fault/detected"] == 3  # hang, corrupt checkpoint, crash
     assert m["recovery/time_s"] > 0 and 0 < m["goodput"] < 1
+    # goodput's parts cover the wall time, for this run and for the fault-free one (issue 16.1)
+    ref = _mlflow_metrics(fr, "ref")
+    for figs, restarted in ((m, True), (ref, False)):
+        assert 0 < figs["goodput"] < 1 and figs["goodput/productive_s"] > 0
+        assert abs(figs["goodput/unaccounted_s"]) < 0.02 * figs["goodput/wall_s"], "parts sum to the wall time within 2%"
+        assert (figs["goodput/restart_s"] > 0 and figs["goodput/lost_s"] > 0 and figs["goodput/detect_s"] > 0) == restarted
+    assert ref["recovery/restarts"] == 0 and ref["recovery/recomputed_steps"] == 0
 
 
 def test_loss_spike_rollback_leaves_no_spike(fr):
@@ -178,7 +185,7 @@ def test_repeated_crash_shrinks_to_one_rank_with_the_same_global_batch(fr):
     for s in ref:
         assert got[s] == pytest.approx(ref[s], rel=1e-5), f"step {s}"
     m = _mlflow_metrics(fr, "shrink")
-    assert m["recovery/restarts"] == 2 and m["recovery/recomputed_steps"] == (6 + 1 - 5) + (8 + 1 - 5)
+    assert m["recovery/restarts"] == 2 and m["recovery/recomputed_steps"] == (6 - 5) + (8 - 5)
 
 
 def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):

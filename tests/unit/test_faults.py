@@ -130,13 +130,14 @@ def test_accounting_of_a_crash_restart_and_a_rollback():
     recs += [_rec("step", 20 + s, step=s, d=0.5) for s in range(6, 11)]
     recs += [_rec("injected", 30.1, id="e1", kind="loss_spike", step=11, rank=1),
              _rec("detected", 30.5, detector="loss_spike", step=11, seg="0.1"),
-             _rec("skipped", 30.5, step=11, rank=0), _rec("rollback", 30.6, from_step=11, to_step=10)]
+             _rec("skipped", 30.5, step=11, rank=0), _rec("rollback", 30.6, from_step=11, to_step=10),
+             _rec("step", 30.6, step=11, d=0.5, rolled_back=True)]  # the timeline's record of the rolled-back step
     recs += [_rec("step", 31, step=11, d=0.5), _rec("step", 32, step=12, d=0.5), _rec("end", 32.5, step=12)]
     recs += [_rec("driver_end", 40.0)]
     f = recovery_figures(recs)
     assert f["fault/injected"] == 2 and f["fault/detected"] == 2  # the loss spike + the rank failure (seen at restart)
     assert f["recovery/restarts"] == 1 and f["recovery/rollbacks"] == 1
-    assert f["recovery/recomputed_steps"] == (7 + 1 - 5) + (11 - 10)
+    assert f["recovery/recomputed_steps"] == (7 - 5) + (11 - 10)  # steps 6, 7 (8 never completed); 11 rolled back
     assert f["fault/detect_latency_steps"] == 0
     assert f["recovery/time_s"] == pytest.approx((28 - 8.2) + (31 - 30.1))  # to the end of step 8 again; of step 11
     assert f["goodput"] == pytest.approx(12 * 0.5 / 40.0)  # the last execution of each of the 12 steps, over 40 s
