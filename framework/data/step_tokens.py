@@ -65,7 +65,13 @@ class StepTokenCounts:
         return self.loader.batch_sampler
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        it = iter(self.loader)
+        # The loader's iterator is made here, not at the first item: a DataLoader draws its base seed
+        # from the global torch RNG when its iterator is made, and Lightning makes it before a resumed
+        # run restores the RNG state (made lazily, the draw would come after the restore, and the
+        # resumed run's RNG would be one draw ahead of the uninterrupted run's).
+        return self._steps(iter(self.loader))
+
+    def _steps(self, it: Iterator[Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         while True:
             step: list[tuple[torch.Tensor, torch.Tensor]] = []
             for batch in it:
