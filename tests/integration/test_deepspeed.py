@@ -100,7 +100,7 @@ def test_resume_auto_continues_a_zero3_run_exactly(zero_runs):
     # The sweep's zero3 job again, as a single run of its run_name: resume=auto finds step 15 (the run
     # saved no later one) and replays 16..18.
     again = zero_runs.run("parallelism=zero3", "trainer.micro_batch_size=2", "checkpoint.every_n_steps=15",
-                          "checkpoint.save_last=False", f"run_name={name}", *RESUMED)
+                          "checkpoint.save_last=False", f"run_name='{name}'", *RESUMED)
     assert f"resuming from checkpoints/default/{name}/step00000015" in again.stdout
     got = losses(zero_runs.metrics(name))
     for step in range(16, 19):
