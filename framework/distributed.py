@@ -64,6 +64,12 @@ def exit_process(code: int) -> NoReturn:
     logged (SIGABRT, "terminate called without an active exception"; 2 runs in one full test
     suite, none in 90 plain runs), which turned finished runs into failed ones.
     """
+    # Idle ThreadPoolExecutor workers (MLflow's artifact uploads use one) leave only when told to,
+    # which the interpreter does in threading's shutdown, not in atexit: tell them here, as it does
+    # (queued work is finished first), or joining them below waits forever.
+    import concurrent.futures.thread as executor_threads
+
+    getattr(executor_threads, "_python_exit", lambda: None)()
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
