@@ -172,7 +172,7 @@ def experiment_runs(client: Any, experiment: str, filter_string: str = "") -> tu
     Raises:
         ValueError: no experiment with that name.
     """
-    from framework.sweep import SWEEP_TAG
+    from framework.tracking import SWEEP_TAG
 
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -188,7 +188,7 @@ def parent_runs(client: Any, parent_run_id: str, filter_string: str = "") -> tup
     Raises:
         ValueError: no such run.
     """
-    from framework.sweep import sweep_children
+    from framework.tracking import sweep_children
 
     try:
         parent = client.get_run(parent_run_id)
@@ -204,7 +204,7 @@ def parent_runs(client: Any, parent_run_id: str, filter_string: str = "") -> tup
 
 def build_rows(client: Any, runs: Sequence[Any], metric_cols: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per run (swept values, status, plugin, layout, the figures) and the swept keys; rows sorted by them."""
-    from framework.sweep import SWEPT_TAG
+    from framework.tracking import SWEPT_TAG
 
     info = [{"swept": swept_values(r.data.tags.get(SWEPT_TAG, "")), "params": r.data.params} for r in runs]
     keys = swept_keys(info)

@@ -25,6 +25,10 @@ from typing import Any, Mapping
 log = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "trainlab.run_key"
+SWEEP_TAG = "trainlab.sweep"  # "parent" on a sweep's parent run (framework.sweep)
+SWEPT_TAG = "trainlab.swept"  # on a child: its swept values, ``key=value,...``
+OVERRIDES_TAG = "trainlab.overrides"  # on a child: the job's whole override string
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the child under the parent
 # Paths and tracking settings: they differ between runs without changing what is trained, so they
 # stay out of the params (the MLflow compare view would line runs up by them) and in the
 # resolved_config.yaml artifact.
@@ -373,3 +377,14 @@ def read_jsonl_metrics(path: str | Path) -> list[dict[str, float]]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def sweep_children(client: Any, parent_run_id: str) -> list[Any]:
+    """The parent's child runs, the newest per run key (a job re-run without a checkpoint makes a new run)."""
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+                              max_results=5000, order_by=["attributes.start_time DESC"])
+    newest: dict[str, Any] = {}
+    for r in runs:
+        newest.setdefault(r.data.tags.get(RUN_KEY_TAG, r.info.run_id), r)
+    return list(newest.values())

@@ -122,8 +122,10 @@ def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
         ConfigError: any bad value, one line (the caller exits 2, or in a sweep fails the job).
     """
     from framework.config.validate import load_run_config, validate
+    from framework.faults.elastic import check_first_shrink
 
     resolved = validate(load_run_config(cfg))
+    check_first_shrink(resolved)  # validates the shrunk run, so it is not part of validate()
     run = resolved.run
     _check_resume_request(resolved)
     from framework.data import prepare_data  # imported once the config holds (as the model below)

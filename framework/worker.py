@@ -74,7 +74,7 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
 
     from framework.data import TextDataModule, TokenCache
     from framework.distributed import cap_threads, resolve_accelerator, threads_per_rank
-    from framework.faults.supervisor import resume_path
+    from framework.faults.restart import resume_path
     from framework.module import LMModule
     from framework.registry import get_plugin_class
 

@@ -15,7 +15,7 @@ import time
 
 from omegaconf import OmegaConf
 
-from framework.cli import CONF_DIR, fail
+from framework.config import CONF_DIR, fail
 
 
 def compose(argv: list[str]):
