@@ -212,9 +212,13 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     if not trainer_cfg.compile:  # compiled graphs save their own tensors (see the callback's docstring)
         callbacks.append(ActivationMemory(clock=clock, log_every_n_steps=trainer_cfg.log_every_n_steps, sinks=sinks))
     callbacks += build_fault_callbacks(launch, rank=rank)  # [] without faults/policy; before checkpointing
-    # The folder CheckpointIO plugin and its callbacks; on_time_spent gets the seconds the step was held.
+    buffered = [s for s in sinks if hasattr(s, "flush")]
+    flush = FlushMetrics(clock=clock, sinks=buffered, on_time_spent=breakdown.add_logging_time) if buffered else None
+    # The folder CheckpointIO plugin and its callbacks; on_time_spent gets the seconds the step was held;
+    # a step's metrics so far are sent before its checkpoint is saved.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(
-        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=clock.add_checkpoint
+        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=clock.add_checkpoint,
+        before_save=flush.flush if flush is not None else None,
     )
     callbacks += ckpt_callbacks
     if trainer_cfg.profile_steps is not None:
@@ -227,9 +231,8 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     callbacks.append(RunTimeline(log=FaultLog(launch.run_dir), clock=clock, launch_index=launch.launch_index,
                                  segment=f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
                                  marks=marks, enabled=rank == 0))  # goodput and recovery counters: sees the step whole
-    buffered = [s for s in sinks if hasattr(s, "flush")]
-    if buffered:  # last: one tracking request per logged step, once every callback wrote its metrics
-        callbacks.append(FlushMetrics(clock=clock, sinks=buffered, on_time_spent=breakdown.add_logging_time))
+    if flush is not None:  # last: one tracking request per logged step, once every callback wrote its metrics
+        callbacks.append(flush)
     return step_metrics, callbacks, ckpt_plugins
 
 
