@@ -218,8 +218,9 @@ def _client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def open_parent(uri: str, experiment: str, sweep: Sweep) -> str:
+def open_parent(uri: str, experiment: str, sweep: Sweep, description: str = "") -> str:
     """Create the sweep's parent run, or re-open the newest one of the same sweep; returns its id.
+    A non-empty ``description`` (``experiment_description``) becomes the experiment's description.
 
     Raises:
         ConfigError: the tracking URI cannot be used (one line).
@@ -228,7 +229,7 @@ def open_parent(uri: str, experiment: str, sweep: Sweep) -> str:
     from framework.tracking import RUN_KEY_TAG, DriverRun
 
     try:
-        tracker = DriverRun(uri, experiment)
+        tracker = DriverRun(uri, experiment, description)
         key = f"{experiment}/{sweep.name}"
         tracker.start(run_name=sweep.name, run_key=key, resume_run_id=tracker.find(key))
     except Exception as err:
@@ -401,7 +402,8 @@ class SweepCallback(Callback):
         if config.tracking.enabled:
             try:
                 sweep.tracking_uri = str(config.tracking.uri)
-                sweep.parent_run_id = open_parent(str(config.tracking.uri), str(config.experiment_name), sweep)
+                sweep.parent_run_id = open_parent(str(config.tracking.uri), str(config.experiment_name), sweep,
+                                                   description=str(config.get("experiment_description") or ""))
             except ConfigError as err:
                 fail(str(err))
         self.sweep = sweep

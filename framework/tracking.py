@@ -25,6 +25,7 @@ from typing import Any, Mapping
 log = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "trainlab.run_key"
+NOTE_TAG = "mlflow.note.content"  # MLflow's own: a run's or an experiment's description in the UI
 SWEEP_TAG = "trainlab.sweep"  # "parent" on a sweep's parent run (framework.sweep)
 SWEPT_TAG = "trainlab.swept"  # on a child: its swept values, ``key=value,...``
 OVERRIDES_TAG = "trainlab.overrides"  # on a child: the job's whole override string
@@ -32,7 +33,7 @@ PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the child under 
 # Paths and tracking settings: they differ between runs without changing what is trained, so they
 # stay out of the params (the MLflow compare view would line runs up by them) and in the
 # resolved_config.yaml artifact.
-LEFT_OUT_PARAMS = frozenset({"checkpoint.dir", "data.cache_dir", "derived.checkpoint_dir", "tracking.uri",
+LEFT_OUT_PARAMS = frozenset({"checkpoint.dir", "data.cache_dir", "derived.checkpoint_dir", "experiment_description", "tracking.uri",
                              "tracking.enabled", "tracking.system_metrics_interval_s", "trainer.progress_bar"})
 _BAD_KEY_CHARS = re.compile(r"[^\w/.\- ]")
 
@@ -72,7 +73,9 @@ def git_commit(path: str | Path = ".") -> str:
 class DriverRun:
     """The driver's handle on one MLflow run (create or resume, params, tags, artifacts, status)."""
 
-    def __init__(self, uri: str, experiment_name: str) -> None:
+    def __init__(self, uri: str, experiment_name: str, description: str = "") -> None:
+        """Open (or create) the experiment ``experiment_name``; a non-empty ``description`` becomes
+        its description in the UI (tag ``mlflow.note.content``), replacing an older one."""
         from mlflow.tracking import MlflowClient
 
         # MLflow sets its loggers to INFO on import; keep its "Creating initial MLflow database
@@ -82,6 +85,8 @@ class DriverRun:
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(experiment_name)
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment_name)
+        if description and (exp is None or exp.tags.get(NOTE_TAG) != description):
+            self.client.set_experiment_tag(self.experiment_id, NOTE_TAG, description)
         self.run_id: str | None = None
         self.monitor: Any = None  # MLflow's system metrics monitor, when started (open_driver_run)
 
@@ -208,7 +213,7 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     run_key = f"{run.experiment_name}/{run.run_name}"
     try:
-        tracker = DriverRun(run.tracking.uri, run.experiment_name)
+        tracker = DriverRun(run.tracking.uri, run.experiment_name, run.experiment_description)
         tracker.start(run_name=run.run_name, run_key=run_key, resume_run_id=tracker.find(run_key) if resumed else None)
     except Exception as err:
         raise ConfigError(f"tracking.uri={run.tracking.uri!r}: {_first_line(err)} (allowed: a sqlite:///, file:// or"
@@ -225,6 +230,28 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
         tracker.monitor = start_system_metrics(run.tracking.uri, tracker.run_id, run.tracking.system_metrics_interval_s,
                                                resume=resumed)
     return tracker
+
+
+def log_token_cache_input(tracker: DriverRun, cache: Any, data: Any) -> None:
+    """Log the run's token cache as its MLflow dataset input (the UI's "Datasets used" column); never raises.
+
+    The dataset is named after the corpus (``data.name``), its digest is the cache key's hash (the
+    same digest: the same files, tokenizer and split), its source the cache folder, and its profile
+    the token and document counts and vocabulary size (from the cache's ``meta.json``).
+    """
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    meta = cache.meta
+    key = str(meta.get("key", cache.dir.name))
+    profile = {"train_tokens": cache.train_tokens, "val_tokens": cache.val_tokens, "vocab_size": cache.vocab_size,
+               **{k: meta[k] for k in ("train_docs", "val_docs") if k in meta}}
+    try:
+        dataset = Dataset(name=str(data.name), digest=key.rsplit("-", 1)[-1][:16], source_type="local",
+                          source=json.dumps({"uri": str(Path(cache.dir).resolve())}), profile=json.dumps(profile))
+        tracker.client.log_inputs(tracker.run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "train")])])
+    except Exception as err:  # tracking must not fail a run
+        print(f"trainlab: warning: could not log the token cache as the run's dataset: {_first_line(err)}",
+              file=sys.stderr, flush=True)
 
 
 def steps_done(run_dir: str | Path) -> int:

@@ -367,6 +367,7 @@ class RunConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)  # injected faults (framework/faults/)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)  # detection and recovery policy
     experiment_name: str = "default"  # MLflow experiment; experiment presets set it
+    experiment_description: str = ""  # the MLflow experiment's description (a study's question); "" = left as it is
     run_name: str = "default"  # MLflow run name and checkpoint sub-folder (from the overrides)
     resume: str = "auto"  # auto (newest valid checkpoint in checkpoint.dir) | never | <path to a checkpoint folder>
 

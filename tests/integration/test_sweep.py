@@ -9,6 +9,7 @@ jobs to one run and die on its lock). gpt_tiny, 2-3 steps, one MLflow store per 
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,12 @@ def _check_finished_children(parent, children, key: str, values: list[str]) -> N
 def test_sweeps_of_keys_left_out_of_run_names_end_in_distinct_finished_children(store):
     """-m checkpoint.every_n_steps=1,2 x trainer.max_steps=2,3: four jobs (both keys are excluded from
     default run names), four FINISHED children of one parent; the compare report lands on the parent."""
-    store.run("-m", "checkpoint.every_n_steps=1,2", "trainer.max_steps=2,3", "experiment_name=excluded", *FAST)
+    store.run("-m", "checkpoint.every_n_steps=1,2", "trainer.max_steps=2,3", "experiment_name=excluded",
+              "experiment_description='What does saving every step cost?'", *FAST)
     parent, children = _sweep(store, "excluded")
+    experiment = _client(store).get_experiment_by_name("excluded")
+    assert experiment.tags["mlflow.note.content"] == "What does saving every step cost?"  # the UI's experiment description
+    assert "experiment_description" not in parent.data.params and "experiment_description" not in children[0].data.params
     assert len(children) == 4
     _check_finished_children(parent, children, "checkpoint.every_n_steps", ["1", "2"])
     _check_finished_children(parent, children, "trainer.max_steps", ["2", "3"])
@@ -79,6 +84,10 @@ def test_sweeps_of_keys_left_out_of_run_names_end_in_distinct_finished_children(
         saved = [m.step for m in client.get_metric_history(c.info.run_id, "ckpt/save_s")]
         assert saved == sorted({s for s in range(1, steps + 1) if s % every == 0} | {steps})  # + checkpoint.save_last
         assert (store.workdir / "checkpoints" / "excluded" / c.data.params["run_name"] / f"step{steps:08d}").is_dir()
+        (dataset,) = client.get_run(c.info.run_id).inputs.dataset_inputs  # the token cache, as the run's dataset
+        assert dataset.dataset.name == c.data.params["data.name"] and len(dataset.dataset.digest) == 16
+        assert json.loads(dataset.dataset.profile)["train_tokens"] > 0
+        assert [(t.key, t.value) for t in dataset.tags] == [("mlflow.data.context", "train")]
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["sweep/jobs"] == parent.data.metrics["sweep/jobs_finished"] == 4
     assert parent.data.params["sweep.checkpoint.every_n_steps"] == "1,2"
