@@ -106,6 +106,14 @@ def test_cpu_peak_measured_then_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(F, "_measure_gemm_flops", lambda *a, **k: flops * 2)
     assert F.peak_flops(torch.device("cpu"), dtype="fp32", threads=1, cache_dir=str(tmp_path)) == (flops * 2, method)
     assert next(iter(json.loads((tmp_path / "peak_flops.json").read_text()).values()))["flops"] == flops * 2
+    # Three measurements taken: from now on the best is reused unmeasured (one denominator for a study's runs).
+    assert F.PEAK_SAMPLES == 3
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again after PEAK_SAMPLES measurements")
+
+    monkeypatch.setattr(F, "_measure_gemm_flops", no_measuring)
+    assert F.peak_flops(torch.device("cpu"), dtype="fp32", threads=1, cache_dir=str(tmp_path)) == (flops * 2, method)
 
     # Another thread count is another key: measured (fake 1 GFLOP/s here) and added beside the first.
     monkeypatch.setattr(F, "_measure_gemm_flops", lambda *a, **k: 1e9)
