@@ -157,6 +157,18 @@ def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) 
     return flops
 
 
+def _step_metrics(resolved: Any, clock: Any, flops: _Flops, sinks: list) -> Any:
+    """The step-metrics callback (loss, LR, tokens/s, MFU, grad norm, elastic figures) of this launch."""
+    from framework.callbacks.step_metrics import StepMetrics
+
+    t = resolved.run.trainer
+    return StepMetrics(clock=clock, tokens_per_step=resolved.tokens_per_step, flops_per_token=flops.per_token,
+                       peak_flops=flops.peak, num_devices=resolved.world_size, log_every_n_steps=t.log_every_n_steps,
+                       warmup_steps_excluded=t.warmup_steps_excluded, sinks=sinks, progress_bar=t.progress_bar,
+                       hardware_flops_per_token=flops.hardware_per_token, dp_degree=resolved.layout.dp,
+                       grad_accum_steps=resolved.grad_accum_steps)
+
+
 def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, flops: _Flops,
                      marks: dict[str, float]) -> tuple[Any, list, list]:
     """``(step_metrics, callbacks, checkpoint_plugins)`` in the order they must run.
@@ -164,7 +176,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     Profiler first, then the step clock both metric callbacks read; step metrics, validation,
     activation memory (saved-tensor meter),
     fault injection/guard, checkpointing (after the others: a save happens once everything else
-    of a step is done), the plugin's own, the step breakdown (checkpoint and validation run
+    of a step is done; it first sends the step's buffered metrics), the plugin's own, the step breakdown (checkpoint and validation run
     inside the step it times), the run's timeline (goodput; it must see a step's save,
     validation and rollback before it records the step), and last the flush of the buffered
     tracking sink (one request per logged step).
@@ -174,7 +186,6 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     from framework.callbacks.clock import StepClock
     from framework.callbacks.metric_flush import FlushMetrics
     from framework.callbacks.goodput import RunTimeline
-    from framework.callbacks.step_metrics import StepMetrics
     from framework.callbacks.validation import ValidationLoss
     from framework.checkpoint.policy import build_checkpointing
     from framework.faults.events import FaultLog
@@ -182,20 +193,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
 
     resolved, trainer_cfg = launch.resolved, launch.resolved.run.trainer
     clock = StepClock()  # step ends and the seconds outside training, for both metric callbacks
-    step_metrics = StepMetrics(
-        clock=clock,
-        tokens_per_step=resolved.tokens_per_step,
-        flops_per_token=flops.per_token,
-        peak_flops=flops.peak,
-        num_devices=resolved.world_size,
-        log_every_n_steps=trainer_cfg.log_every_n_steps,
-        warmup_steps_excluded=trainer_cfg.warmup_steps_excluded,
-        sinks=sinks,
-        progress_bar=trainer_cfg.progress_bar,
-        hardware_flops_per_token=flops.hardware_per_token,
-        dp_degree=resolved.layout.dp,
-        grad_accum_steps=resolved.grad_accum_steps,
-    )
+    step_metrics = _step_metrics(resolved, clock, flops, sinks)
     breakdown = StepBreakdown(
         clock=clock,
         plugin=plugin,
