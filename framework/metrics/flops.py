@@ -138,8 +138,8 @@ def _write_cache_entry(path: str, key: str, entry: dict) -> None:
         raise
 
 
-PEAK_SAMPLES = 3
-"""Measurements of a device's peak per cache key before the best of them is reused without measuring."""
+PEAK_REPEATS = 5
+"""Timed GEMM repeats of a peak measurement (~0.2 s each); the fastest counts."""
 
 
 def peak_flops(
@@ -160,10 +160,10 @@ def peak_flops(
 
     CUDA GPUs in :data:`PEAK_FLOPS_BF16` use the table (dense BF16, whatever ``dtype``). Anything
     else is measured (< 2 s) and cached under a key of (CPU model or GPU name, threads, dtype,
-    torch version): the first :data:`PEAK_SAMPLES` calls for a key measure and the cache keeps the
-    highest figure seen (a measurement taken while the machine was busy reads low, and a low peak
-    would inflate MFU); later calls reuse it without measuring, so the runs of a study share one
-    MFU denominator. Delete ``peak_flops.json`` to measure again (another machine load, a BIOS change).
+    torch version) by the first call for a key; later calls reuse it without measuring, so the runs
+    of a study share one MFU denominator. A measurement taken while the machine was busy reads low
+    (and a low peak inflates MFU): the GEMM is the best of :data:`PEAK_REPEATS` timings, and
+    ``peak_flops.json`` can be deleted to measure again on a quiet machine.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not known; allowed: {', '.join(_DTYPES)}")
@@ -189,23 +189,18 @@ def peak_flops(
     path = os.path.join(cache_dir, _CACHE_FILE)
     entry = _read_cache(path).get(cache_key)
     cached = float(entry.get("flops", 0)) if isinstance(entry, dict) else 0.0
-    samples = int(entry.get("samples", 1)) if isinstance(entry, dict) else 0
-    if cached > 0 and samples >= PEAK_SAMPLES:
+    if cached > 0:
         return cached, method
 
-    # A GEMM timed while other work shares the cores reads low, and a low peak inflates MFU
-    # (even above 1): the first PEAK_SAMPLES runs measure again and the cache keeps the best.
     if n_threads != prev_threads:
         torch.set_num_threads(n_threads)
     try:
-        flops = _measure_gemm_flops(device, tdtype, n=n)
+        flops = _measure_gemm_flops(device, tdtype, n=n, repeats=PEAK_REPEATS)
     finally:
         if n_threads != prev_threads:
             torch.set_num_threads(prev_threads)
-    best = max(flops, cached)
-    _write_cache_entry(path, cache_key, {"flops": best, "method": method, "n": n, "measured_at": time.time(),
-                                         "samples": samples + 1})
-    return best, method
+    _write_cache_entry(path, cache_key, {"flops": flops, "method": method, "n": n, "measured_at": time.time()})
+    return flops, method
 
 
 def _ratio(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:
