@@ -236,12 +236,22 @@ def _metric_value(client: Any, run: Any, col: str) -> float | None:
 
 
 def mfu_peak_note(runs: Sequence[Any]) -> str | None:
-    """A note when the runs' MFU were computed against different peaks (param ``mfu.peak_flops_per_device``,
-    more than 10% apart: on CPU the peak is a GEMM measured per run, a few % apart from run to run), else None."""
-    peaks = sorted({float(p) for r in runs if (p := r.data.params.get("mfu.peak_flops_per_device")) not in (None, "None")})
+    """A note when the runs' MFU denominators, the peak FLOP/s of all their devices (params
+    ``mfu.peak_flops_per_device`` x ``derived.world_size``), are more than 10% apart, else None.
+
+    On CPU a device is a rank with its threads, and its peak a GEMM timed once per machine and
+    thread count: 1 rank x 2 threads and 2 ranks x 1 thread should total about the same, unless
+    one was timed while the machine was busy.
+    """
+    peaks = []
+    for r in runs:
+        per_device, devices = r.data.params.get("mfu.peak_flops_per_device"), r.data.params.get("derived.world_size", "1")
+        if per_device not in (None, "None"):
+            peaks.append(float(per_device) * int(devices))
+    peaks.sort()
     if len(peaks) > 1 and peaks[-1] > 1.1 * peaks[0]:
-        return (f"note: MFU denominators differ between these runs: peak FLOP/s per device {peaks[0]:.3g} .. {peaks[-1]:.3g}"
-                " (measured per run); compare tokens/s, not MFU")
+        return (f"note: MFU denominators differ between these runs: peak FLOP/s of all devices {peaks[0]:.3g} .. {peaks[-1]:.3g}"
+                " (on CPU a GEMM timed per thread count; one timed on a busy machine reads low); compare tokens/s, not MFU")
     return None
 
 
