@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "trainlab.run_key"
 NOTE_TAG = "mlflow.note.content"  # MLflow's own: a run's or an experiment's description in the UI
+KIND_TAG = "mlflow.experimentKind"  # MLflow 3's own: which UI an experiment opens in
 SWEEP_TAG = "trainlab.sweep"  # "parent" on a sweep's parent run (framework.sweep)
 SWEPT_TAG = "trainlab.swept"  # on a child: its swept values, ``key=value,...``
 OVERRIDES_TAG = "trainlab.overrides"  # on a child: the job's whole override string
@@ -75,7 +76,9 @@ class DriverRun:
 
     def __init__(self, uri: str, experiment_name: str, description: str = "") -> None:
         """Open (or create) the experiment ``experiment_name``; a non-empty ``description`` becomes
-        its description in the UI (tag ``mlflow.note.content``), replacing an older one."""
+        its description in the UI (tag ``mlflow.note.content``), replacing an older one. An
+        experiment without a kind is marked a model-training one (tag ``mlflow.experimentKind``),
+        so MLflow 3's UI opens it on its training-runs view rather than its GenAI one."""
         from mlflow.tracking import MlflowClient
 
         # MLflow sets its loggers to INFO on import; keep its "Creating initial MLflow database
@@ -87,6 +90,8 @@ class DriverRun:
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment_name)
         if description and (exp is None or exp.tags.get(NOTE_TAG) != description):
             self.client.set_experiment_tag(self.experiment_id, NOTE_TAG, description)
+        if exp is None or KIND_TAG not in exp.tags:
+            self.client.set_experiment_tag(self.experiment_id, KIND_TAG, "custom_model_development")
         self.run_id: str | None = None
         self.monitor: Any = None  # MLflow's system metrics monitor, when started (open_driver_run)
 

@@ -70,6 +70,7 @@ def test_sweeps_of_keys_left_out_of_run_names_end_in_distinct_finished_children(
     parent, children = _sweep(store, "excluded")
     experiment = _client(store).get_experiment_by_name("excluded")
     assert experiment.tags["mlflow.note.content"] == "What does saving every step cost?"  # the UI's experiment description
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI's model-training view
     assert "experiment_description" not in parent.data.params and "experiment_description" not in children[0].data.params
     assert len(children) == 4
     _check_finished_children(parent, children, "checkpoint.every_n_steps", ["1", "2"])
