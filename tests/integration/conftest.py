@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from framework.testing.conformance import conformance  # noqa: F401 (one session fixture for every module that uses it)
 from framework.tracking import read_jsonl_metrics
 
 SMALL_DATA = ["data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64"]

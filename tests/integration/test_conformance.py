@@ -1,7 +1,8 @@
 """The conformance suite (framework/testing/conformance.py) for the built-in plugins.
 
 Every check runs the real driver on CPU ranks; the ``single`` reference run is shared by all
-plugins (session fixture). A new plugin is one more ``PluginCase`` line.
+plugins (the session's ``conformance`` fixture, registered once in tests/integration/conftest.py so that
+test_sharded_checkpoint and test_train_e2e reuse these runs). A new plugin is one more ``PluginCase`` line.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from framework.registry import available_plugins
 from framework.cli import group_options
-from framework.testing.conformance import PluginCase, conformance, conformance_params  # noqa: F401 (fixture)
+from framework.testing.conformance import PluginCase, conformance_params
 
 from tests.conftest import REPO
 
@@ -47,11 +48,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("case,check", conformance_params(CASES))
-def test_conformance(conformance, case, check):  # noqa: F811 (the fixture)
+def test_conformance(conformance, case, check):
     conformance.check(case, check)
 
 
-def test_tp2pp2_checkpoint_resumed_as_single_continues_the_tp2pp2_run(conformance):  # noqa: F811 (the fixture)
+def test_tp2pp2_checkpoint_resumed_as_single_continues_the_tp2pp2_run(conformance):
     """Issue 4: a tp2 x pp2 checkpoint loaded into `single` gives the uninterrupted tp2 x pp2 run's next losses (rel 1e-5;
     measured 7.1e-8, fp32 summation order). The runs are those of the `tp2pp2` case above (cached when it ran first)."""
     from framework.testing.conformance import SAVE_AT, STEPS
@@ -99,5 +100,5 @@ def test_outside_plugin_is_found_only_where_installed(example_plugin, tmp_path):
 
 
 @pytest.mark.parametrize("check", OUTSIDE.checks)
-def test_outside_plugin_conformance(conformance, example_plugin, check):  # noqa: F811 (the fixture)
+def test_outside_plugin_conformance(conformance, example_plugin, check):
     conformance.check(dataclasses.replace(OUTSIDE, env={"PYTHONPATH": example_plugin}), check)
