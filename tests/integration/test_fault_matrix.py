@@ -3,7 +3,8 @@ policy that claims to handle it, 20 cells in 6 single-rank runs of 11 steps that
 two runs at a time (one thread each on 2 cores).
 
 Prints the matrix as a markdown table (``pytest -s``); ``benchmarks/fault_matrix.py`` prints it too.
-Measured: 98 s on 2 CPU cores (runs: ref 13 s, ref_skip 13 s, skip_step 10 s, rollback 15 s, restart 37 s, abort 11 s).
+Measured on 2 CPU cores: 50 s (99.5 s one run at a time; runs: ref 13 s, ref_skip 13 s, skip_step 10 s, rollback 15 s,
+restart 37 s, abort 11 s).
 """
 
 from __future__ import annotations
