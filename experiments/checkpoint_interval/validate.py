@@ -1,6 +1,6 @@
 """Young/Daly against real runs: goodput vs checkpoint interval under seeded random rank crashes.
 
-    flock /tmp/trainlab-heavy.lock python experiments/checkpoint_interval/validate.py \\
+    python experiments/checkpoint_interval/validate.py \\
         --workdir /tmp/ckpt_interval --mtbf-steps 40 --max-steps 160 --seeds 0 1 2
 
 1. **Calibration**: one run of the default config (gpt_tiny, ddp on 2 CPU ranks) with a save
