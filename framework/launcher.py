@@ -61,6 +61,10 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         max_restarts=run.trainer.max_restarts if max_restarts is None else max_restarts,
         monitor_interval=0.2,
+        # The agent forwards these to the ranks (SIGUSR1 too: Slurm's --signal warning), then waits
+        # stop_grace_s for them to finish the step and save (framework.callbacks.preemption) before SIGKILL.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        shutdown_timeout=run.trainer.stop_grace_s,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(launch.run_dir / "elastic")),
     )

@@ -35,7 +35,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
     default, None when the job failed; what the Optuna sweeper maximises), else None. Exits with
     code 2 on a configuration error (in a sweep: the job is a FAILED child and the sweep goes on),
     1 when training failed outside a sweep (in a sweep the run ends FAILED and the job returns),
-    130 when interrupted. The run's locks are held for the job and released when it ends.
+    130 when interrupted (Ctrl-C), 75 when preempted (SIGTERM/SIGUSR1: the ranks saved the step
+    they were in; :mod:`framework.faults.preemption`). The run's locks are held for the job and released when it ends.
     """
     from framework import sweep
 
@@ -64,6 +65,7 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path) -> tupl
 
     from framework import sweep
     from framework.checkpoint.resume import select_resume
+    from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, preemption_outcome, record_preemption
     from framework.faults.supervisor import supervise
     from framework.launch import LaunchSpec
     from framework.tracking import finish_driver_run, open_driver_run
@@ -90,26 +92,33 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path) -> tupl
             sweep.attach_child(tracker, current, list(HydraConfig.get().overrides.task))
     launch = LaunchSpec(resolved=resolved, run_dir=run_dir, mlflow_run_id=tracker.run_id if tracker else None,
                         resume_from=resume.path, token_cache_dir=str(cache.dir))
-    status, error = "FAILED", None
+    status, error, preempted = "FAILED", None, None
     (run_dir / "error.txt").unlink(missing_ok=True)  # a resumed run starts without its last failure
     started_at = time.time()
     try:
         supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
-        status = "FINISHED"
-        if tracker is not None:
+        preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at)  # the ranks got the signal
+        status = "KILLED" if preempted else "FINISHED"
+        if tracker is not None and not preempted:
             _log_run_summary(tracker, resolved, run_dir)
-    except (KeyboardInterrupt, SignalException):  # the elastic agent turns SIGINT/SIGTERM into SignalException
+    except (KeyboardInterrupt, SignalException) as err:  # the elastic agent turns SIGINT/SIGTERM/SIGUSR1 into SignalException
         status = "KILLED"
-        print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
-        raise SystemExit(130)
+        if getattr(err, "sigval", None) not in PREEMPT_SIGNALS:  # Ctrl-C
+            print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
+            raise SystemExit(130)
+        preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=err.sigval.name)
     except Exception as err:
         error = str(err).strip()
         _record_failure(run_dir, run.run_name, err)
         return "FAILED", error.splitlines()[0] if error else type(err).__name__
     finally:
         if tracker is not None:
+            record_preemption(tracker, preempted)
             finish_driver_run(tracker, status, run_dir=run_dir, started_at=started_at, error=error,
                               resumed=bool(resume.path))
+    if preempted:
+        print(f"trainlab: preempted: {preempted.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
     _print_summary(run_dir, tracker, run.tracking.uri, run.experiment_name)
     return "FINISHED", ""
 

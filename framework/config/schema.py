@@ -167,6 +167,7 @@ class TrainerConfig:
     warmup_steps_excluded: int = 3  # first steps left out of throughput / MFU (warm-up)
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores // local ranks
     max_restarts: int = 0  # elastic agent restarts of failed ranks
+    stop_grace_s: int = 30  # seconds the ranks get to finish the step and save after SIGTERM/SIGUSR1 (or Ctrl-C) reaches the driver
     preload_ranks: bool = False  # start ranks from a forkserver with torch/Lightning imported (cheaper restarts)
     progress_bar: bool = True  # tqdm bar on rank 0
     profile_steps: Optional[list[int]] = None  # [a, b]: torch.profiler trace of optimizer steps a..b (MLflow artifact); None = off
@@ -194,6 +195,7 @@ class TrainerConfig:
             f"trainer.threads_per_rank={self.threads_per_rank} must be > 0 or null",
         )
         _require(self.max_restarts >= 0, f"trainer.max_restarts={self.max_restarts} must be >= 0")
+        _require(self.stop_grace_s >= 0, f"trainer.stop_grace_s={self.stop_grace_s} must be >= 0 (seconds)")
         if self.profile_steps is not None:
             ps = list(self.profile_steps)
             _require(
