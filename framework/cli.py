@@ -51,6 +51,17 @@ def run_name_from_overrides(override_dirname: str, task_overrides: list[str] | N
 OmegaConf.register_new_resolver("tl_run_name", run_name_from_overrides, replace=True)
 
 
+def run_dir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None) -> str:
+    """The driver's Hydra output folder: the run's on node 0 (and on one node), a folder inside the shared
+    checkpoint folder on the other nodes of a multi-node run (:func:`framework.nodes.hydra_run_dir`)."""
+    from framework.nodes import hydra_run_dir
+
+    return hydra_run_dir(experiment_name, run_name, checkpoint_dir, node_rank)
+
+
+OmegaConf.register_new_resolver("tl_run_dir", run_dir_for_node, replace=True)
+
+
 def fail(msg: str) -> NoReturn:
     """Print ``trainlab: error: <msg>`` to stderr and exit with code 2 (bad input)."""
     print(f"trainlab: error: {msg}", file=sys.stderr, flush=True)
