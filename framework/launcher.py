@@ -59,8 +59,8 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
                     rdzv_endpoint=f"127.0.0.1:{_free_port()}")
     else:  # node ranks as configured: the static rendezvous, hosted by node 0's agent (framework/nodes.py)
         rdzv = dict(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, run_id=nodes.rdzv_id, rdzv_backend="static",
-                    rdzv_endpoint=nodes.endpoint, rdzv_configs={"rank": nodes.node_rank, "timeout": nodes.timeout_s},
-                    local_addr=nodes.host if nodes.node_rank == 0 else None)  # the ranks' MASTER_ADDR: node 0's endpoint host
+                    rdzv_endpoint=nodes.endpoint, rdzv_configs={"rank": nodes.node_rank, "timeout": nodes.timeout_s})
+        # (the ranks' process group meets in the agent's store at the endpoint: MASTER_ADDR/PORT = the endpoint)
     config = LaunchConfig(
         nproc_per_node=nproc,
         **rdzv,
