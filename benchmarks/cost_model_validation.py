@@ -238,15 +238,15 @@ def local_cpu(cache_dir: Path):
 
 
 def plan_layout(lay: Layout):
-    """The cost model's :class:`~framework.cost.layout.PlanLayout` of a run (fp32; FSDP and the megatron plugin's
-    FSDP on dp are ZeRO-3's sharding)."""
+    """The cost model's :class:`~framework.cost.layout.PlanLayout` of a run (fp32; the ZeRO stage by plugin: FSDP
+    and the megatron plugin's FSDP on dp are stage 3)."""
     from framework.cost.layout import PlanLayout
 
-    sharding = {"ddp": "none", "single": "none", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "zero3"}
-    dp_sharding = sharding.get(lay.plugin, "zero3" if lay.dp > 1 else "none")
+    stages = {"ddp": 0, "single": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+    zero_stage = stages.get(lay.plugin, 3 if lay.dp > 1 else 0)
     sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[lay.schedule]
     return PlanLayout(dp=lay.dp, tp=lay.tp, pp=lay.pp, micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch,
-                      schedule=sched, virtual_stages=lay.v, dp_sharding=dp_sharding, precision="fp32")
+                      schedule=sched, virtual_stages=lay.v, zero_stage=zero_stage, precision="fp32")
 
 
 def step_time_s(cfg: dict, lay: Layout, cluster, cores: int) -> float:

@@ -4,7 +4,7 @@ Runs the matrix's driver runs (one rank, gpt_tiny, 11 steps; about 2-3 minutes o
 scratch folder and prints, per cell, the fault, the policy, the expected and the observed
 outcome and the loss difference against the fault-free reference the policy promises to match.
 
-    python benchmarks/fault_matrix.py [--workdir DIR] [--cache DIR]
+    python benchmarks/fault_matrix.py [--workdir DIR] [--cache DIR] [--lanes N]
 
 Exit status 1 when a cell does not behave as its policy claims.
 """
@@ -25,10 +25,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--cache", type=Path, default=None, help="token cache folder (default: <workdir>/token_cache)")
+    ap.add_argument("--lanes", type=int, default=1, help="runs side by side (each rank one thread; at most the cores)")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fault_matrix_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    runs = run_matrix(workdir, args.cache or workdir / "token_cache")
+    runs = run_matrix(workdir, args.cache or workdir / "token_cache", lanes=args.lanes)
     outcomes = evaluate(runs)
     print(markdown(outcomes, runs))
     for o in outcomes:

@@ -19,9 +19,9 @@ Sources (rows transcribed; check them against the papers before quoting):
   s = 8192, 16M tokens per batch; BF16 MFU (430 TFLOP/s <-> 43%: REFERENCES.md §2.1.5). The CP = 16
   row (131K context) is left out: the cost model has no context parallelism. Assumed: micro-batch
   1, 1F1B (the paper's uneven interleaving not modelled), FSDP without resharding after forward
-  modelled as ``zero2``, FlashAttention (= ``selective``: no s x s scores kept).
+  modelled as ZeRO stage 2, FlashAttention (= ``selective``: no s x s scores kept).
 - torchtitan ``docs/performance.md`` (the Llama 3 section): 64 A100 80GB, FSDP2 on all 64
-  (``zero3``), local batch 1, s = 8192; WPS (tokens/s per GPU) and MFU; 8B with selective op AC,
+  (ZeRO stage 3), local batch 1, s = 8192; WPS (tokens/s per GPU) and MFU; 8B with selective op AC,
   70B with full AC.
 
 MegaScale (NSDI'24) Table 2 is not reproduced: its per-row layout and batch were not available
@@ -83,16 +83,16 @@ ROWS = [
     N("529.6B", 105, 20480, 128, 8, 35, 2520, 2520, 163),
     N("1008B", 128, 25600, 160, 8, 64, 3072, 3072, 163),
     Row("Llama 3 T4", "405B 8192 GPUs", llama(126, 16384, 128, 53248), "h100_sxm",
-        PlanLayout(dp=64, tp=8, pp=16, micro_batch_size=1, global_batch_size=2048, dp_sharding="zero2",
+        PlanLayout(dp=64, tp=8, pp=16, micro_batch_size=1, global_batch_size=2048, zero_stage=2,
                    recompute="selective", sequence_parallel=True), "mfu", 0.43),
     Row("Llama 3 T4", "405B 16384 GPUs", llama(126, 16384, 128, 53248), "h100_sxm",
-        PlanLayout(dp=128, tp=8, pp=16, micro_batch_size=1, global_batch_size=2048, dp_sharding="zero2",
+        PlanLayout(dp=128, tp=8, pp=16, micro_batch_size=1, global_batch_size=2048, zero_stage=2,
                    recompute="selective", sequence_parallel=True), "mfu", 0.41),
     Row("torchtitan perf", "Llama3 8B FSDP 64xA100", llama(32, 4096, 32, 14336), "a100_80gb",
-        PlanLayout(dp=64, tp=1, pp=1, micro_batch_size=1, global_batch_size=64, dp_sharding="zero3",
+        PlanLayout(dp=64, tp=1, pp=1, micro_batch_size=1, global_batch_size=64, zero_stage=3,
                    recompute="selective"), "mfu", 0.582),
     Row("torchtitan perf", "Llama3 70B FSDP 64xA100", llama(80, 8192, 64, 28672), "a100_80gb",
-        PlanLayout(dp=64, tp=1, pp=1, micro_batch_size=1, global_batch_size=64, dp_sharding="zero3",
+        PlanLayout(dp=64, tp=1, pp=1, micro_batch_size=1, global_batch_size=64, zero_stage=3,
                    recompute="full"), "mfu", 0.517),
 ]
 

@@ -13,18 +13,17 @@ runs with.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import sys
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from framework.config import CONF_DIR, fail, path_safe
 from framework.config.schema import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def run_name_from_overrides(override_dirname: str, task_overrides: list[str] | None = None) -> str:
@@ -42,10 +41,7 @@ def run_name_from_overrides(override_dirname: str, task_overrides: list[str] | N
             return in_sweep
     if not override_dirname:
         return "default"
-    name = re.sub(r"[^\w.,=+\-]", "_", override_dirname)
-    if len(name) > 140:  # keep folder names well under the 255-byte limit, still unique
-        name = name[:120] + "-" + hashlib.sha1(name.encode()).hexdigest()[:10]
-    return name
+    return path_safe(override_dirname)
 
 
 OmegaConf.register_new_resolver("tl_run_name", run_name_from_overrides, replace=True)
@@ -60,12 +56,6 @@ def run_dir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | 
 
 
 OmegaConf.register_new_resolver("tl_run_dir", run_dir_for_node, replace=True)
-
-
-def fail(msg: str) -> NoReturn:
-    """Print ``trainlab: error: <msg>`` to stderr and exit with code 2 (bad input)."""
-    print(f"trainlab: error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 FAILED_JOBS: list[str] = []
@@ -159,6 +149,7 @@ def precheck(argv: list[str]) -> None:
     from hydra import compose, initialize_config_dir
 
     from framework.config.validate import load_run_config, validate
+    from framework.faults.elastic import check_first_shrink
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -168,7 +159,7 @@ def precheck(argv: list[str]) -> None:
     if cfg.get("hydra", {}).get("mode") == "MULTIRUN":  # an experiment preset that sweeps
         return
     try:
-        validate(load_run_config(cfg))
+        check_first_shrink(validate(load_run_config(cfg)))
     except ConfigError as err:
         fail(str(err))
 

@@ -172,7 +172,7 @@ def experiment_runs(client: Any, experiment: str, filter_string: str = "") -> tu
     Raises:
         ValueError: no experiment with that name.
     """
-    from framework.sweep import SWEEP_TAG
+    from framework.tracking import SWEEP_TAG
 
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -188,7 +188,7 @@ def parent_runs(client: Any, parent_run_id: str, filter_string: str = "") -> tup
     Raises:
         ValueError: no such run.
     """
-    from framework.sweep import sweep_children
+    from framework.tracking import sweep_children
 
     try:
         parent = client.get_run(parent_run_id)
@@ -204,7 +204,7 @@ def parent_runs(client: Any, parent_run_id: str, filter_string: str = "") -> tup
 
 def build_rows(client: Any, runs: Sequence[Any], metric_cols: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per run (swept values, status, plugin, layout, the figures) and the swept keys; rows sorted by them."""
-    from framework.sweep import SWEPT_TAG
+    from framework.tracking import SWEPT_TAG
 
     info = [{"swept": swept_values(r.data.tags.get(SWEPT_TAG, "")), "params": r.data.params} for r in runs]
     keys = swept_keys(info)
@@ -236,12 +236,22 @@ def _metric_value(client: Any, run: Any, col: str) -> float | None:
 
 
 def mfu_peak_note(runs: Sequence[Any]) -> str | None:
-    """A note when the runs' MFU were computed against different peaks (param ``mfu.peak_flops_per_device``,
-    more than 10% apart: on CPU the peak is a GEMM measured per run, a few % apart from run to run), else None."""
-    peaks = sorted({float(p) for r in runs if (p := r.data.params.get("mfu.peak_flops_per_device")) not in (None, "None")})
+    """A note when the runs' MFU denominators, the peak FLOP/s of all their devices (params
+    ``mfu.peak_flops_per_device`` x ``derived.world_size``), are more than 10% apart, else None.
+
+    On CPU a device is a rank with its threads, and its peak a GEMM timed once per machine and
+    thread count: 1 rank x 2 threads and 2 ranks x 1 thread should total about the same, unless
+    one was timed while the machine was busy.
+    """
+    peaks = []
+    for r in runs:
+        per_device, devices = r.data.params.get("mfu.peak_flops_per_device"), r.data.params.get("derived.world_size", "1")
+        if per_device not in (None, "None"):
+            peaks.append(float(per_device) * int(devices))
+    peaks.sort()
     if len(peaks) > 1 and peaks[-1] > 1.1 * peaks[0]:
-        return (f"note: MFU denominators differ between these runs: peak FLOP/s per device {peaks[0]:.3g} .. {peaks[-1]:.3g}"
-                " (measured per run); compare tokens/s, not MFU")
+        return (f"note: MFU denominators differ between these runs: peak FLOP/s of all devices {peaks[0]:.3g} .. {peaks[-1]:.3g}"
+                " (on CPU a GEMM timed per thread count; one timed on a busy machine reads low); compare tokens/s, not MFU")
     return None
 
 

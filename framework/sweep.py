@@ -43,11 +43,10 @@ from typing import Any, Mapping, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from framework.config import path_safe
+from framework.tracking import OVERRIDES_TAG, PARENT_TAG, SWEEP_TAG, SWEPT_TAG, sweep_children
+
 SWEEP_ENV = "TRAINLAB_SWEEP"  # the running sweep (JSON of :class:`Sweep`), read when a job's run name resolves
-SWEEP_TAG = "trainlab.sweep"  # "parent" on a sweep's parent run
-SWEPT_TAG = "trainlab.swept"  # on a child: its swept values, ``key=value,...``
-OVERRIDES_TAG = "trainlab.overrides"  # on a child: the job's whole override string
-PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the child under the parent
 GIB = 1024**3
 
 
@@ -71,12 +70,6 @@ class Sweep:
         return cls(**json.loads(text))
 
 
-def _path_safe(text: str) -> str:
-    from framework.cli import run_name_from_overrides
-
-    return run_name_from_overrides(text)
-
-
 def parse_sweep(task_overrides: Sequence[str], sweeper_params: Mapping[str, Any] | None,
                 exclude_keys: Sequence[str] = ()) -> Sweep:
     """The sweep of a multirun: ``task_overrides`` as given on the command line (Hydra's
@@ -95,12 +88,12 @@ def parse_sweep(task_overrides: Sequence[str], sweeper_params: Mapping[str, Any]
     values = {k: parsed[k].input_line.split("=", 1)[1] for k in keys}
     named = sorted(o.input_line.lstrip("+~") for o in OverridesParser.create().parse_overrides(list(task_overrides))
                    if o.is_sweep_override() or o.key_or_group not in exclude_keys)
-    return Sweep(name=_path_safe(",".join(named)) if named else "sweep", keys=keys, values=values)
+    return Sweep(name=path_safe(",".join(named)) if named else "sweep", keys=keys, values=values)
 
 
 def job_name(task_overrides: Sequence[str], keys: Sequence[str]) -> str:
     """A job's name: its value of each swept key, ``key=value`` joined by ``,`` in ``keys`` order (path-safe)."""
-    return _path_safe(",".join(f"{k}={v}" for k, v in _values_of(task_overrides, keys).items())) or "job"
+    return path_safe(",".join(f"{k}={v}" for k, v in _values_of(task_overrides, keys).items())) or "job"
 
 
 def display_name(task_overrides: Sequence[str], keys: Sequence[str]) -> str:
@@ -144,7 +137,7 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
     from hydra import compose
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from framework.cli import CONF_DIR, fail
+    from framework.config import CONF_DIR, fail
     from framework.config.schema import ConfigError
     from framework.config.validate import load_run_config
     from framework.tracking import flatten
@@ -225,8 +218,9 @@ def _client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def open_parent(uri: str, experiment: str, sweep: Sweep) -> str:
+def open_parent(uri: str, experiment: str, sweep: Sweep, description: str = "") -> str:
     """Create the sweep's parent run, or re-open the newest one of the same sweep; returns its id.
+    A non-empty ``description`` (``experiment_description``) becomes the experiment's description.
 
     Raises:
         ConfigError: the tracking URI cannot be used (one line).
@@ -235,7 +229,7 @@ def open_parent(uri: str, experiment: str, sweep: Sweep) -> str:
     from framework.tracking import RUN_KEY_TAG, DriverRun
 
     try:
-        tracker = DriverRun(uri, experiment)
+        tracker = DriverRun(uri, experiment, description)
         key = f"{experiment}/{sweep.name}"
         tracker.start(run_name=sweep.name, run_key=key, resume_run_id=tracker.find(key))
     except Exception as err:
@@ -395,7 +389,6 @@ class SweepCallback(Callback):
         self.sweep: Sweep | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from framework import cli
         from framework.config.schema import ConfigError
 
         task = list(config.hydra.overrides.task)
@@ -409,9 +402,10 @@ class SweepCallback(Callback):
         if config.tracking.enabled:
             try:
                 sweep.tracking_uri = str(config.tracking.uri)
-                sweep.parent_run_id = open_parent(str(config.tracking.uri), str(config.experiment_name), sweep)
+                sweep.parent_run_id = open_parent(str(config.tracking.uri), str(config.experiment_name), sweep,
+                                                   description=str(config.get("experiment_description") or ""))
             except ConfigError as err:
-                cli.fail(str(err))
+                fail(str(err))
         self.sweep = sweep
         os.environ[SWEEP_ENV] = sweep.to_json()
         keys = ", ".join(f"{k}={v}" for k, v in sweep.values.items())
@@ -493,19 +487,6 @@ def _metric(key: str, value: float) -> Any:
     return Metric(key, float(value), int(time.time() * 1000), 0)
 
 
-def sweep_children(client: Any, parent_run_id: str) -> list[Any]:
-    """The parent's child runs, the newest per run key (a job re-run without a checkpoint makes a new run)."""
-    parent = client.get_run(parent_run_id)
-    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
-                              max_results=5000, order_by=["attributes.start_time DESC"])
-    from framework.tracking import RUN_KEY_TAG
-
-    newest: dict[str, Any] = {}
-    for r in runs:
-        newest.setdefault(r.data.tags.get(RUN_KEY_TAG, r.info.run_id), r)
-    return list(newest.values())
-
-
 def _report(uri: str, sweep: Sweep) -> None:
     """The compare report of the sweep's children, logged to the parent (never raises)."""
     try:
@@ -542,7 +523,7 @@ def hold_lock(folder: Path, what: str) -> Any:
     in <folder> (the same <what>)`` when another process holds it."""
     import fcntl
 
-    from framework.cli import fail
+    from framework.config import fail
 
     folder.mkdir(parents=True, exist_ok=True)
     f = open(folder / ".trainlab.lock", "a+")

@@ -25,10 +25,16 @@ from typing import Any, Mapping
 log = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "trainlab.run_key"
+NOTE_TAG = "mlflow.note.content"  # MLflow's own: a run's or an experiment's description in the UI
+KIND_TAG = "mlflow.experimentKind"  # MLflow 3's own: which UI an experiment opens in
+SWEEP_TAG = "trainlab.sweep"  # "parent" on a sweep's parent run (framework.sweep)
+SWEPT_TAG = "trainlab.swept"  # on a child: its swept values, ``key=value,...``
+OVERRIDES_TAG = "trainlab.overrides"  # on a child: the job's whole override string
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the child under the parent
 # Paths and tracking settings: they differ between runs without changing what is trained, so they
 # stay out of the params (the MLflow compare view would line runs up by them) and in the
 # resolved_config.yaml artifact.
-LEFT_OUT_PARAMS = frozenset({"checkpoint.dir", "data.cache_dir", "derived.checkpoint_dir", "tracking.uri",
+LEFT_OUT_PARAMS = frozenset({"checkpoint.dir", "data.cache_dir", "derived.checkpoint_dir", "experiment_description", "tracking.uri",
                              "tracking.enabled", "tracking.system_metrics_interval_s", "trainer.progress_bar"})
 _BAD_KEY_CHARS = re.compile(r"[^\w/.\- ]")
 
@@ -68,7 +74,11 @@ def git_commit(path: str | Path = ".") -> str:
 class DriverRun:
     """The driver's handle on one MLflow run (create or resume, params, tags, artifacts, status)."""
 
-    def __init__(self, uri: str, experiment_name: str) -> None:
+    def __init__(self, uri: str, experiment_name: str, description: str = "") -> None:
+        """Open (or create) the experiment ``experiment_name``; a non-empty ``description`` becomes
+        its description in the UI (tag ``mlflow.note.content``), replacing an older one. An
+        experiment without a kind is marked a model-training one (tag ``mlflow.experimentKind``),
+        so MLflow 3's UI opens it on its training-runs view rather than its GenAI one."""
         from mlflow.tracking import MlflowClient
 
         # MLflow sets its loggers to INFO on import; keep its "Creating initial MLflow database
@@ -78,6 +88,10 @@ class DriverRun:
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(experiment_name)
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment_name)
+        if description and (exp is None or exp.tags.get(NOTE_TAG) != description):
+            self.client.set_experiment_tag(self.experiment_id, NOTE_TAG, description)
+        if exp is None or KIND_TAG not in exp.tags:
+            self.client.set_experiment_tag(self.experiment_id, KIND_TAG, "custom_model_development")
         self.run_id: str | None = None
         self.monitor: Any = None  # MLflow's system metrics monitor, when started (open_driver_run)
 
@@ -204,7 +218,7 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     run_key = f"{run.experiment_name}/{run.run_name}"
     try:
-        tracker = DriverRun(run.tracking.uri, run.experiment_name)
+        tracker = DriverRun(run.tracking.uri, run.experiment_name, run.experiment_description)
         tracker.start(run_name=run.run_name, run_key=run_key, resume_run_id=tracker.find(run_key) if resumed else None)
     except Exception as err:
         raise ConfigError(f"tracking.uri={run.tracking.uri!r}: {_first_line(err)} (allowed: a sqlite:///, file:// or"
@@ -221,6 +235,28 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
         tracker.monitor = start_system_metrics(run.tracking.uri, tracker.run_id, run.tracking.system_metrics_interval_s,
                                                resume=resumed)
     return tracker
+
+
+def log_token_cache_input(tracker: DriverRun, cache: Any, data: Any) -> None:
+    """Log the run's token cache as its MLflow dataset input (the UI's "Datasets used" column); never raises.
+
+    The dataset is named after the corpus (``data.name``), its digest is the cache key's hash (the
+    same digest: the same files, tokenizer and split), its source the cache folder, and its profile
+    the token and document counts and vocabulary size (from the cache's ``meta.json``).
+    """
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    meta = cache.meta
+    key = str(meta.get("key", cache.dir.name))
+    profile = {"train_tokens": cache.train_tokens, "val_tokens": cache.val_tokens, "vocab_size": cache.vocab_size,
+               **{k: meta[k] for k in ("train_docs", "val_docs") if k in meta}}
+    try:
+        dataset = Dataset(name=str(data.name), digest=key.rsplit("-", 1)[-1][:16], source_type="local",
+                          source=json.dumps({"uri": str(Path(cache.dir).resolve())}), profile=json.dumps(profile))
+        tracker.client.log_inputs(tracker.run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "train")])])
+    except Exception as err:  # tracking must not fail a run
+        print(f"trainlab: warning: could not log the token cache as the run's dataset: {_first_line(err)}",
+              file=sys.stderr, flush=True)
 
 
 def steps_done(run_dir: str | Path) -> int:
@@ -373,3 +409,14 @@ def read_jsonl_metrics(path: str | Path) -> list[dict[str, float]]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def sweep_children(client: Any, parent_run_id: str) -> list[Any]:
+    """The parent's child runs, the newest per run key (a job re-run without a checkpoint makes a new run)."""
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+                              max_results=5000, order_by=["attributes.start_time DESC"])
+    newest: dict[str, Any] = {}
+    for r in runs:
+        newest.setdefault(r.data.tags.get(RUN_KEY_TAG, r.info.run_id), r)
+    return list(newest.values())

@@ -79,7 +79,7 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
     from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, preemption_outcome, record_preemption
     from framework.faults.supervisor import supervise
     from framework.launch import LaunchSpec
-    from framework.tracking import finish_driver_run, open_driver_run
+    from framework.tracking import finish_driver_run, log_token_cache_input, open_driver_run
 
     run = resolved.run
     resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # auto: the newest intact checkpoint
@@ -106,6 +106,8 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
             tracker = open_driver_run(resolved, model, resumed=bool(resume.path))
         except ConfigError as err:
             cli.fail(str(err))
+        if not resume.path:
+            log_token_cache_input(tracker, cache, run.data)
         current = sweep.current()
         if current is not None:
             sweep.attach_child(tracker, current, list(HydraConfig.get().overrides.task))
@@ -191,8 +193,10 @@ def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
         ConfigError: any bad value, one line (the caller exits 2, or in a sweep fails the job).
     """
     from framework.config.validate import load_run_config, validate
+    from framework.faults.elastic import check_first_shrink
 
     resolved = validate(load_run_config(cfg))
+    check_first_shrink(resolved)  # validates the shrunk run, so it is not part of validate()
     run = resolved.run
     _check_resume_request(resolved)
     from framework.data import prepare_data  # imported once the config holds (as the model below)
@@ -252,14 +256,14 @@ def _record_failure(run_dir: Path, run_name: str, err: Exception) -> None:
 def _log_run_summary(tracker: Any, resolved: ResolvedRun, run_dir: Path) -> None:
     """The ``summary/*`` metrics and the one-line run description (:mod:`framework.run_summary`); never raises."""
     from framework.run_summary import run_description, summary_metrics
-    from framework.tracking import read_jsonl_metrics
+    from framework.tracking import NOTE_TAG, read_jsonl_metrics
 
     try:
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
         metrics = summary_metrics(summary, read_jsonl_metrics(run_dir / "metrics.jsonl"))
         if metrics:
             tracker.log_metrics(metrics, step=int(summary.get("train/steps", 0)))
-        tracker.set_tags({"mlflow.note.content": run_description(resolved.plugin_name, resolved.layout.describe(), metrics,
+        tracker.set_tags({NOTE_TAG: run_description(resolved.plugin_name, resolved.layout.describe(), metrics,
                                                                  summary.get("peak_flops"))})
     except Exception as err:  # tracking must not fail a finished run
         _warn(f"could not log the run's summary to MLflow: {err}")

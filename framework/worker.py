@@ -74,7 +74,7 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
 
     from framework.data import TextDataModule, TokenCache
     from framework.distributed import cap_threads, resolve_accelerator, threads_per_rank
-    from framework.faults.supervisor import resume_path
+    from framework.faults.restart import resume_path
     from framework.module import LMModule
     from framework.registry import get_plugin_class
 
@@ -157,6 +157,18 @@ def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) 
     return flops
 
 
+def _step_metrics(resolved: Any, clock: Any, flops: _Flops, sinks: list) -> Any:
+    """The step-metrics callback (loss, LR, tokens/s, MFU, grad norm, elastic figures) of this launch."""
+    from framework.callbacks.step_metrics import StepMetrics
+
+    t = resolved.run.trainer
+    return StepMetrics(clock=clock, tokens_per_step=resolved.tokens_per_step, flops_per_token=flops.per_token,
+                       peak_flops=flops.peak, num_devices=resolved.world_size, log_every_n_steps=t.log_every_n_steps,
+                       warmup_steps_excluded=t.warmup_steps_excluded, sinks=sinks, progress_bar=t.progress_bar,
+                       hardware_flops_per_token=flops.hardware_per_token, dp_degree=resolved.layout.dp,
+                       grad_accum_steps=resolved.grad_accum_steps)
+
+
 def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, flops: _Flops,
                      marks: dict[str, float]) -> tuple[Any, list, list]:
     """``(step_metrics, callbacks, checkpoint_plugins)`` in the order they must run.
@@ -164,7 +176,8 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     Profiler first, then the step clock both metric callbacks read; step metrics, validation,
     activation memory (saved-tensor meter),
     fault injection/guard, checkpointing (after the others: a save happens once everything else
-    of a step is done), preemption (a stop after the step, with its save), the plugin's own, the step breakdown (checkpoint and validation run
+    of a step is done; it first sends the step's buffered metrics), preemption (a stop after the step, with its
+    save), the plugin's own, the step breakdown (checkpoint and validation run
     inside the step it times), the run's timeline (goodput; it must see a step's save,
     validation and rollback before it records the step), and last the flush of the buffered
     tracking sink (one request per logged step).
@@ -174,7 +187,6 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     from framework.callbacks.clock import StepClock
     from framework.callbacks.metric_flush import FlushMetrics
     from framework.callbacks.goodput import RunTimeline
-    from framework.callbacks.step_metrics import StepMetrics
     from framework.callbacks.validation import ValidationLoss
     from framework.checkpoint.policy import build_checkpointing
     from framework.faults.events import FaultLog
@@ -182,20 +194,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
 
     resolved, trainer_cfg = launch.resolved, launch.resolved.run.trainer
     clock = StepClock()  # step ends and the seconds outside training, for both metric callbacks
-    step_metrics = StepMetrics(
-        clock=clock,
-        tokens_per_step=resolved.tokens_per_step,
-        flops_per_token=flops.per_token,
-        peak_flops=flops.peak,
-        num_devices=resolved.world_size,
-        log_every_n_steps=trainer_cfg.log_every_n_steps,
-        warmup_steps_excluded=trainer_cfg.warmup_steps_excluded,
-        sinks=sinks,
-        progress_bar=trainer_cfg.progress_bar,
-        hardware_flops_per_token=flops.hardware_per_token,
-        dp_degree=resolved.layout.dp,
-        grad_accum_steps=resolved.grad_accum_steps,
-    )
+    step_metrics = _step_metrics(resolved, clock, flops, sinks)
     breakdown = StepBreakdown(
         clock=clock,
         plugin=plugin,
@@ -212,9 +211,13 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     if not trainer_cfg.compile:  # compiled graphs save their own tensors (see the callback's docstring)
         callbacks.append(ActivationMemory(clock=clock, log_every_n_steps=trainer_cfg.log_every_n_steps, sinks=sinks))
     callbacks += build_fault_callbacks(launch, rank=rank)  # [] without faults/policy; before checkpointing
-    # The folder CheckpointIO plugin and its callbacks; on_time_spent gets the seconds the step was held.
+    buffered = [s for s in sinks if hasattr(s, "flush")]
+    flush = FlushMetrics(clock=clock, sinks=buffered, on_time_spent=breakdown.add_logging_time) if buffered else None
+    # The folder CheckpointIO plugin and its callbacks; on_time_spent gets the seconds the step was held;
+    # a step's metrics so far are sent before its checkpoint is saved.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(
-        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=clock.add_checkpoint
+        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=clock.add_checkpoint,
+        before_save=flush.flush if flush is not None else None,
     )
     callbacks += ckpt_callbacks
     from framework.callbacks.preemption import Preemption
@@ -233,9 +236,8 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     callbacks.append(RunTimeline(log=FaultLog(launch.run_dir), clock=clock, launch_index=launch.launch_index,
                                  segment=f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
                                  marks=marks, enabled=rank == 0))  # goodput and recovery counters: sees the step whole
-    buffered = [s for s in sinks if hasattr(s, "flush")]
-    if buffered:  # last: one tracking request per logged step, once every callback wrote its metrics
-        callbacks.append(FlushMetrics(clock=clock, sinks=buffered, on_time_spent=breakdown.add_logging_time))
+    if flush is not None:  # last: one tracking request per logged step, once every callback wrote its metrics
+        callbacks.append(flush)
     return step_metrics, callbacks, ckpt_plugins
 
 

@@ -6,7 +6,8 @@ the root module, so each block's parameters are all-gathered just before it runs
 after (``reshard_after_forward=True``, ZeRO-3-like: 3Ψ communicated per step), or kept
 gathered from forward to backward (``False``, ZeRO-2-like: 2Ψ, more memory).
 
-Lightning integration: :class:`~framework.mesh_strategy.LayoutStrategy` (Lightning's
+Lightning integration: :class:`~plugins.fsdp_strategy.FSDP2Strategy`, a
+:class:`~framework.mesh_strategy.LayoutStrategy` (Lightning's
 ``ModelParallelStrategy`` on the run's ``("pp", "dp", "tp")`` mesh) calls
 ``LightningModule.configure_model``, which applies :meth:`FSDPPlugin.parallel_plan` with
 :func:`framework.parallelize.parallelize_gpt`. Works on CPU (gloo) and CUDA (NCCL) unchanged.
@@ -25,10 +26,8 @@ from typing import Any
 
 import torch
 
-from framework.checkpoint.sharded_strategy import ShardedCheckpointing
 from framework.config.schema import ConfigError, ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
-from framework.mesh_strategy import LayoutStrategy
 from framework.cost.comm import CommEstimate, ModelStats, fsdp_comm_volume
 from framework.cost.memory import fsdp_model_states_bytes
 from framework.metrics.timing import CommMeter
@@ -37,10 +36,6 @@ from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin
 
 MIXED_PRECISION = ("none", "bf16")
-
-
-class FSDP2Strategy(ShardedCheckpointing, LayoutStrategy):
-    """The run's mesh strategy, checkpointing through trainlab's sharded (DCP) folders."""
 
 
 PAYLOAD_KWARG = {"allgather": "output_tensor", "reduce_scatter": "input"}
@@ -86,6 +81,8 @@ class FSDPPlugin(ParallelPlugin):
     capabilities = PluginCapabilities(checkpoint_format="dcp", async_save=False, incremental_save=False, mesh_axes=("dp",))
 
     def build_strategy(self, resolved: Any) -> Any:
+        from plugins.fsdp_strategy import FSDP2Strategy  # Lightning: imported by the ranks only
+
         accelerator = resolve_accelerator(resolved.run.trainer.accelerator)
         return FSDP2Strategy(
             layout=resolved.layout,

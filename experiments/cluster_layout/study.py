@@ -83,7 +83,7 @@ def tp_sweep(shape, cluster, out: list[str]):
              "TP time ms | TP exposed ms | step s | tok/s/GPU |", "|" + "---|" * 13]
     es = []
     for t in (1, 2, 4, 8):
-        lay = PlanLayout(dp=8192 // (16 * t), tp=t, pp=16, micro_batch_size=1, global_batch_size=B, dp_sharding="zero1",
+        lay = PlanLayout(dp=8192 // (16 * t), tp=t, pp=16, micro_batch_size=1, global_batch_size=B, zero_stage=1,
                          recompute="selective", sequence_parallel=t > 1)
         e = estimate(shape, lay, cluster)
         es.append(e)

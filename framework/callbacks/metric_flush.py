@@ -7,6 +7,12 @@ write a step's metrics to the buffering sinks (:class:`~framework.tracking.MLflo
 - at the start of training (a fresh run's ``val/loss`` of step 0);
 - at the end of every optimizer step, except the last one, whose metrics go out at the end of
   training together with the run's summary (``train/loss_final``, ``perf/*_mean``, ...);
+- right before a checkpoint is saved (:meth:`flush`, the checkpoint callback's ``before_save``):
+  what the step wrote until then (loss, LR, validation, memory, fault figures) is sent before a
+  checkpoint covers the step, so a kill or Ctrl-C right after the save loses no point of a step
+  the resumed run will not replay; the save's own figures and the rest of that step
+  (``ckpt/*``, the step-time breakdown) go out in the end-of-step request, so a checkpoint step
+  takes two requests;
 - when training fails with a Python exception (what was written so far).
 
 A step rewound by a rollback (:func:`framework.faults.guard.rewind_to_snapshot`, which runs in
@@ -38,6 +44,10 @@ class FlushMetrics(pl.Callback):
         self.clock = clock
         self.sinks = sinks
         self.on_time_spent = on_time_spent
+
+    def flush(self) -> None:
+        """Send what the sinks hold now (every rank; sinks that buffer nothing send nothing)."""
+        self._flush()
 
     def _flush(self) -> None:
         t0 = time.perf_counter()

@@ -47,6 +47,9 @@ class PeriodicCheckpoint(pl.Callback):
         save_last: also save when training ends.
         sinks: called on rank 0 with the ``ckpt/`` metrics.
         on_time_spent: told the seconds each save held the step, to keep them out of throughput.
+        before_save: called right before each save (not timed as part of it), e.g. to send the
+            step's buffered metrics first: a kill after the save then loses no metric of a step
+            the run will not replay.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class PeriodicCheckpoint(pl.Callback):
         save_last: bool,
         sinks: list[MetricSink],
         on_time_spent: Optional[Callable[[float], None]] = None,
+        before_save: Optional[Callable[[], None]] = None,
     ) -> None:
         self.dirpath = Path(dirpath)
         self.io = io
@@ -65,6 +69,7 @@ class PeriodicCheckpoint(pl.Callback):
         self.save_last = save_last
         self.sinks = sinks
         self.on_time_spent = on_time_spent
+        self.before_save = before_save
         self._last_saved = -1
         self._pending_rng: Optional[dict[str, Any]] = None
 
@@ -120,6 +125,8 @@ class PeriodicCheckpoint(pl.Callback):
             return
         interval = step - self._last_saved
         self._last_saved = step
+        if self.before_save is not None:
+            self.before_save()
         t0 = time.perf_counter()
         trainer.save_checkpoint(self.dirpath / checkpoint_name(step))  # every rank; ends with a barrier
         blocking = time.perf_counter() - t0

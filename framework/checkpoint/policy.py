@@ -52,8 +52,12 @@ def build_checkpointing(
     is_global_zero: bool,
     sinks: list[MetricSink],
     on_time_spent: Optional[Callable[[float], None]] = None,
+    before_save: Optional[Callable[[], None]] = None,
 ) -> tuple[list[Any], list[pl.Callback]]:
     """``(plugins, callbacks)`` for ``pl.Trainer`` implementing ``resolved.run.checkpoint``.
+
+    ``before_save`` is called on every rank right before each save (the worker sends the step's
+    buffered metrics, so that no checkpoint covers a step missing from MLflow).
 
     The plugins always hold the folder ``CheckpointIO`` (so resuming reads folders safely even
     when this run saves nothing); the callbacks are empty when nothing is saved or snapshotted.
@@ -78,6 +82,7 @@ def build_checkpointing(
             save_last=ck.save_last,
             sinks=sinks,
             on_time_spent=on_time_spent,
+            before_save=before_save,
         )
     )
     return [io], callbacks

@@ -400,6 +400,7 @@ class RunConfig:
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)  # detection and recovery policy
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)  # how the nodes find each other (nnodes > 1)
     experiment_name: str = "default"  # MLflow experiment; experiment presets set it
+    experiment_description: str = ""  # the MLflow experiment's description (a study's question); "" = left as it is
     run_name: str = "default"  # MLflow run name and checkpoint sub-folder (from the overrides)
     resume: str = "auto"  # auto (newest valid checkpoint in checkpoint.dir) | never | <path to a checkpoint folder>
 

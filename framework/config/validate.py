@@ -69,7 +69,9 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
 
     ``first_launch``: the run as configured (True), or a relaunch the driver resolves itself (an
     elastic shrink, :func:`framework.faults.elastic.resolve_shrunk`), for which the rules about
-    the first launch only (that its first shrink keeps the global batch) are not checked.
+    the first launch only (``resilience.shrink_to`` below the world size) are not checked. Whether
+    the first shrink keeps the global batch is the driver's next check
+    (:func:`framework.faults.elastic.check_first_shrink`), since it validates the shrunk run.
 
     Raises:
         ConfigError: every violated rule, joined into one line with ``"; "``.
@@ -148,10 +150,6 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
         if first_launch and r.policy == "shrink" and r.shrink_to is not None and r.shrink_to >= layout.world_size:
             errors.append(f"resilience.shrink_to={int(r.shrink_to)} ranks is not below world_size={layout.world_size}"
                           f" (allowed: 1..{layout.world_size - 1} ranks, a fraction in (0, 1), or null)")
-        if first_launch and not errors and r.policy == "shrink" and layout.world_size > r.min_world_size:
-            from framework.faults.elastic import resolve_shrunk
-
-            check(lambda: resolve_shrunk(run, layout.world_size))  # a shrink that cannot keep the batch: say so now
     if errors:
         raise ConfigError("; ".join(errors))
     return resolved

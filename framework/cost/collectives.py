@@ -8,11 +8,11 @@ bytes on the wire by :func:`~framework.cost.comm.ring_wire_bytes` (nccl-tests PE
   all-reduces of ``b·s·h`` activations forward and 2 backward; with SP each becomes an
   all-gather + a reduce-scatter (Korthikanti et al. 2022 §4.2.2); full recompute re-runs the
   forward's 2 (Megatron recomputes the whole layer). Activation bytes: 2 (bf16) or 4 (fp32).
-- **DP**: ``none`` one all-reduce of the gradients per step (ZeRO §7.1); ``zero1``
+- **DP**, by ZeRO stage: 0 one all-reduce of the gradients per step (ZeRO §7.1); 1
   (Megatron distributed optimizer) a reduce-scatter of the gradients and an all-gather of the
-  updated weights per step; ``zero2`` the reduce-scatter on every micro-batch (the gradients
-  are kept sharded); ``zero3`` per micro-batch an all-gather for forward, one for backward and
-  a reduce-scatter (ZeRO §7.2: 1.5x DP).
+  updated weights per step; 2 the reduce-scatter on every micro-batch (the gradients are kept
+  sharded); 3 per micro-batch an all-gather for forward, one for backward and a reduce-scatter
+  (ZeRO §7.2: 1.5x DP), named :data:`ZERO3_COLLECTIVES`.
 - **PP** (Narayanan et al. 2021 §3.2, §2.2.2): per micro-batch ``b·s·h`` activations to the
   next stage and the same gradient back, ``/t`` with SP (the scatter/gather optimisation),
   times ``v`` with interleaving; plus the tied-embedding gradient all-reduce between the first
@@ -25,6 +25,10 @@ from dataclasses import dataclass
 
 from framework.cost.comm import ring_wire_bytes
 from framework.cost.memory import PRECISIONS, stage_params
+
+ZERO3_COLLECTIVES = ("zero3_fwd", "zero3_bwd", "zero3_grad")
+"""Names of ZeRO stage 3's per-micro-batch collectives (forward gather, backward gather, gradient
+reduce-scatter), the ones its prefetch overlaps with compute (:func:`~framework.cost.steptime.step_time`)."""
 
 
 @dataclass(frozen=True)
@@ -98,18 +102,19 @@ def layout_collectives(shape, lay, gpus_per_node: int) -> list[Collective]:
     if d > 1:
         dpi = lay.group_inter_node("dp", gpus_per_node)
         g, w = psi * prec.grad_bytes, psi * prec.weight_bytes
-        if lay.dp_sharding == "none":
+        if lay.zero_stage == 0:
             out.append(Collective("dp_grad", "allreduce", "dp", d, dpi, g, 1, False))
-        elif lay.dp_sharding == "zero1":
+        elif lay.zero_stage == 1:
             out.append(Collective("dp_grad", "reduce_scatter", "dp", d, dpi, g, 1, False))
             out.append(Collective("dp_param", "allgather", "dp", d, dpi, w, 1, False))
-        elif lay.dp_sharding == "zero2":
+        elif lay.zero_stage == 2:
             out.append(Collective("dp_grad", "reduce_scatter", "dp", d, dpi, g, m, True))
             out.append(Collective("dp_param", "allgather", "dp", d, dpi, w, 1, False))
         else:
-            out.append(Collective("zero3_fwd", "allgather", "dp", d, dpi, w, m, True))
-            out.append(Collective("zero3_bwd", "allgather", "dp", d, dpi, w, m, True))
-            out.append(Collective("zero3_grad", "reduce_scatter", "dp", d, dpi, g, m, True))
+            fwd, bwd, grad = ZERO3_COLLECTIVES
+            out.append(Collective(fwd, "allgather", "dp", d, dpi, w, m, True))
+            out.append(Collective(bwd, "allgather", "dp", d, dpi, w, m, True))
+            out.append(Collective(grad, "reduce_scatter", "dp", d, dpi, g, m, True))
     if p > 1:
         ppi = lay.group_inter_node("pp", gpus_per_node)
         act = b * s * h * act_bytes / (t if lay.sequence_parallel else 1)

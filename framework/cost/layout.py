@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from framework.cost.bubble import SCHEDULES
-from framework.cost.memory import DP_SHARDING, PRECISIONS
+from framework.cost.memory import PRECISIONS, ZERO_STAGES, is_zero_stage, zero_label
 from framework.cost.activations import RECOMPUTE
 
 
@@ -25,7 +25,8 @@ class PlanLayout:
         global_batch_size: sequences per optimizer step (B).
         schedule: ``GPipe`` | ``1F1B`` | ``Interleaved1F1B`` (only read when ``pp > 1``).
         virtual_stages: model chunks per rank v (interleaved 1F1B only).
-        dp_sharding: ``none`` (DDP) | ``zero1`` | ``zero2`` | ``zero3`` (= FSDP full shard).
+        zero_stage: ZeRO stage of the dp group, 0..3 (:data:`~framework.cost.memory.ZERO_STAGES`):
+            0 plain DDP all-reduce, 1 shards optimizer state, 2 + gradients, 3 + weights (= FSDP full shard).
         recompute: activation recompute ``none`` | ``selective`` | ``full``.
         sequence_parallel: Megatron SP on the TP group (tp > 1).
         precision: ``bf16`` | ``bf16_main_grad`` | ``fp32`` (:data:`~framework.cost.memory.PRECISIONS`).
@@ -38,7 +39,7 @@ class PlanLayout:
     global_batch_size: int
     schedule: str = "1F1B"
     virtual_stages: int = 1
-    dp_sharding: str = "none"
+    zero_stage: int = 0
     recompute: str = "none"
     sequence_parallel: bool = False
     precision: str = "bf16"
@@ -47,7 +48,9 @@ class PlanLayout:
         for k in ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k}={getattr(self, k)} must be >= 1")
-        for k, allowed in (("schedule", SCHEDULES), ("dp_sharding", DP_SHARDING), ("recompute", RECOMPUTE),
+        if not is_zero_stage(self.zero_stage):
+            raise ValueError(f"zero_stage={self.zero_stage!r} is not allowed; allowed: {', '.join(map(str, ZERO_STAGES))}")
+        for k, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
                            ("precision", tuple(PRECISIONS))):
             if getattr(self, k) not in allowed:
                 raise ValueError(f"{k}={getattr(self, k)!r} is not allowed; allowed: {', '.join(allowed)}")
@@ -77,7 +80,7 @@ class PlanLayout:
         return size > 1 and stride * size > gpus_per_node
 
     def describe(self) -> str:
-        """Short label, e.g. ``tp8 pp8(v2 Interleaved1F1B) dp16 zero1 b1 sel sp``."""
+        """Short label, e.g. ``tp8 pp8(v2 Interleaved1F1B) dp16 zero1 b1 rc=selective sp`` (ZeRO stage 0 reads ``none``)."""
         pp = f"pp{self.pp}" + (f"(v{self.v} {self.schedule})" if self.pp > 1 and self.v > 1 else (f"({self.schedule})" if self.pp > 1 else ""))
-        return (f"tp{self.tp} {pp} dp{self.dp} {self.dp_sharding} b{self.micro_batch_size} "
+        return (f"tp{self.tp} {pp} dp{self.dp} {zero_label(self.zero_stage)} b{self.micro_batch_size} "
                 f"rc={self.recompute}" + (" sp" if self.sequence_parallel else ""))

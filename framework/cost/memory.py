@@ -7,8 +7,9 @@ Two layers of functions:
   :func:`adamw_fp32_local_states_bytes`), measured equal to torch's storages in the tests;
 - the planner's breakdown for any layout (:func:`model_states_per_rank`): TP shards the block
   matrices, PP gives a rank ``L/p`` layers (+ embedding on the first stage, head on the last),
-  the DP sharding (``none`` | ``zero1`` | ``zero2`` | ``zero3``; FSDP full shard = ``zero3``)
-  divides optimizer state, then gradients, then weights by the dp degree (ZeRO §5, Fig. 1).
+  the ZeRO stage of the dp group (:data:`ZERO_STAGES`: 0 = plain DDP all-reduce, 1, 2, 3; FSDP
+  full shard = stage 3) divides optimizer state, then gradients, then weights by the dp degree
+  (ZeRO §5, Fig. 1).
 
 Precision (:data:`PRECISIONS`): ``fp32`` keeps 4 B weights, 4 B gradients, 8 B AdamW moments
 (16 B/param, trainlab's CPU runs); ``bf16`` (mixed precision with fp32 master weights, ZeRO §3.1)
@@ -102,9 +103,20 @@ PRECISIONS: dict[str, Precision] = {
     "bf16_main_grad": Precision(2, 4, 12),  # Megatron: bf16 weights, fp32 main grads, fp32 master + moments (18 B)
 }
 
-DP_SHARDING = ("none", "zero1", "zero2", "zero3")
-"""What the dp group shards: nothing (DDP), optimizer state (ZeRO-1 / Megatron distributed
-optimizer), + gradients (ZeRO-2), + weights (ZeRO-3 / FSDP full shard)."""
+ZERO_STAGES = (0, 1, 2, 3)
+"""ZeRO stages (Rajbhandari et al. 2020 §5): what the dp group shards. 0: nothing (DDP, one
+gradient all-reduce); 1: optimizer state (ZeRO-1 / Megatron distributed optimizer); 2: + gradients;
+3: + weights (FSDP full shard)."""
+
+
+def is_zero_stage(value) -> bool:
+    """Whether ``value`` is an int (not a bool) in :data:`ZERO_STAGES`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value in ZERO_STAGES
+
+
+def zero_label(zero_stage: int) -> str:
+    """Short name of a ZeRO stage for labels and reports: ``none`` (stage 0), ``zero1`` .. ``zero3``."""
+    return f"zero{zero_stage}" if zero_stage else "none"
 
 
 @dataclass(frozen=True)
@@ -145,22 +157,21 @@ def stage_params(shape, *, tp: int, pp: int, stage: int) -> float:
     return n
 
 
-def model_states_per_rank(psi_local: float, *, dp: int, dp_sharding: str, precision: str) -> StateBytes:
+def model_states_per_rank(psi_local: float, *, dp: int, zero_stage: int, precision: str) -> StateBytes:
     """Bytes of weights, gradients and optimizer state of one rank holding ``psi_local`` parameters
-    replicated over ``dp`` ranks, with ``dp_sharding`` (:data:`DP_SHARDING`) and ``precision``
+    replicated over ``dp`` ranks, with ZeRO stage ``zero_stage`` (:data:`ZERO_STAGES`) and ``precision``
     (:data:`PRECISIONS`). ZeRO Fig. 1: stage 1 ``2Ψ + 2Ψ + KΨ/N``, stage 2 ``2Ψ + (2 + K)Ψ/N``,
     stage 3 ``(2 + 2 + K)Ψ/N`` (bf16).
 
     Raises:
-        ValueError: unknown ``dp_sharding`` or ``precision``.
+        ValueError: ``zero_stage`` not in :data:`ZERO_STAGES` or unknown ``precision``.
     """
-    if dp_sharding not in DP_SHARDING:
-        raise ValueError(f"dp_sharding={dp_sharding!r} is not allowed; allowed: {', '.join(DP_SHARDING)}")
+    if not is_zero_stage(zero_stage):
+        raise ValueError(f"zero_stage={zero_stage!r} is not allowed; allowed: {', '.join(map(str, ZERO_STAGES))}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}")
     p = PRECISIONS[precision]
-    level = DP_SHARDING.index(dp_sharding)
-    opt = p.optimizer_bytes * psi_local / (dp if level >= 1 else 1)
-    grads = p.grad_bytes * psi_local / (dp if level >= 2 else 1)
-    weights = p.weight_bytes * psi_local / (dp if level >= 3 else 1)
+    opt = p.optimizer_bytes * psi_local / (dp if zero_stage >= 1 else 1)
+    grads = p.grad_bytes * psi_local / (dp if zero_stage >= 2 else 1)
+    weights = p.weight_bytes * psi_local / (dp if zero_stage >= 3 else 1)
     return StateBytes(weights=weights, grads=grads, optimizer=opt)

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from framework.cost.collectives import Collective, layout_collectives
+from framework.cost.collectives import ZERO3_COLLECTIVES, Collective, layout_collectives
 from framework.cost.flops import hardware_flops_per_token
 from framework.cost.memory import PRECISIONS, stage_layers, stage_params
 
@@ -153,9 +153,10 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     for c in colls:
         comm_total[c.name] = comm_total.get(c.name, 0.0) + t(c) * c.calls
     tp_mb = sum(t(c) * c.calls for c in colls if c.group == "tp") / m
-    z3 = [c for c in colls if c.name.startswith("zero3")]
+    z3 = [c for c in colls if c.name in ZERO3_COLLECTIVES]
     z3_mb = sum(t(c) * c.calls for c in z3) / m
-    z3_first = (sum(t(c) for c in z3 if c.name == "zero3_fwd") / stage_layers(shape.n_layer, p)) if z3 else 0.0
+    z3_fwd = ZERO3_COLLECTIVES[0]  # the forward gather: its first unit is exposed
+    z3_first = (sum(t(c) for c in z3 if c.name == z3_fwd) / stage_layers(shape.n_layer, p)) if z3 else 0.0
     z3_exposed_mb = (max(0.0, z3_mb - params.zero3_prefetch * slot) + z3_first) if z3 else 0.0
     hop = sum(t(c) for c in colls if c.name in ("pp_fwd", "pp_bwd")) * v  # one slot's hand-offs (each chunk's)
     hop = params.pp_handoff_exposed * hop + (params.handoff_s if p > 1 else 0.0)
@@ -180,7 +181,7 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
 
     prec = PRECISIONS[lay.precision]
     psi = stage_params(shape, tp=lay.tp, pp=p, stage=0)
-    shard = lay.dp if lay.dp_sharding != "none" else 1
+    shard = lay.dp if lay.zero_stage >= 1 else 1
     touched = params.optimizer_state_passes * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes
     optimizer = psi / shard * touched / cluster.hbm_bandwidth
     hop = hop if p > 1 else 0.0

@@ -14,8 +14,8 @@ global batch with a short LR re-warm-up.
 - Feasible (:func:`resolve_shrunk`): the first size whose data-parallel degree divides
   ``global_batch_size / micro_batch_size`` (and that the plugin accepts). When none does, the
   run stops with one line naming the global batch, the micro-batch and the dp degrees tried;
-  for the first shrink this is checked by :func:`framework.config.validate.validate`, before
-  any rank starts.
+  for the first shrink this is checked by :func:`check_first_shrink`, which the driver calls
+  right after :func:`framework.config.validate.validate`, before any rank starts.
 - LR re-warm-up (:func:`rewarmup_factor`): the scheduled LR is scaled linearly from
   ``1/rewarmup_steps`` to 1 over the first ``resilience.rewarmup_steps`` steps after the step
   the shrunk launch resumed from.
@@ -90,6 +90,19 @@ def resolve_shrunk(run: Any, world_size: int) -> ResolvedRun:
         f" {', '.join(map(str, tried)) or 'none'} (each must divide global_batch_size / micro_batch_size = {gbs // mbs})"
         + "".join(f"; {o}" for o in other)
     )
+
+
+def check_first_shrink(resolved: ResolvedRun) -> None:
+    """Refuse, before any rank starts, a ``resilience.policy=shrink`` run whose first shrink cannot keep its global batch.
+
+    Raises:
+        ConfigError: the one line of :func:`resolve_shrunk`; nothing for other policies or when
+            the run is already at ``resilience.min_world_size``.
+    """
+    run, world_size = resolved.run, resolved.layout.world_size
+    r = run.resilience
+    if r.policy == "shrink" and world_size > r.min_world_size:
+        resolve_shrunk(run, world_size)
 
 
 def _batch(run: Any, world_size: int, derive_batch: Any) -> tuple[int, int, int]:

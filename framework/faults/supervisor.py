@@ -2,8 +2,8 @@
 
 - ``restart``: the elastic agent (:func:`framework.launcher.launch_ranks`) restarts all ranks up
   to ``resilience.max_restarts`` times when one exits (crash, watchdog, failed save); every
-  restarted rank resumes from the newest *valid* checkpoint (:func:`resume_path`), not from the
-  one the driver started with.
+  restarted rank resumes from the newest *valid* checkpoint
+  (:func:`framework.faults.restart.resume_path`), not from the one the driver started with.
 - ``shrink``: once those restarts are used up, the driver relaunches with fewer ranks
   (``resilience.shrink_to``: one less, a fraction or a size; fewer still if the global batch
   would not divide: :mod:`framework.faults.elastic`), keeping ``global_batch_size`` and
@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Optional
 
@@ -30,7 +29,7 @@ from framework.faults.elastic import resolve_shrunk, shrink_tags
 from framework.faults.events import FaultLog
 from framework.launch import LaunchSpec
 
-__all__ = ["ShrinkImpossible", "max_restarts_for", "resolve_shrunk", "resume_path", "supervise"]
+__all__ = ["ShrinkImpossible", "max_restarts_for", "resolve_shrunk", "supervise"]
 
 
 class ShrinkImpossible(RuntimeError):
@@ -39,30 +38,6 @@ class ShrinkImpossible(RuntimeError):
 
 def _warn(msg: str) -> None:
     print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
-
-
-def resume_path(launch: LaunchSpec, rank: int) -> Optional[str]:
-    """The checkpoint this rank starts from: the launch's, or after an elastic restart the newest valid one.
-
-    A corrupt checkpoint passed over is warned about and, on rank 0, logged as a detection.
-    """
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        return launch.resume_from
-    from framework.checkpoint.format import find_latest_valid
-
-    log = FaultLog(launch.run_dir)
-    segment = f"{launch.launch_index}.{os.environ['TORCHELASTIC_RESTART_COUNT']}"
-
-    def warn(msg: str) -> None:
-        if rank == 0:
-            _warn(msg)
-            log.append("resume_skipped_corrupt", seg=segment, detail=msg)
-
-    latest = find_latest_valid(launch.resolved.checkpoint_dir, warn=warn)
-    if rank == 0:
-        print(f"trainlab: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from {latest or 'the start'}",
-              file=sys.stderr, flush=True)
-    return str(latest) if latest else None
 
 
 def max_restarts_for(run: Any) -> int:

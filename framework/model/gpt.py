@@ -125,12 +125,18 @@ class GPT(nn.Module):
         self.n_layer = cfg.n_layer
         self.d_model = cfg.d_model
 
-        self.wte = nn.Embedding(self.vocab_size, cfg.d_model)  # [V, h]; also the output head
-        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)  # [max_seq_len, h]
+        # On the meta device (a shape only: the driver's counts, the FLOPs of a configured model) there are no
+        # values to initialise, and torch's meta normal_ imports torch._dynamo (~1 s of CPU in the driver).
+        meta = torch.empty(()).is_meta
+        self.wte = nn.Embedding(self.vocab_size, cfg.d_model,  # [V, h]; also the output head
+                                _weight=torch.empty(self.vocab_size, cfg.d_model) if meta else None)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model,  # [max_seq_len, h]
+                                _weight=torch.empty(cfg.max_seq_len, cfg.d_model) if meta else None)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self._init_weights()
+        if not meta:
+            self._init_weights()
 
         # Counted now, before any plugin shards the weights (see the module docstring).
         self._n_params = sum(p.numel() for p in self.parameters())  # tied head counted once

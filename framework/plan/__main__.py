@@ -2,9 +2,10 @@
 
 Composes ``conf/plan.yaml`` (the same conf/ tree as training: ``model=``, ``cluster=``,
 ``trainer.global_batch_size=``, ``data.seq_len=``, ``plan.nodes=`` ...), checks the input (one
-``trainlab: error:`` line, exit code 2: an unknown option, a cluster file missing a field, a
-global batch no layout divides, a model that fits no layout with the smallest memory it would
-need), searches (:mod:`framework.plan.search`), prints the top layouts (:mod:`framework.plan.report`)
+``trainlab: error:`` line, exit code 2: an unknown option, a search-space value not allowed
+(``plan.zero_stages``, ``plan.schedules``, ``plan.recompute``), a ``plan.run_with`` list without
+one entry per ZeRO stage, a cluster file missing a field, a global batch no layout divides, a
+model that fits no layout with the smallest memory it would need), searches (:mod:`framework.plan.search`), prints the top layouts (:mod:`framework.plan.report`)
 and logs the plan to MLflow.
 """
 
@@ -15,7 +16,7 @@ import time
 
 from omegaconf import OmegaConf
 
-from framework.cli import CONF_DIR, fail
+from framework.config import CONF_DIR, fail
 
 
 def compose(argv: list[str]):
@@ -33,6 +34,26 @@ def compose(argv: list[str]):
             return hydra_compose(config_name="plan", overrides=argv)
     except (HydraException, OmegaConfBaseException) as err:
         fail(str(err).strip().splitlines()[0])
+
+
+def check_search_space(p) -> None:
+    """Exit with one line when ``plan.zero_stages``, ``plan.schedules`` or ``plan.recompute`` holds a
+    value not allowed, or ``plan.run_with.data_parallel`` / ``model_parallel_dp`` is not a list of
+    one entry per ZeRO stage (entry ``i`` = stage ``i``)."""
+    from framework.cost.activations import RECOMPUTE
+    from framework.cost.bubble import SCHEDULES
+    from framework.cost.memory import ZERO_STAGES, is_zero_stage
+
+    for key, allowed, ok in (("zero_stages", ZERO_STAGES, is_zero_stage), ("schedules", SCHEDULES, SCHEDULES.__contains__),
+                             ("recompute", RECOMPUTE, RECOMPUTE.__contains__)):
+        bad = [x for x in p[key] if not ok(x)]
+        if bad:
+            fail(f"plan.{key}: {bad[0]!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
+    for key in ("data_parallel", "model_parallel_dp"):
+        got = p.run_with[key]
+        if not OmegaConf.is_list(got) or len(got) != len(ZERO_STAGES):
+            fail(f"plan.run_with.{key} must be a list of {len(ZERO_STAGES)} overrides, entry i for ZeRO stage i "
+                 f"({', '.join(map(str, ZERO_STAGES))}); got {OmegaConf.to_container(got) if OmegaConf.is_config(got) else got!r}")
 
 
 def load_inputs(cfg):
@@ -58,10 +79,11 @@ def load_inputs(cfg):
         fail(str(err))
     if int(p.nodes) < 1 or cfg.trainer.global_batch_size is None or int(cfg.trainer.global_batch_size) < 1:
         fail(f"plan.nodes={p.nodes} and trainer.global_batch_size={cfg.trainer.global_batch_size} must be >= 1")
+    check_search_space(p)
     space = SearchSpace(
         micro_batch_sizes=tuple(p.micro_batch_sizes), tp_degrees=tuple(p.tp_degrees) if p.tp_degrees else None,
         pp_degrees=tuple(p.pp_degrees) if p.pp_degrees else None, virtual_stages=tuple(p.virtual_stages),
-        schedules=tuple(p.schedules), dp_sharding=tuple(p.dp_sharding), recompute=tuple(p.recompute),
+        schedules=tuple(p.schedules), zero_stages=tuple(p.zero_stages), recompute=tuple(p.recompute),
         sequence_parallel=tuple(bool(x) for x in p.sequence_parallel), precision=str(p.precision),
     )
     params = StepTimeParams(tp_overlap=p.tp_overlap, pp_handoff_exposed=p.pp_handoff_exposed, dp_overlap=p.dp_overlap,

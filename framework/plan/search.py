@@ -3,9 +3,10 @@
 Candidates: TP a power of two up to a node that divides the heads (and the KV heads); PP a
 divisor of the layers or a power of two (uneven stages: the busiest holds ``ceil(L/p)``); DP = world / (TP·PP) dividing the global batch; a micro-batch size
 dividing the per-replica batch; for PP > 1 each schedule (interleaved: ``v`` chunks with
-``L % (p·v) == 0`` and ``m % p == 0``, Narayanan et al. 2021 §2.2.2); DP sharding none/ZeRO-1/2/3
-(only for DP > 1); recompute none/selective/full; SP with TP > 1. A layout that does not fit the
-usable memory per GPU is dropped with its overshoot; the rest are ranked by step time.
+``L % (p·v) == 0`` and ``m % p == 0``, Narayanan et al. 2021 §2.2.2); the dp group's ZeRO stage
+0-3 (0 = plain DDP all-reduce; 1-3 only for DP > 1); recompute none/selective/full; SP with
+TP > 1. A layout that does not fit the usable memory per GPU is dropped with its overshoot; the
+rest are ranked by step time.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable, Optional
 
 from framework.cost.estimate import Estimate, estimate
 from framework.cost.layout import PlanLayout
+from framework.cost.memory import ZERO_STAGES
 from framework.cost.steptime import StepTimeParams
 
 
@@ -32,7 +34,7 @@ class SearchSpace:
     pp_degrees: Optional[tuple[int, ...]] = None
     virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
     schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "GPipe")
-    dp_sharding: tuple[str, ...] = ("none", "zero1", "zero2", "zero3")
+    zero_stages: tuple[int, ...] = ZERO_STAGES
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: tuple[bool, ...] = (False, True)
     precision: str = "bf16"
@@ -82,11 +84,11 @@ def enumerate_layouts(shape, world: int, global_batch_size: int, gpus_per_node: 
                 scheds = [(s, 1) for s in space.schedules if s != "Interleaved1F1B"]
                 if "Interleaved1F1B" in space.schedules and m % p == 0:
                     scheds += [("Interleaved1F1B", v) for v in space.virtual_stages if shape.n_layer % (p * v) == 0]
-            shardings = space.dp_sharding if d > 1 else ("none",)
+            stages = space.zero_stages if d > 1 else (0,)
             sps = space.sequence_parallel if t > 1 else (False,)
-            for (sched, v), z, rc, sp in itertools.product(scheds, shardings, space.recompute, sps):
+            for (sched, v), z, rc, sp in itertools.product(scheds, stages, space.recompute, sps):
                 out.append(PlanLayout(dp=d, tp=t, pp=p, micro_batch_size=b, global_batch_size=global_batch_size,
-                                      schedule=sched, virtual_stages=v, dp_sharding=z, recompute=rc,
+                                      schedule=sched, virtual_stages=v, zero_stage=z, recompute=rc,
                                       sequence_parallel=sp, precision=space.precision))
     return out
 
@@ -125,9 +127,10 @@ def trainlab_overrides(lay: PlanLayout, *, model: str, seq_len: int, nodes: int,
     """The Hydra overrides that run ``lay`` in trainlab, and notes on what trainlab cannot express.
 
     ``run_with`` (``plan.run_with`` in ``conf/plan.yaml``: the planner never names a plugin
-    itself) maps a pure-DP layout's ``dp_sharding`` to its ``parallelism=`` overrides
-    (``data_parallel``), gives the overrides of a TP/PP layout (``model_parallel``) and of its dp
-    dimension by sharding (``model_parallel_dp``; null = no equivalent), and the schedule names
+    itself) lists, per ZeRO stage (entry ``i`` = stage ``i``, :data:`~framework.cost.memory.ZERO_STAGES`),
+    a pure-DP layout's ``parallelism=`` override (``data_parallel``) and the override of a TP/PP
+    layout's dp dimension (``model_parallel_dp``; null = no equivalent); it gives the overrides of
+    a TP/PP layout (``model_parallel``) and the schedule names
     (``schedules``), and whether SP runs together with PP (``sequence_parallel_with_pp``). Full recompute is ``model.activation_checkpointing=true``; selective
     recompute has no trainlab switch yet.
     """
@@ -135,7 +138,7 @@ def trainlab_overrides(lay: PlanLayout, *, model: str, seq_len: int, nodes: int,
     o = [f"model={model}", f"data.seq_len={seq_len}", f"trainer.global_batch_size={lay.global_batch_size}",
          f"trainer.micro_batch_size={lay.micro_batch_size}", "trainer.grad_accum_steps=null"]
     if lay.tp == 1 and lay.pp == 1:
-        o.insert(0, run_with["data_parallel"][lay.dp_sharding])
+        o.insert(0, run_with["data_parallel"][lay.zero_stage])
     else:
         o[:0] = [run_with["model_parallel"], f"parallelism.tp_degree={lay.tp}", f"parallelism.pp_degree={lay.pp}"]
         if lay.pp > 1:
@@ -146,11 +149,11 @@ def trainlab_overrides(lay: PlanLayout, *, model: str, seq_len: int, nodes: int,
             o.append("parallelism.sequence_parallel=true")
         elif lay.sequence_parallel:
             notes.append("sequence parallelism with pp > 1: trainlab cannot run it yet (plan.run_with.sequence_parallel_with_pp)")
-        dp = run_with["model_parallel_dp"].get(lay.dp_sharding)
+        dp = run_with["model_parallel_dp"][lay.zero_stage]
         if dp:
             o.append(dp)
         else:
-            notes.append(f"dp_sharding={lay.dp_sharding} with tp/pp has no trainlab equivalent (plan.run_with.model_parallel_dp)")
+            notes.append(f"ZeRO stage {lay.zero_stage} with tp/pp has no trainlab equivalent (plan.run_with.model_parallel_dp)")
     o[1:1] = [f"parallelism.world_size={lay.world_size}", f"parallelism.nnodes={nodes}"]
     if lay.recompute == "full":
         o.append("model.activation_checkpointing=true")

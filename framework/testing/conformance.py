@@ -7,7 +7,8 @@ compares numbers:
 ``loss_parity``
     The plugin's per-step losses equal those of ``single`` at the same global batch
     (fp32; ``PluginCase.parity_rtol``, default relative 1e-5 — float32 rounding of sums taken
-    in another order is ~1e-7).
+    in another order is ~1e-7), and so does its learning rate at every step (exactly: the
+    schedule counts optimizer steps, not micro-batches or ranks).
 ``checkpoint_round_trip``
     Resumed from its own step-``SAVE_AT`` checkpoint at the same layout, the plugin logs the
     same losses as its uninterrupted run and ends with the same weights and optimizer state
@@ -186,6 +187,8 @@ class Conformance:
         assert sorted(ref.losses) == list(range(1, STEPS + 1)), ref.losses
         assert min(ref.losses.values()) < ref.losses[1] - 0.1, "the reference must learn for the comparison to mean anything"
         _assert_losses(got.losses, ref.losses, range(1, STEPS + 1), case.parity_rtol, f"{case.name} vs single")
+        lrs = [{int(r["step"]): r["train/lr"] for r in run.records if "train/lr" in r} for run in (got, ref)]
+        assert sorted(lrs[1]) == list(range(1, STEPS + 1)) and lrs[0] == lrs[1], f"{case.name}: train/lr per step {lrs}"
 
     def check_checkpoint_round_trip(self, case: PluginCase) -> None:
         full = self.plugin_run(case)

@@ -1,7 +1,8 @@
 """The fault x policy matrix: every fault kind under every resilience policy that claims to handle it.
 
-Cheap by construction (it runs in CI): one rank (``parallelism=single``), ``gpt_tiny`` on a small
-corpus slice, 11 optimizer steps of 2 micro-batches, and several cells per run: each policy gets
+Cheap by construction (it runs in CI): one rank (``parallelism=single``) of one thread, ``gpt_tiny`` on a
+small corpus slice, 11 optimizer steps of 2 micro-batches, independent runs side by side (``lanes``), and
+several cells per run: each policy gets
 one run whose faults fire at different steps (numeric faults in steps 7-9, after the detectors'
 warm-up; process faults before them under ``restart``, or in step 11 where the policy refuses them).
 A faulty step logs its faulty loss (Inf, x10), so loss comparisons leave out steps 8 and 9 (and
@@ -39,6 +40,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -51,7 +53,8 @@ SMALL = ("data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64", "m
          f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1", "trainer.val_sequences=16",
          "trainer.val_every_n_steps=100", "trainer.warmup_steps_excluded=0", "trainer.progress_bar=false", "tracking=none",
          "checkpoint.every_n_steps=2", "checkpoint.keep_last_k=3", "resume=never",
-         "resilience.stat_warmup_steps=2")  # spikes judged after 2 accepted steps (few steps in all)
+         "resilience.stat_warmup_steps=2",  # spikes judged after 2 accepted steps (few steps in all)
+         "trainer.threads_per_rank=1")  # every run alike (bitwise comparisons), and 2 runs side by side fit 2 cores
 
 
 def _events(*events: str) -> str:
@@ -128,21 +131,31 @@ class CellOutcome:
     problems: list[str] = field(default_factory=list)
 
 
-def run_matrix(workdir: Path, cache_dir: Path, names: Optional[list[str]] = None) -> dict[str, RunOutcome]:
-    """Run the matrix's driver runs one after the other in ``workdir`` (token cache ``cache_dir``)."""
-    out = {}
-    for name in names or list(RUNS):
-        args = [sys.executable, "-m", "framework.train", *SMALL, f"data.cache_dir={cache_dir}", *RUNS[name],
-                f"run_name={name}", f"checkpoint.dir={workdir / 'checkpoints' / name}"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-        wall = time.perf_counter() - t0
-        run_dir = workdir / "outputs" / "default" / name
-        records = _read_jsonl(run_dir / "metrics.jsonl")
-        losses = {int(r["step"]): r["train/loss"] for r in records if "train/loss" in r}
-        val = next((r["val/loss_final"] for r in records if "val/loss_final" in r), None)
-        out[name] = RunOutcome(name, proc.returncode, losses, val, _read_jsonl(run_dir / "faults.jsonl"), proc.stderr, wall)
-    return out
+def run_matrix(workdir: Path, cache_dir: Path, names: Optional[list[str]] = None, lanes: int = 1) -> dict[str, RunOutcome]:
+    """Run the matrix's driver runs in ``workdir`` (token cache ``cache_dir``), ``lanes`` of them at a time.
+
+    The runs are independent (each its own run name and checkpoint folder; concurrent builds of the
+    token cache are safe) and each rank runs one thread, so ``lanes`` up to the number of cores run
+    side by side without oversubscribing them. ``restart`` (four starts of the rank) is started first.
+    """
+    names = names or list(RUNS)
+    order = sorted(names, key=lambda n: n != "restart")
+    with ThreadPoolExecutor(max_workers=max(1, lanes)) as pool:
+        done = dict(zip(order, pool.map(lambda n: _run_one(workdir, cache_dir, n), order)))
+    return {n: done[n] for n in names}
+
+
+def _run_one(workdir: Path, cache_dir: Path, name: str) -> RunOutcome:
+    args = [sys.executable, "-m", "framework.train", *SMALL, f"data.cache_dir={cache_dir}", *RUNS[name],
+            f"run_name={name}", f"checkpoint.dir={workdir / 'checkpoints' / name}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    wall = time.perf_counter() - t0
+    run_dir = workdir / "outputs" / "default" / name
+    records = _read_jsonl(run_dir / "metrics.jsonl")
+    losses = {int(r["step"]): r["train/loss"] for r in records if "train/loss" in r}
+    val = next((r["val/loss_final"] for r in records if "val/loss_final" in r), None)
+    return RunOutcome(name, proc.returncode, losses, val, _read_jsonl(run_dir / "faults.jsonl"), proc.stderr, wall)
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -1,13 +1,16 @@
 """Helpers to run the real driver (``python -m framework.train``) in a scratch folder.
 
 Every run uses a small slice of the stdlib corpus (``data.max_bytes``) and a small vocabulary,
-tokenized once per test session into a shared cache, so a run costs seconds, not minutes.
+tokenized once per test session into a shared cache, so a run costs seconds, not minutes. A scratch
+folder's MLflow store starts as a copy of an empty one made once per session (MLflow's schema
+migrations take ~4-8 s of CPU for each new SQLite store).
 Multi-rank runs use gloo on CPU with 1 thread per rank on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from framework.testing.conformance import conformance  # noqa: F401 (one session fixture for every module that uses it)
 from framework.tracking import read_jsonl_metrics
 
 SMALL_DATA = ["data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64"]
@@ -33,6 +37,19 @@ class Runner:
         self.workdir = workdir
         self.cache = cache
 
+    def _seed_mlflow_store(self) -> None:
+        """Copy the session's empty MLflow store to ``mlruns.db`` when the folder has none yet."""
+        db = self.workdir / "mlruns.db"
+        if db.exists():
+            return
+        empty = self.cache.parent / "mlflow_empty_store" / "mlruns.db"
+        if not empty.exists():
+            from mlflow.tracking import MlflowClient
+
+            empty.parent.mkdir(exist_ok=True)
+            MlflowClient(tracking_uri=f"sqlite:///{empty}").search_experiments()  # creates the tables
+        shutil.copyfile(empty, db)
+
     def args(self, *overrides: str) -> list[str]:
         flags = [o for o in overrides if o.startswith("-")]  # e.g. -m must precede the overrides
         rest = [o for o in overrides if not o.startswith("-")]
@@ -40,6 +57,7 @@ class Runner:
                 "trainer.progress_bar=false", *rest]
 
     def run(self, *overrides: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+        self._seed_mlflow_store()
         proc = subprocess.run(self.args(*overrides), cwd=self.workdir, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"driver exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
@@ -50,6 +68,7 @@ class Runner:
 
         ``env``: extra environment variables for the driver and its ranks.
         """
+        self._seed_mlflow_store()
         return subprocess.Popen(self.args(*overrides), cwd=self.workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True, env={**os.environ, **(env or {})})
 
@@ -90,3 +109,17 @@ def kill_group(proc: subprocess.Popen, sig: int) -> None:
 @pytest.fixture()
 def runner(tmp_path, data_cache) -> Runner:
     return Runner(tmp_path, data_cache)
+
+
+REF_STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def single_ref(tmp_path_factory, data_cache) -> list[dict]:
+    """The metric records of `single` with one micro-batch of 8 (global batch 8) for ``REF_STEPS`` steps, every
+    step logged: the one reference run of the layout-parity tests (test_train_e2e, test_megatron, test_deepspeed)."""
+    r = Runner(tmp_path_factory.mktemp("single_ref"), data_cache)
+    r.run("parallelism=single", "trainer.micro_batch_size=8", "trainer.global_batch_size=8", "trainer.grad_accum_steps=null",
+          f"trainer.max_steps={REF_STEPS}", "trainer.log_every_n_steps=1", "trainer.val_every_n_steps=1000",
+          "trainer.val_sequences=16", "checkpoint=none", "tracking=none", "run_name=ref")
+    return r.metrics("ref")

@@ -151,7 +151,11 @@ def test_sigkilled_runs_resume_bitwise(runner, plugin):
         resumed.append(_resumed_step(runner.run(*common).stdout))
 
     assert len(set(resumed)) == 2, f"two different resume steps, got {resumed}"
-    assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", ref_dir / f"step{MAX_STEPS:08d}")
     ref, got = losses(runner.metrics(name, experiment="ref")), losses(runner.metrics(name))
     assert sorted(got) == sorted(ref) == list(range(1, MAX_STEPS + 1))
-    assert got == ref, "the same loss history, exactly"
+    # every execution of every step (the killed runs' too, in the order they ran) has the uninterrupted loss:
+    # a mismatch names the first step (and so the run) that went off
+    executed = [(int(r["step"]), r["train/loss"]) for r in runner.metrics(name) if "train/loss" in r]
+    off = [(i, step, loss, ref[step]) for i, (step, loss) in enumerate(executed) if loss != ref[step]]
+    assert not off, f"(record, step, loss, uninterrupted loss) of the first steps that differ: {off[:3]}; resumed at {resumed}"
+    assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", ref_dir / f"step{MAX_STEPS:08d}")

@@ -1,7 +1,8 @@
 """The conformance suite (framework/testing/conformance.py) for the built-in plugins.
 
 Every check runs the real driver on CPU ranks; the ``single`` reference run is shared by all
-plugins (session fixture). A new plugin is one more ``PluginCase`` line.
+plugins (the session's ``conformance`` fixture, registered once in tests/integration/conftest.py so that
+test_sharded_checkpoint and test_train_e2e reuse these runs). A new plugin is one more ``PluginCase`` line.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ import pytest
 
 from framework.registry import available_plugins
 from framework.cli import group_options
-from framework.testing.conformance import PluginCase, conformance, conformance_params  # noqa: F401 (fixture)
+from framework.testing.conformance import PluginCase, conformance_params
 
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
 CASES = [
-    # ddp's parity, bytes and same-layout round trip are test_train_e2e / test_perf_e2e / test_checkpoint_resume.
-    PluginCase("ddp", select=("parallelism=ddp",), checks=("resume_other_world_size", "skipped_step")),
+    # ddp's bytes and same-layout round trip are test_perf_e2e / test_checkpoint_resume.
+    PluginCase("ddp", select=("parallelism=ddp",), checks=("loss_parity", "resume_other_world_size", "skipped_step")),
     # fsdp at 2 ranks resumes at 1 rank as plain `single` and as fsdp world_size=1 (and from single).
     # The dropped update (skipped_step) goes through the same torch AdamW pre-hook for ddp, fsdp, pp and the outside
     # plugin: checked once here for ddp, and for DeepSpeed (its own buffers and optimizer_step per micro-batch) below.
@@ -34,11 +35,12 @@ CASES = [
     # ZeRO-2-like FSDP: one all-gather per micro-batch instead of two; the numbers must still add up.
     PluginCase("fsdp-noreshard", select=("parallelism=fsdp", "parallelism.reshard_after_forward=false"),
                checks=("loss_parity", "bytes")),
-    # tp/pp checkpoints are keyed by the GPT's names: pp 2 resumes its own bitwise; tp2 x pp2 (4 ranks) resumes as
-    # `single` and from `single`'s checkpoint with single's losses (loss parity and bytes: tests/integration/test_megatron.py).
+    # tp/pp checkpoints are keyed by the GPT's names: pp 2 resumes its own bitwise; tp2 x pp2 (4 ranks) matches `single`'s
+    # losses and the cost model's bytes, and resumes as `single` and from `single`'s checkpoint with single's losses
+    # (the other layouts' loss parity and bytes: tests/integration/test_megatron.py).
     PluginCase("pp", select=("parallelism=pp",), checks=("checkpoint_round_trip",)),
     PluginCase("tp2pp2", select=("parallelism=pp", "parallelism.tp_degree=2", "parallelism.world_size=4"),
-               checks=("resume_other_world_size",)),
+               checks=("loss_parity", "resume_other_world_size", "bytes")),
     # DeepSpeed routes every micro-batch through its strategy's optimizer_step and keeps the gradients in its own
     # buffers: a dropped update must still change nothing on any rank (its other checks: tests/integration/test_deepspeed.py).
     *(PluginCase(f"zero{k}", select=(f"parallelism=zero{k}",), checks=("skipped_step",)) for k in (2, 3)),
@@ -46,11 +48,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("case,check", conformance_params(CASES))
-def test_conformance(conformance, case, check):  # noqa: F811 (the fixture)
+def test_conformance(conformance, case, check):
     conformance.check(case, check)
 
 
-def test_tp2pp2_checkpoint_resumed_as_single_continues_the_tp2pp2_run(conformance):  # noqa: F811 (the fixture)
+def test_tp2pp2_checkpoint_resumed_as_single_continues_the_tp2pp2_run(conformance):
     """Issue 4: a tp2 x pp2 checkpoint loaded into `single` gives the uninterrupted tp2 x pp2 run's next losses (rel 1e-5;
     measured 7.1e-8, fp32 summation order). The runs are those of the `tp2pp2` case above (cached when it ran first)."""
     from framework.testing.conformance import SAVE_AT, STEPS
@@ -98,5 +100,5 @@ def test_outside_plugin_is_found_only_where_installed(example_plugin, tmp_path):
 
 
 @pytest.mark.parametrize("check", OUTSIDE.checks)
-def test_outside_plugin_conformance(conformance, example_plugin, check):  # noqa: F811 (the fixture)
+def test_outside_plugin_conformance(conformance, example_plugin, check):
     conformance.check(dataclasses.replace(OUTSIDE, env={"PYTHONPATH": example_plugin}), check)

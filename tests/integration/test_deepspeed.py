@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO 1-3 on 2 CPU ranks (gloo, fp32) through the real driver.
 
-One set of runs (single, and a ``-m parallelism=zero1,zero2,zero3`` sweep; 20 steps, global
-batch 8) serves the MLflow sweep check, the loss parity, the measured-vs-modelled bytes and
+One set of runs (the session's `single` reference run, tests/integration/conftest.py, and a
+``-m parallelism=zero1,zero2,zero3`` sweep; 20 steps, global batch 8) serves the MLflow sweep check, the loss parity, the measured-vs-modelled bytes and
 the resume reference.
 """
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 PARITY_RTOL = 1e-5
 STAGES = (1, 2, 3)
 COMMON = ["trainer.max_steps=20", "trainer.log_every_n_steps=1", "trainer.warmup_steps_excluded=1",
-          "trainer.global_batch_size=8", "trainer.grad_accum_steps=null"]
+          "trainer.global_batch_size=8", "trainer.grad_accum_steps=null", "trainer.val_sequences=16"]
 # Checkpoints at step 15 only (every 15 steps, no save at the end). Resumed runs stop at step 18:
 # steps 1-20 are all LR warm-up (optim.warmup_steps=20), so the LR of steps 16-18 does not depend
 # on trainer.max_steps (which the run name leaves out).
@@ -30,9 +30,9 @@ SCALAR_BYTES = 64
 
 
 @pytest.fixture(scope="module")
-def zero_runs(tmp_path_factory, data_cache) -> Runner:
+def zero_runs(tmp_path_factory, data_cache, single_ref) -> Runner:
     runner = Runner(tmp_path_factory.mktemp("zero"), data_cache)
-    runner.run("parallelism=single", "trainer.micro_batch_size=8", "run_name=ref", "checkpoint=none", "tracking=none", *COMMON)
+    runner.ref = single_ref  # `single`, micro-batch 8, the same 20 steps
     # One sweep (MLflow on): 2 ranks x micro-batch 2 x grad_accum_steps 2; a checkpoint at step 15 for the resume tests.
     runner.run("-m", "parallelism=zero1,zero2,zero3", "trainer.micro_batch_size=2", "checkpoint.every_n_steps=15",
                "checkpoint.save_last=False", *COMMON)  # (a sweep names the run with Hydra's spelling, False)
@@ -62,14 +62,14 @@ def test_the_sweep_records_three_finished_mlflow_runs(zero_runs):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_losses_equal_single(zero_runs, stage):
-    ref = losses(zero_runs.metrics("ref"))
+    ref = losses(zero_runs.ref)
     got = losses(zero_runs.metrics(_run_name(zero_runs, stage)))
     assert sorted(ref) == sorted(got) == list(range(1, 21))
     assert min(ref.values()) < ref[1] - 0.5, "the reference must learn for the comparison to mean anything"
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"zero{stage}, step {step}"
     norms = [r["train/grad_norm"] for r in zero_runs.metrics(_run_name(zero_runs, stage)) if "train/grad_norm" in r]
-    ref_norms = [r["train/grad_norm"] for r in zero_runs.metrics("ref") if "train/grad_norm" in r]
+    ref_norms = [r["train/grad_norm"] for r in zero_runs.ref if "train/grad_norm" in r]
     assert norms == pytest.approx(ref_norms, rel=1e-4), "DeepSpeed's global gradient norm (before clipping)"
 
 

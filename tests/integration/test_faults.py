@@ -193,7 +193,8 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
     with no restarts left, ``resilience.shrink_to=0.75`` relaunches on 3 ranks from checkpoint 3 with the
     global batch of 12 kept (micro-batch 1: grad_accum_steps 3 -> 4) and the LR re-warmed over 3 steps.
     MLflow: the tags name the launch in force, ``elastic/*`` show the change at step 4, ``train/lr`` is the
-    schedule x 1/3, 2/3, 3/3, the fault log is an artifact, and each step is one request (one timestamp)."""
+    schedule x 1/3, 2/3, 3/3, the fault log is an artifact, and each step is one request (one timestamp), a checkpoint step two (before
+    and after its save)."""
     import math
 
     from mlflow.tracking import MlflowClient
@@ -227,12 +228,21 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
     for step, rewarm in [(1, 1), (2, 1), (3, 1), (4, 1 / 3), (5, 2 / 3), (6, 1)]:
         assert math.isclose(lr[step], 3e-3 * warmup_cosine(step - 1, **o) * rewarm, rel_tol=1e-6), step
     assert "faults.jsonl" in {a.path for a in client.list_artifacts(run.info.run_id)}
-    stamps: dict[int, set[int]] = {}
+    stamps: dict[int, dict[int, set[str]]] = {}  # step -> request timestamp -> keys sent in it
     for key in run.data.metrics:
         if key.split("/")[0] in ("train", "val", "perf", "mem", "ckpt", "elastic"):
             for m in client.get_metric_history(run.info.run_id, key):
-                stamps.setdefault(m.step, set()).add(m.timestamp)
-    assert sorted(stamps) == [0, 1, 2, 3, 4, 5, 6] and all(len(t) == 1 for t in stamps.values()), stamps
+                stamps.setdefault(m.step, {}).setdefault(m.timestamp, set()).add(key)
+    assert sorted(stamps) == [0, 1, 2, 3, 4, 5, 6]
+    # One request per step; a checkpoint step (3, and 6: the last save) two: what the step logged before
+    # the save goes out before it (train/loss among it), the save's own figures after it.
+    for step, requests in stamps.items():
+        if step not in (3, 6):
+            assert len(requests) == 1, (step, requests)
+            continue
+        assert len(requests) == 2, (step, requests)
+        before, after = (requests[t] for t in sorted(requests))
+        assert "train/loss" in before and "ckpt/blocking_s" in after and not any(k.startswith("ckpt/") for k in before)
     print(f"shrink 3/4 MLflow tags: { {k: v for k, v in tags.items() if not k.startswith('mlflow.')} }")
     for key in ("elastic/world_size", "elastic/dp_degree", "elastic/grad_accum_steps", "train/lr", "train/loss"):
         print(f"shrink 3/4 {key}: {sorted(history(key).items())}")

@@ -28,7 +28,7 @@ def sweep(tmp_path_factory, data_cache):
     runner = Runner(tmp_path_factory.mktemp("perf"), data_cache)
     runner.run("-m", "parallelism=single,ddp", f"experiment_name={EXPERIMENT}", "trainer.max_steps=12",
                "trainer.log_every_n_steps=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
-               "checkpoint.every_n_steps=6", "tracking.system_metrics_interval_s=1")
+               "checkpoint.every_n_steps=6", "trainer.val_sequences=16", "tracking.system_metrics_interval_s=1")
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = job_runs(client, EXPERIMENT)  # the sweep's children
     return runner, client, {r.data.tags["plugin"]: r for r in runs}

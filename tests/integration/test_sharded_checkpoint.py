@@ -14,7 +14,7 @@ import torch
 
 from framework.checkpoint.__main__ import main as ckpt_tool
 from framework.checkpoint.format import STATE_FILE, find_latest_valid, read_manifest, safe_torch_load
-from framework.testing.conformance import SAVE_AT, STEPS, PluginCase, conformance  # noqa: F401 (fixture)
+from framework.testing.conformance import SAVE_AT, STEPS, PluginCase
 from framework.cli import precheck
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 FSDP = PluginCase("fsdp", select=("parallelism=fsdp",))  # the same run as test_conformance's fsdp case
 
 
-def test_fsdp_checkpoint_is_a_checksummed_sharded_folder(conformance, capsys):  # noqa: F811
+def test_fsdp_checkpoint_is_a_checksummed_sharded_folder(conformance, capsys):
     ckpt = conformance.plugin_run(FSDP).ckpt_dir
     step = ckpt / f"step{SAVE_AT:08d}"
     manifest = read_manifest(step)
@@ -44,7 +44,7 @@ def test_fsdp_checkpoint_is_a_checksummed_sharded_folder(conformance, capsys):  
     assert len(rng) == 2 and torch.equal(rng[0]["torch_cpu"], rng[1]["torch_cpu"]) and rng[0]["python"] == rng[1]["python"]
 
 
-def test_a_corrupt_shard_is_named_and_skipped(conformance, tmp_path, capsys):  # noqa: F811
+def test_a_corrupt_shard_is_named_and_skipped(conformance, tmp_path, capsys):
     import shutil
 
     src = conformance.plugin_run(FSDP).ckpt_dir
@@ -61,7 +61,7 @@ def test_a_corrupt_shard_is_named_and_skipped(conformance, tmp_path, capsys):  #
     assert "__1_0.distcp" in warnings[0]
 
 
-def test_resume_auto_picks_the_newest_sharded_checkpoint(conformance, tmp_path):  # noqa: F811
+def test_resume_auto_picks_the_newest_sharded_checkpoint(conformance, tmp_path):
     import shutil
 
     full = conformance.plugin_run(FSDP)

@@ -1,7 +1,7 @@
 """Sweeps of any key: one parent MLflow run, one FINISHED child per job, resumed as a whole.
 
 Each sweep of the issue (``checkpoint.every_n_steps``, ``trainer.max_steps``, ``data.num_workers``,
-``optim.lr`` x ``parallelism=single,ddp``) ends with its jobs as distinct FINISHED child runs of
+``optim.lr`` on ``ddp``) ends with its jobs as distinct FINISHED child runs of
 one parent; the first two sweep keys that do not name a run by default (they used to map both
 jobs to one run and die on its lock). gpt_tiny, 2-3 steps, one MLflow store per module.
 """
@@ -9,6 +9,7 @@ jobs to one run and die on its lock). gpt_tiny, 2-3 steps, one MLflow store per 
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,13 @@ def _check_finished_children(parent, children, key: str, values: list[str]) -> N
 def test_sweeps_of_keys_left_out_of_run_names_end_in_distinct_finished_children(store):
     """-m checkpoint.every_n_steps=1,2 x trainer.max_steps=2,3: four jobs (both keys are excluded from
     default run names), four FINISHED children of one parent; the compare report lands on the parent."""
-    store.run("-m", "checkpoint.every_n_steps=1,2", "trainer.max_steps=2,3", "experiment_name=excluded", *FAST)
+    store.run("-m", "checkpoint.every_n_steps=1,2", "trainer.max_steps=2,3", "experiment_name=excluded",
+              "experiment_description='What does saving every step cost?'", *FAST)
     parent, children = _sweep(store, "excluded")
+    experiment = _client(store).get_experiment_by_name("excluded")
+    assert experiment.tags["mlflow.note.content"] == "What does saving every step cost?"  # the UI's experiment description
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI's model-training view
+    assert "experiment_description" not in parent.data.params and "experiment_description" not in children[0].data.params
     assert len(children) == 4
     _check_finished_children(parent, children, "checkpoint.every_n_steps", ["1", "2"])
     _check_finished_children(parent, children, "trainer.max_steps", ["2", "3"])
@@ -79,6 +85,10 @@ def test_sweeps_of_keys_left_out_of_run_names_end_in_distinct_finished_children(
         saved = [m.step for m in client.get_metric_history(c.info.run_id, "ckpt/save_s")]
         assert saved == sorted({s for s in range(1, steps + 1) if s % every == 0} | {steps})  # + checkpoint.save_last
         assert (store.workdir / "checkpoints" / "excluded" / c.data.params["run_name"] / f"step{steps:08d}").is_dir()
+        (dataset,) = client.get_run(c.info.run_id).inputs.dataset_inputs  # the token cache, as the run's dataset
+        assert dataset.dataset.name == c.data.params["data.name"] and len(dataset.dataset.digest) == 16
+        assert json.loads(dataset.dataset.profile)["train_tokens"] > 0
+        assert [(t.key, t.value) for t in dataset.tags] == [("mlflow.data.context", "train")]
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["sweep/jobs"] == parent.data.metrics["sweep/jobs_finished"] == 4
     assert parent.data.params["sweep.checkpoint.every_n_steps"] == "1,2"
@@ -129,13 +139,14 @@ def test_a_job_the_validation_refuses_is_a_failed_child_and_the_sweep_goes_on(st
     assert parent.data.metrics["sweep/jobs_failed"] == 2 and parent.data.metrics["sweep/jobs_finished"] == 0
 
 
-def test_a_sweep_of_lr_by_plugin_starts_ranks_for_ddp_jobs(store):
-    """-m optim.lr=1e-3,3e-3 parallelism=single,ddp: four children (two of 2 ranks), one parent."""
-    store.run("-m", "optim.lr=1e-3,3e-3", "parallelism=single,ddp", "trainer.max_steps=2", "checkpoint=none",
+def test_a_sweep_of_lr_starts_ranks_for_ddp_jobs(store):
+    """-m optim.lr=1e-3,3e-3 with parallelism=ddp: two children of 2 ranks, one parent, named by Hydra's spelling
+    of the swept floats. (Sweeps over plugins, single and ddp or tp and pp: test_perf_e2e.py, test_megatron.py.)"""
+    store.run("-m", "optim.lr=1e-3,3e-3", "parallelism=ddp", "trainer.max_steps=2", "checkpoint=none",
               "experiment_name=lr_plugin", "trainer.micro_batch_size=2",  # global batch 4 = 2 x 2 ranks
               *[o for o in FAST[1:] if not o.startswith("trainer.micro_batch_size")])
     parent, children = _sweep(store, "lr_plugin")
-    assert len(children) == 4
+    assert len(children) == 2
     _check_finished_children(parent, children, "optim.lr", ["0.001", "0.003"])
-    assert sorted(c.data.tags["plugin"] for c in children) == ["ddp", "ddp", "single", "single"]
-    assert sorted(c.info.run_name for c in children)[0] == "lr=0.001,parallelism=ddp"  # (Hydra writes the job's 1e-3 so)
+    assert [(c.data.tags["plugin"], c.data.tags["world_size"]) for c in children] == [("ddp", "2")] * 2
+    assert sorted(c.info.run_name for c in children) == ["lr=0.001", "lr=0.003"]  # (Hydra writes the job's 1e-3 so)

@@ -255,3 +255,23 @@ def test_tool_lists_verifies_and_converts(tmp_path, capsys):
     (ckpt / "state.pt").write_bytes(b"x" * manifest["files"]["state.pt"]["bytes"])
     assert ckpt_tool(["verify", str(ckpt)]) == 1
     assert "CORRUPT" in capsys.readouterr().out
+
+
+def test_buffered_metrics_are_sent_before_the_checkpoint_that_covers_their_step(tmp_path):
+    """A kill right after a save must not lose the saved step's metrics (the resumed run does not replay
+    that step): ``before_save`` (the worker's metric flush) runs before the folder is written."""
+    from framework.checkpoint.periodic import PeriodicCheckpoint
+
+    order = []
+    io = FolderCheckpointIO(keep_last_k=1, asynchronous=False, full_every_n_saves=1, manifest_fields={}, tokens_per_step=1)
+    cb = PeriodicCheckpoint(dirpath=str(tmp_path), io=io, every_n_steps=2, save_last=False,
+                            sinks=[lambda m, step: order.append(("metrics", step, sorted(m)))],
+                            before_save=lambda: order.append(("flush", trainer.global_step)))
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True,
+                              save_checkpoint=lambda path: order.append(("save", pathlib.Path(path).name)))
+    for step in (1, 2, 3):
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, None, None, None, step - 1)
+    assert order[:2] == [("flush", 2), ("save", "step00000002")]
+    assert order[2] == ("metrics", 2, ["ckpt/blocking_s", "ckpt/interval_steps"])  # the save's figures: after it
+    assert all(e[0] != "save" for e in order[3:])

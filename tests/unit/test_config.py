@@ -124,3 +124,28 @@ def test_warmup_cosine_schedule():
     assert f(10) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the cosine
     assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)  # floor at min_lr_ratio
+
+
+def _grid_points(params: dict) -> list[list[str]]:
+    """The overrides of every point of a basic-sweeper grid (``key: a,b,c``; no range()/choice())."""
+    import itertools
+
+    axes = [[f"{k}={v.strip()}" for v in str(vals).split(",")] for k, vals in params.items()]
+    return [list(p) for p in itertools.product(*axes)]
+
+
+@pytest.mark.parametrize("preset", _options("experiment"))
+def test_every_point_of_a_study_preset_validates(compose, preset):
+    """A study is only as good as its grid: each job of a preset's sweep composes and validates
+    (a refused point would be a FAILED child in the study). Optuna searches, whose points are
+    drawn at run time and may be refused on purpose, are checked for composing only."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.load(CONF_DIR / "experiment" / f"{preset}.yaml")
+    params = OmegaConf.select(raw, "hydra.sweeper.params") or {}
+    if "optuna" in str(raw.get("defaults", [])):  # override /hydra/sweeper: optuna
+        validate(load_run_config(compose(f"experiment={preset}")))
+        return
+    points = _grid_points(dict(params)) or [[]]
+    for point in points:
+        validate(load_run_config(compose(f"experiment={preset}", *point)))

@@ -14,12 +14,13 @@ from framework.cli import CONF_DIR
 from framework.config.schema import ModelConfig
 from framework.cost import activations as A
 from framework.cost.bubble import microbatches_in_flight, pp_bubble_fraction
-from framework.cost.collectives import layout_collectives
+from framework.cost.collectives import ZERO3_COLLECTIVES, layout_collectives
 from framework.cost.comm import ModelStats, ddp_comm_volume, fsdp_comm_volume, tp_payload_bytes_per_microbatch
 from framework.cost.estimate import estimate
 from framework.cost.hardware import REQUIRED, ClusterError, Link, cluster_from_dict
 from framework.cost.layout import PlanLayout
 from framework.cost.memory import (
+    ZERO_STAGES,
     fsdp_model_states_bytes,
     model_states_per_rank,
     replicated_adamw_model_states_bytes,
@@ -64,7 +65,7 @@ def test_presets_have_their_published_sizes():
 def test_zero_paper_table_is_reproduced():
     """ZeRO Fig. 1 / Table 1: Ψ = 7.5B, N_d = 64, K = 12: 120, 31.4, 16.6, 1.88 GB."""
     psi, n = 7.5e9, 64
-    got = [model_states_per_rank(psi, dp=n, dp_sharding=z, precision="bf16").total / 1e9 for z in ("none", "zero1", "zero2", "zero3")]
+    got = [model_states_per_rank(psi, dp=n, zero_stage=z, precision="bf16").total / 1e9 for z in ZERO_STAGES]
     assert got == pytest.approx([120, 31.4, 16.6, 1.875], abs=0.05)
 
 
@@ -72,9 +73,31 @@ def test_plugin_figures_equal_the_planner_breakdown():
     shapes = ((64, 32), (32,), (128, 32))  # every dim 0 divides by 4: no FSDP padding
     stats = ModelStats(num_params=sum(math.prod(s) for s in shapes), num_param_tensors=3, param_shapes=shapes)
     assert replicated_adamw_model_states_bytes(stats) == model_states_per_rank(
-        stats.num_params, dp=4, dp_sharding="none", precision="fp32").total + 4 * 3
+        stats.num_params, dp=4, zero_stage=0, precision="fp32").total + 4 * 3
     assert fsdp_model_states_bytes(stats, dp_degree=4) == model_states_per_rank(
-        stats.num_params, dp=4, dp_sharding="zero3", precision="fp32").total + 4 * 3
+        stats.num_params, dp=4, zero_stage=3, precision="fp32").total + 4 * 3
+
+
+@pytest.mark.parametrize("bad", [4, -1, "zero1", "1", True, 1.0])
+def test_zero_stage_must_be_an_int_0_to_3(bad):
+    with pytest.raises(ValueError, match=r"^zero_stage=.* is not allowed; allowed: 0, 1, 2, 3$"):
+        model_states_per_rank(1e6, dp=2, zero_stage=bad, precision="bf16")
+    with pytest.raises(ValueError, match=r"^zero_stage=.* is not allowed; allowed: 0, 1, 2, 3$"):
+        PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=1, global_batch_size=2, zero_stage=bad)
+
+
+def test_zero_stage_label_and_collectives():
+    """The label keeps the names of experiments/cluster_layout/results.md; only stage 3 runs the per-micro-batch
+    gathers whose exposed time step_time reports as ``zero3_exposed``; stages 1-2 the step's parameter all-gather."""
+    sh, c = _gpt_table2_shape(), _cluster()
+    names, exposed = {}, {}
+    for z in ZERO_STAGES:
+        lay = PlanLayout(dp=4, tp=1, pp=1, micro_batch_size=1, global_batch_size=8, zero_stage=z)
+        assert lay.describe() == f"tp1 pp1 dp4 {('none', 'zero1', 'zero2', 'zero3')[z]} b1 rc=none"
+        names[z] = [c.name for c in layout_collectives(sh, lay, 8)]
+        exposed[z] = step_time(sh, lay, c).zero3_exposed
+    assert names == {0: ["dp_grad"], 1: ["dp_grad", "dp_param"], 2: ["dp_grad", "dp_param"], 3: list(ZERO3_COLLECTIVES)}
+    assert exposed[0] == exposed[1] == exposed[2] == 0 < exposed[3]
 
 
 def _gpt_table2_shape(s=2048, h=1024, a=16):
@@ -114,7 +137,7 @@ def test_planner_collectives_equal_the_plugins_closed_forms():
     ddp = PlanLayout(dp=4, tp=1, pp=1, micro_batch_size=1, global_batch_size=8, precision="fp32")
     (c,) = layout_collectives(sh, ddp, 8)
     assert (c.kind, c.payload_bytes * c.calls) == ("allreduce", ddp_comm_volume(stats, 4).payload_bytes["allreduce"])
-    z3 = PlanLayout(dp=4, tp=1, pp=1, micro_batch_size=1, global_batch_size=8, dp_sharding="zero3", precision="fp32")
+    z3 = PlanLayout(dp=4, tp=1, pp=1, micro_batch_size=1, global_batch_size=8, zero_stage=3, precision="fp32")
     got = {}
     for c in layout_collectives(sh, z3, 8):
         got[c.kind] = got.get(c.kind, 0) + c.payload_bytes * c.calls
@@ -196,6 +219,11 @@ def test_estimate_memory_drops_with_tp_and_fits_flag():
       "data.seq_len=128"], "trainer.global_batch_size=7: no layout of 8 GPUs divides it"),
     (["~cluster.nic_bandwidth"], "missing field(s) cluster.nic_bandwidth"),
     (["cluster=nope"], "cluster"),
+    (["plan.zero_stages=[0,4]"], "plan.zero_stages: 4 is not allowed; allowed: 0, 1, 2, 3"),
+    (["plan.zero_stages=[zero1]"], "plan.zero_stages: 'zero1' is not allowed; allowed: 0, 1, 2, 3"),
+    (["plan.schedules=[2F2B]"], "plan.schedules: '2F2B' is not allowed; allowed: GPipe, 1F1B, Interleaved1F1B"),
+    (["plan.run_with.data_parallel=['parallelism=ddp']"],
+     "plan.run_with.data_parallel must be a list of 4 overrides, entry i for ZeRO stage i (0, 1, 2, 3); got ['parallelism=ddp']"),
 ])
 def test_planner_bad_input_is_one_line(overrides, fragment, capsys):
     from framework.plan.__main__ import main
@@ -209,9 +237,12 @@ def test_planner_bad_input_is_one_line(overrides, fragment, capsys):
 
 @pytest.mark.parametrize("lay", [
     PlanLayout(dp=2, tp=2, pp=2, micro_batch_size=2, global_batch_size=16, schedule="Interleaved1F1B", virtual_stages=2,
-               dp_sharding="zero3", recompute="full", sequence_parallel=True, precision="fp32"),
-    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, dp_sharding="zero3", precision="fp32"),
-    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, dp_sharding="zero1", precision="fp32"),
+               zero_stage=3, recompute="full", sequence_parallel=True, precision="fp32"),
+    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=3, precision="fp32"),
+    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=1, precision="fp32"),
+    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=2, precision="fp32"),
+    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=0, precision="fp32"),
+    PlanLayout(dp=2, tp=2, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=0, precision="fp32"),
 ])
 def test_planner_overrides_run_in_trainlab(compose, lay):
     """The overrides the planner prints compose and validate as a trainlab run of the same layout."""

@@ -7,12 +7,15 @@ import pytest
 
 from framework.config.schema import ConfigError
 from framework.config.validate import load_run_config, validate
-from framework.faults.elastic import resolve_shrunk, rewarmup_factor, shrink_tags, shrink_targets
+from framework.faults.elastic import check_first_shrink, resolve_shrunk, rewarmup_factor, shrink_tags, shrink_targets
 
 
 def _resolved(compose, *overrides):
-    return validate(load_run_config(compose("checkpoint=none", "tracking=none", "parallelism=ddp", "resilience=shrink",
-                                            *overrides)))
+    """The driver's checks before any rank starts: the config's rules, then whether its first shrink can keep the batch."""
+    resolved = validate(load_run_config(compose("checkpoint=none", "tracking=none", "parallelism=ddp", "resilience=shrink",
+                                                *overrides)))
+    check_first_shrink(resolved)
+    return resolved
 
 
 def test_shrink_targets_a_fraction_a_size_or_one_less():

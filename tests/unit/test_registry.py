@@ -79,3 +79,16 @@ def test_a_second_driver_on_the_same_run_is_refused(tmp_path):
         held.close()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0  # free again once the holder lets go
+
+
+def test_the_driver_imports_plugins_without_lightning():
+    """The driver loads the plugin of the run (pre-check, cost model) but never trains: importing a built-in
+    plugin must leave Lightning (about 2.5 s of CPU per process) to the ranks."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from framework.registry import available_plugins, get_plugin_class;"
+            "[get_plugin_class(n) for n in available_plugins()];"
+            "print(sorted(m for m in ('pytorch_lightning', 'lightning_fabric', 'deepspeed') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "[]", proc.stdout

@@ -126,3 +126,9 @@ def test_the_report_says_when_mfu_denominators_differ():
     assert mfu_peak_note(same) is None
     differ = [_run({}, {"mfu.peak_flops_per_device": "2.348e11"}), _run({}, {"mfu.peak_flops_per_device": "1.219e11"})]
     assert "MFU denominators differ" in mfu_peak_note(differ) and "1.22e+11 .. 2.35e+11" in mfu_peak_note(differ)
+    # 1 rank x 2 threads against 2 ranks x 1 thread: the denominator is all the devices' peak
+    split = [_run({}, {"mfu.peak_flops_per_device": "8e10", "derived.world_size": "1"}),
+             _run({}, {"mfu.peak_flops_per_device": "4.1e10", "derived.world_size": "2"})]
+    assert mfu_peak_note(split) is None
+    split[1].data.params["mfu.peak_flops_per_device"] = "2e10"
+    assert "4e+10 .. 8e+10" in mfu_peak_note(split)
