@@ -4,7 +4,8 @@
 (:mod:`framework.train`). Before Hydra starts, :func:`precheck` composes and validates a single
 run's config so that every bad input is one ``trainlab: error:`` line with exit code 2 (no
 output folder is made). Exit codes: 0 done, 1 training failed (in a sweep: at least one job
-failed, after every job has run), 2 bad input, 130 interrupted.
+failed, after every job has run), 2 bad input, 75 preempted (SIGTERM/SIGUSR1; the same command
+resumes: :mod:`framework.faults.preemption`), 130 interrupted.
 
 Importing this module registers the ``tl_run_name`` resolver that ``conf/config.yaml`` names
 runs with.
@@ -44,6 +45,17 @@ def run_name_from_overrides(override_dirname: str, task_overrides: list[str] | N
 
 
 OmegaConf.register_new_resolver("tl_run_name", run_name_from_overrides, replace=True)
+
+
+def run_dir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None) -> str:
+    """The driver's Hydra output folder: the run's on node 0 (and on one node), a folder inside the shared
+    checkpoint folder on the other nodes of a multi-node run (:func:`framework.nodes.hydra_run_dir`)."""
+    from framework.nodes import hydra_run_dir
+
+    return hydra_run_dir(experiment_name, run_name, checkpoint_dir, node_rank)
+
+
+OmegaConf.register_new_resolver("tl_run_dir", run_dir_for_node, replace=True)
 
 
 FAILED_JOBS: list[str] = []
@@ -158,8 +170,8 @@ def main(app: Callable[[], None]) -> None:
     ``app`` is the driver's ``@hydra.main`` function (:mod:`framework.train`; its module names
     the Hydra job). Ends the process through :func:`framework.distributed.exit_process` (no
     interpreter finalization) with the exit status the jobs asked for: 0, 1 (training failed;
-    in a sweep: at least one job failed, after every job has run), 2 (bad input), 130
-    (interrupted).
+    in a sweep: at least one job failed, after every job has run), 2 (bad input), 75
+    (preempted), 130 (interrupted).
     """
     try:
         precheck(sys.argv[1:])
@@ -179,9 +191,10 @@ def main(app: Callable[[], None]) -> None:
             print(done.code, file=sys.stderr)
             code = 1
     if code not in (0, 1):  # a sweep that ended early: its parent run ends KILLED/FAILED, its lock is released
+        from framework.faults.preemption import EXIT_PREEMPTED
         from framework.sweep import close_sweep
 
-        close_sweep("KILLED" if code == 130 else "FAILED")
+        close_sweep("KILLED" if code in (130, EXIT_PREEMPTED) else "FAILED")
     from framework.distributed import exit_process
 
     exit_process(code)

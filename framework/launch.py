@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from framework.config.resolved import ResolvedRun
+from framework.nodes import NodeSpec
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class LaunchSpec:
             :func:`framework.faults.schedule.build_schedule`); empty without faults.
         launch_index: the driver's relaunch count (0 until the first shrink).
         shrunk_at_step: the checkpoint step the current (shrunk) launch resumed from; None before a shrink.
+        nodes: this node of a multi-node run (:class:`~framework.nodes.NodeSpec`); None on one node.
     """
 
     resolved: ResolvedRun
@@ -42,6 +44,7 @@ class LaunchSpec:
     fault_schedule: list[dict[str, Any]] = field(default_factory=list)
     launch_index: int = 0
     shrunk_at_step: Optional[int] = None
+    nodes: Optional[NodeSpec] = None
 
     @property
     def tracking_uri(self) -> str:
@@ -55,7 +58,8 @@ class LaunchSpec:
     def to_json(self) -> str:
         """The JSON text of ``launch.json``; inverse of :meth:`from_json`."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return json.dumps({**data, "resolved": self.resolved.to_dict(), "run_dir": str(self.run_dir)}, indent=2)
+        return json.dumps({**data, "resolved": self.resolved.to_dict(), "run_dir": str(self.run_dir),
+                           "nodes": dataclasses.asdict(self.nodes) if self.nodes else None}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "LaunchSpec":
@@ -67,7 +71,9 @@ class LaunchSpec:
         from framework.config.load import resolved_from_dict
 
         data = json.loads(text)
-        return cls(**{**data, "resolved": resolved_from_dict(data["resolved"]), "run_dir": Path(data["run_dir"])})
+        nodes = data.get("nodes")
+        return cls(**{**data, "resolved": resolved_from_dict(data["resolved"]), "run_dir": Path(data["run_dir"]),
+                      "nodes": NodeSpec(**nodes) if nodes else None})
 
     def write(self, path: Path) -> Path:
         """Write to ``path`` (parent folders created); returns ``path``."""

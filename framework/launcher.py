@@ -2,7 +2,8 @@
 
 The driver calls :func:`launch_ranks` in its own process; the agent spawns
 ``world_size / nnodes`` workers (``python -m framework.worker launch.json``) on this node,
-rendezvouses them over c10d, restarts them up to ``trainer.max_restarts`` times when one fails,
+rendezvouses them (one node: c10d on a free local port; several: torch's static TCP rendezvous
+at ``rendezvous.endpoint`` on node 0, :mod:`framework.nodes`), restarts them up to ``trainer.max_restarts`` times when one fails,
 and raises :class:`torch.distributed.elastic.multiprocessing.errors.ChildFailedError` (naming
 the failed rank and its error) when they keep failing.
 
@@ -52,15 +53,23 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
     # a restarted rank can read a dead peer's gloo address (connection refused). Unshared, rank 0
     # hosts a fresh store each round.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    nodes = launch.nodes
+    if nodes is None:  # one node: an elastic c10d rendezvous of this driver's ranks on a free local port
+        rdzv = dict(min_nodes=1, max_nodes=1, run_id=uuid.uuid4().hex[:12], rdzv_backend="c10d",
+                    rdzv_endpoint=f"127.0.0.1:{_free_port()}")
+    else:  # node ranks as configured: the static rendezvous, hosted by node 0's agent (framework/nodes.py)
+        rdzv = dict(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, run_id=nodes.rdzv_id, rdzv_backend="static",
+                    rdzv_endpoint=nodes.endpoint, rdzv_configs={"rank": nodes.node_rank, "timeout": nodes.timeout_s})
+        # (the ranks' process group meets in the agent's store at the endpoint: MASTER_ADDR/PORT = the endpoint)
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
         nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex[:12],
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        **rdzv,
         max_restarts=run.trainer.max_restarts if max_restarts is None else max_restarts,
         monitor_interval=0.2,
+        # The agent forwards these to the ranks (SIGUSR1 too: Slurm's --signal warning), then waits
+        # stop_grace_s for them to finish the step and save (framework.callbacks.preemption) before SIGKILL.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        shutdown_timeout=run.trainer.stop_grace_s,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(launch.run_dir / "elastic")),
     )

@@ -35,7 +35,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
     default, None when the job failed; what the Optuna sweeper maximises), else None. Exits with
     code 2 on a configuration error (in a sweep: the job is a FAILED child and the sweep goes on),
     1 when training failed outside a sweep (in a sweep the run ends FAILED and the job returns),
-    130 when interrupted. The run's locks are held for the job and released when it ends.
+    130 when interrupted (Ctrl-C), 75 when preempted (SIGTERM/SIGUSR1: the ranks saved the step
+    they were in; :mod:`framework.faults.preemption`). The run's locks are held for the job and released when it ends.
     """
     from framework import sweep
 
@@ -48,22 +49,34 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
         sweep.record_refused_job(cfg, run_dir, str(err))
         cli.FAILED_JOBS.append(str(cfg.run_name))
         return None
+    from framework.nodes import resolve_nodes
+
+    nodes = resolve_nodes(resolved.run)  # None on one node; validated already
+    if nodes is not None and nodes.node_rank > 0:  # no MLflow run, no output folder (node 0's driver keeps them)
+        lock = sweep.hold_lock(run_dir, "run")  # this node's folder in the shared checkpoint folder
+        try:
+            _run_other_node(resolved, cache, nodes, run_dir)
+        finally:
+            lock.close()
+        return None
     locks = [sweep.hold_lock(d, "run") for d in (run_dir, Path(resolved.checkpoint_dir))]
     try:
-        status = _train(resolved, cache, model, run_dir)
+        status = _train(resolved, cache, model, run_dir, nodes)
     finally:
         for f in locks:
             f.close()
     return sweep.record_job(run_dir, *status) if cli.in_sweep() else None
 
 
-def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path) -> tuple[str, str]:
+def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: Any = None) -> tuple[str, str]:
     """Resume selection, the MLflow run, the ranks under the resilience policy, the final status;
-    returns ``(status, one-line reason of a failure)`` (FINISHED when there was nothing left to train)."""
+    returns ``(status, one-line reason of a failure)`` (FINISHED when there was nothing left to train).
+    ``nodes``: node 0 of a multi-node run (:class:`~framework.nodes.NodeSpec`), or None on one node."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from framework import sweep
     from framework.checkpoint.resume import select_resume
+    from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, preemption_outcome, record_preemption
     from framework.faults.supervisor import supervise
     from framework.launch import LaunchSpec
     from framework.tracking import finish_driver_run, log_token_cache_input, open_driver_run
@@ -79,6 +92,14 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path) -> tupl
         print(f"trainlab: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to"
               " train (raise trainer.max_steps to continue, or use another checkpoint.dir)", flush=True)
         return "FINISHED", ""
+    if nodes is not None:  # node 0: the endpoint is ours to listen on; the other nodes look for the marker
+        from framework.nodes import check_endpoint, mark_shared_folder
+
+        try:
+            check_endpoint(nodes)
+        except ConfigError as err:
+            cli.fail(str(err))
+        mark_shared_folder(resolved.checkpoint_dir, nodes)
     tracker = None
     if run.tracking.enabled:
         try:
@@ -91,29 +112,77 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path) -> tupl
         if current is not None:
             sweep.attach_child(tracker, current, list(HydraConfig.get().overrides.task))
     launch = LaunchSpec(resolved=resolved, run_dir=run_dir, mlflow_run_id=tracker.run_id if tracker else None,
-                        resume_from=resume.path, token_cache_dir=str(cache.dir))
-    status, error = "FAILED", None
+                        resume_from=resume.path, token_cache_dir=str(cache.dir), nodes=nodes)
+    status, error, preempted = "FAILED", None, None
     (run_dir / "error.txt").unlink(missing_ok=True)  # a resumed run starts without its last failure
     started_at = time.time()
     try:
         supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
-        status = "FINISHED"
-        if tracker is not None:
+        preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at)  # the ranks got the signal
+        status = "KILLED" if preempted else "FINISHED"
+        if tracker is not None and not preempted:
             _log_run_summary(tracker, resolved, run_dir)
-    except (KeyboardInterrupt, SignalException):  # the elastic agent turns SIGINT/SIGTERM into SignalException
+    except (KeyboardInterrupt, SignalException) as err:  # the elastic agent turns SIGINT/SIGTERM/SIGUSR1 into SignalException
         status = "KILLED"
-        print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
-        raise SystemExit(130)
+        if getattr(err, "sigval", None) not in PREEMPT_SIGNALS:  # Ctrl-C
+            print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
+            raise SystemExit(130)
+        preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=err.sigval.name)
     except Exception as err:
         error = str(err).strip()
         _record_failure(run_dir, run.run_name, err)
         return "FAILED", error.splitlines()[0] if error else type(err).__name__
     finally:
         if tracker is not None:
+            record_preemption(tracker, preempted)
             finish_driver_run(tracker, status, run_dir=run_dir, started_at=started_at, error=error,
                               resumed=bool(resume.path))
+    if preempted:
+        print(f"trainlab: preempted: {preempted.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
     _print_summary(run_dir, tracker, run.tracking.uri, run.experiment_name)
     return "FINISHED", ""
+
+
+def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Path) -> None:
+    """Node ``k > 0`` of a multi-node run: check node 0's endpoint and the shared checkpoint folder, then
+    run this node's ranks to the end (:mod:`framework.nodes`). Node 0's driver records the run; this one
+    exits 0 when its ranks finished, 75 when preempted, 130 when interrupted, 1 when they failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from framework.checkpoint.resume import select_resume
+    from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS
+    from framework.launch import LaunchSpec
+    from framework.launcher import launch_ranks
+    from framework.nodes import check_endpoint, wait_for_shared_folder
+
+    run, me = resolved.run, f"trainlab: node {nodes.node_rank}"
+    try:
+        check_endpoint(nodes)
+        wait_for_shared_folder(resolved.checkpoint_dir, nodes)
+    except ConfigError as err:
+        cli.fail(str(err))
+    resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # the folder node 0 reads: the same choice
+    if resume.step >= run.trainer.max_steps and run.resume == "auto":
+        print(f"{me}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train", flush=True)
+        return
+    launch = LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=resume.path,
+                        token_cache_dir=str(cache.dir), nodes=nodes)
+    print(f"{me} of {nodes.nnodes}: ranks {nodes.node_rank * resolved.nproc_per_node}.."
+          f"{(nodes.node_rank + 1) * resolved.nproc_per_node - 1}, rendezvous {nodes.endpoint}"
+          + (f", resuming from {resume.path}" if resume.path else ""), flush=True)
+    try:
+        launch_ranks(launch)
+    except (KeyboardInterrupt, SignalException) as err:
+        if getattr(err, "sigval", None) in PREEMPT_SIGNALS:
+            print(f"{me}: preempted ({err.sigval.name}); node 0's driver records the run", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_PREEMPTED)
+        print(f"{me}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130)
+    except Exception as err:
+        print(f"{me}: error: training failed: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    print(f"{me}: ranks finished; node 0's driver records the run", flush=True)
 
 
 def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:

@@ -176,7 +176,8 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     Profiler first, then the step clock both metric callbacks read; step metrics, validation,
     activation memory (saved-tensor meter),
     fault injection/guard, checkpointing (after the others: a save happens once everything else
-    of a step is done; it first sends the step's buffered metrics), the plugin's own, the step breakdown (checkpoint and validation run
+    of a step is done; it first sends the step's buffered metrics), preemption (a stop after the step, with its
+    save), the plugin's own, the step breakdown (checkpoint and validation run
     inside the step it times), the run's timeline (goodput; it must see a step's save,
     validation and rollback before it records the step), and last the flush of the buffered
     tracking sink (one request per logged step).
@@ -219,6 +220,12 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
         before_save=flush.flush if flush is not None else None,
     )
     callbacks += ckpt_callbacks
+    from framework.callbacks.preemption import Preemption
+    from framework.checkpoint.periodic import PeriodicCheckpoint
+
+    (periodic,) = [cb for cb in ckpt_callbacks if isinstance(cb, PeriodicCheckpoint)]
+    callbacks.append(Preemption(clock=clock, checkpoint=periodic, log=FaultLog(launch.run_dir) if rank == 0 else None,
+                                segment=f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"))
     if trainer_cfg.profile_steps is not None:
         from framework.callbacks.profiler import StepProfiler
 
@@ -293,6 +300,9 @@ def run_rank(launch_file: str) -> int:
     marks = {"t_proc": process_start_time(), "t_main": time.time()}
     faulthandler.enable(all_threads=True)
     _die_with_parent()
+    from framework.callbacks.preemption import install_handlers
+
+    install_handlers()  # a preemption during start-up stops the rank after its first step
     _quiet_libraries()
     build_trainer_and_fit(LaunchSpec.read(launch_file), marks)
     _shutdown_process_group()
@@ -313,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     # thread's Python stack to stderr first; the elastic agent reports only the signal.
     faulthandler.enable(all_threads=True)
     _die_with_parent()
+    from framework.callbacks.preemption import install_handlers
+
+    install_handlers()  # a preemption during start-up stops the rank after its first step
     _quiet_libraries()
     build_trainer_and_fit(LaunchSpec.read(argv[0]), marks)
     _shutdown_process_group()

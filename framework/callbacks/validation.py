@@ -1,4 +1,4 @@
-"""Validation loss at the start of a fresh run, every N optimizer steps, and at the end.
+"""Validation loss at the start of a fresh run, every N optimizer steps, and at the end (not at a preemption's stop).
 
 Each rank evaluates its shard of a fixed set of validation windows (the same set every time
 and for every layout, so the curve compares across steps, runs and plugins); per-rank loss
@@ -66,6 +66,8 @@ class ValidationLoss(pl.Callback):
             self._evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step < trainer.max_steps:
+            return  # stopped early (preempted): the resumed run evaluates at its end
         self._evaluate(trainer, pl_module)
         if trainer.is_global_zero:
             for sink in self.sinks:

@@ -106,18 +106,20 @@ class PeriodicCheckpoint(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if self.every > 0 and step > 0 and step % self.every == 0:
-            self._save(trainer)
+            self.save(trainer)
         else:
             self._report(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.save_last and trainer.global_step > 0:
-            self._save(trainer)
+            self.save(trainer)
         self.io.wait()
         self._report(trainer)
 
     # -- saving and metrics ---------------------------------------------------------------------
-    def _save(self, trainer: pl.Trainer) -> None:
+    def save(self, trainer: pl.Trainer) -> None:
+        """Save the current optimizer step on every rank (a collective; call it at a step's end), unless
+        it is saved already; also :class:`~framework.callbacks.preemption.Preemption`'s save."""
         step = trainer.global_step
         if step == self._last_saved:
             return

@@ -124,6 +124,7 @@ class ParallelConfig:
     name: str = "single"  # registry name of the plugin (== conf/parallelism/<name>.yaml)
     world_size: int = 1  # total ranks (nnodes * ranks per node)
     nnodes: int = 1  # nodes; ranks per node = world_size / nnodes
+    nproc_per_node: Optional[int] = None  # ranks per node; null = world_size / nnodes (given: nnodes x nproc_per_node must be world_size)
     dp_degree: int = -1  # data-parallel degree; -1 = world_size / (tp_degree * pp_degree)
     tp_degree: int = 1  # tensor-parallel degree
     pp_degree: int = 1  # pipeline-parallel degree
@@ -133,6 +134,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _require(self.world_size > 0, f"parallelism.world_size={self.world_size} must be > 0")
         _require(self.nnodes > 0, f"parallelism.nnodes={self.nnodes} must be > 0")
+        _require(self.nproc_per_node is None or self.nproc_per_node > 0,
+                 f"parallelism.nproc_per_node={self.nproc_per_node} must be > 0 or null (world_size / nnodes)")
+        _require(self.nproc_per_node is None or self.nnodes * self.nproc_per_node == self.world_size,
+                 f"parallelism.nnodes={self.nnodes} x parallelism.nproc_per_node={self.nproc_per_node}"
+                 f" = {self.nnodes * (self.nproc_per_node or 0)} != parallelism.world_size={self.world_size}")
         _require(self.dp_degree == -1 or self.dp_degree > 0, f"parallelism.dp_degree={self.dp_degree} must be > 0 or -1 (derive)")
         _require(self.tp_degree > 0, f"parallelism.tp_degree={self.tp_degree} must be > 0")
         _require(self.pp_degree > 0, f"parallelism.pp_degree={self.pp_degree} must be > 0")
@@ -167,6 +173,7 @@ class TrainerConfig:
     warmup_steps_excluded: int = 3  # first steps left out of throughput / MFU (warm-up)
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores // local ranks
     max_restarts: int = 0  # elastic agent restarts of failed ranks
+    stop_grace_s: int = 30  # seconds the ranks get to finish the step and save after SIGTERM/SIGUSR1 (or Ctrl-C) reaches the driver
     preload_ranks: bool = False  # start ranks from a forkserver with torch/Lightning imported (cheaper restarts)
     progress_bar: bool = True  # tqdm bar on rank 0
     profile_steps: Optional[list[int]] = None  # [a, b]: torch.profiler trace of optimizer steps a..b (MLflow artifact); None = off
@@ -194,6 +201,7 @@ class TrainerConfig:
             f"trainer.threads_per_rank={self.threads_per_rank} must be > 0 or null",
         )
         _require(self.max_restarts >= 0, f"trainer.max_restarts={self.max_restarts} must be >= 0")
+        _require(self.stop_grace_s >= 0, f"trainer.stop_grace_s={self.stop_grace_s} must be >= 0 (seconds)")
         if self.profile_steps is not None:
             ps = list(self.profile_steps)
             _require(
@@ -350,6 +358,30 @@ class ResilienceConfig:
         _require(self.hang_timeout_s >= 0, f"resilience.hang_timeout_s={self.hang_timeout_s} must be >= 0 (0 = off)")
 
 
+@dataclass
+class RendezvousConfig:
+    """How the nodes of a multi-node run find each other (``parallelism.nnodes > 1``; docs/multinode.md).
+
+    torch's static TCP rendezvous (the one ``torchrun --node-rank --master-addr`` uses): node 0's
+    elastic agent hosts the store at ``endpoint``, every node's agent joins it, and node ``k``'s
+    ranks are ``k * nproc_per_node .. (k+1) * nproc_per_node - 1``. Under Slurm (``SLURM_JOB_ID``
+    set) a null value comes from its environment (:mod:`framework.nodes`).
+    """
+
+    endpoint: Optional[str] = None  # host:port on node 0; null: 127.0.0.1 on a free port (1 node), $SLURM_LAUNCH_NODE_IPADDR:29500 under Slurm
+    id: Optional[str] = None  # rendezvous id every node gives; null: $SLURM_JOB_ID, else <experiment_name>.<run_name>
+    node_rank: Optional[int] = None  # this node, 0..nnodes-1 (node 0 owns the MLflow run and output folder); null: $SLURM_NODEID, else 0
+    timeout_s: int = 300  # seconds to wait for node 0's endpoint and for the other nodes
+
+    def __post_init__(self) -> None:
+        _require(self.timeout_s > 0, f"rendezvous.timeout_s={self.timeout_s} must be > 0 (seconds)")
+        _require(self.node_rank is None or self.node_rank >= 0, f"rendezvous.node_rank={self.node_rank} must be >= 0 or null")
+        if self.endpoint is not None:
+            host, _, port = self.endpoint.rpartition(":")
+            _require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                     f"rendezvous.endpoint={self.endpoint!r} is not host:port (e.g. node0.cluster:29500)")
+
+
 RESUME_MODES = ("auto", "never")
 
 
@@ -366,6 +398,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)  # injected faults (framework/faults/)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)  # detection and recovery policy
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)  # how the nodes find each other (nnodes > 1)
     experiment_name: str = "default"  # MLflow experiment; experiment presets set it
     experiment_description: str = ""  # the MLflow experiment's description (a study's question); "" = left as it is
     run_name: str = "default"  # MLflow run name and checkpoint sub-folder (from the overrides)

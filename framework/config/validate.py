@@ -87,7 +87,12 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
 
     layout = check(lambda: ParallelLayout.from_config(run.parallelism))
     if layout is not None and layout.nnodes != 1:
-        errors.append(f"parallelism.nnodes={layout.nnodes}: only 1 node is supported yet (allowed: 1)")
+        from framework.nodes import resolve_nodes
+
+        check(lambda: resolve_nodes(run))  # endpoint, node rank, what runs on one node only (framework/nodes.py)
+        if layout.nproc_per_node % layout.tp:
+            errors.append(f"parallelism.tp_degree={layout.tp} does not divide the {layout.nproc_per_node} ranks per node:"
+                          " a tensor-parallel group stays inside a node")
     batch = None
     if layout is not None:
         t = run.trainer

@@ -30,6 +30,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from framework.callbacks.preemption import ignore_in_loader_worker
 from framework.config.schema import DataConfig
 from framework.data.dataset import OnTheFlyWindowDataset, WindowDataset
 from framework.data.sampler import StepBatchSampler
@@ -169,6 +170,7 @@ class TextDataModule(pl.LightningDataModule):
             persistent_workers=nw > 0,
             prefetch_factor=self.cfg.prefetch_factor if nw > 0 else None,
             pin_memory=pin,
+            worker_init_fn=ignore_in_loader_worker if nw > 0 else None,  # the rank stops them (preemption)
         )
 
     def train_dataloader(self) -> StepTokenCounts:

@@ -24,6 +24,8 @@ Records (``ev`` field; ``t`` = Unix time in seconds, ``step`` = optimizer step, 
 - ``resume_skipped_corrupt``: a restarted rank passed over a corrupt checkpoint (``path``).
 - ``shrink``: the driver relaunched with fewer ranks (``from_world``, ``to_world``).
 - ``abort``: the policy gave up after ``faults`` detected faults.
+- ``preempted``: the ranks stopped for a preemption (``signal``, ``step_at_signal``, ``saved_step``,
+  ``t_signal``: when rank 0 got the signal); :mod:`framework.faults.preemption`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,126 @@
+"""Preemption: SIGTERM, or SIGUSR1 (Slurm's ``--signal`` warning), stops every rank after the
+optimizer step in progress, with a checkpoint of that step, so no finished step is lost.
+
+In each rank the signal only sets a flag (:func:`install_handlers`; nothing else is safe inside
+a signal handler). At the end of every optimizer step the ranks all-reduce the flag (MAX: one
+int per step, one collective), so all of them agree on the same step even when the signal
+reaches them at different moments or reaches only some of them; on a set flag every rank saves
+that step through the run's checkpoint callback (also under ``checkpoint=none``: a preempted
+run must resume), rank 0 appends a ``preempted`` record to the run's event log
+(:mod:`framework.faults.events`: signal, step at the signal, step saved, the signal's time),
+and the ranks leave through Lightning's graceful stop (``trainer.should_stop``), exiting 0 so
+that the elastic agent does not restart them. The driver reads the record and ends the run
+*preempted* (:mod:`framework.faults.preemption`: exit status 75, MLflow status KILLED with
+the tag ``trainlab.preempted``). The driver forwards the signals it gets to the
+ranks through the elastic agent and waits ``trainer.stop_grace_s`` for them
+(:mod:`framework.launcher`).
+
+Lightning's own SIGTERM handling (``pytorch_lightning`` 2.6, ``_SignalConnector``) does not fit:
+it raises ``SIGTERMException`` at the next micro-batch, inside gradient accumulation and before
+any save, and its handler runs a broadcast collective from inside the signal handler. So
+:class:`Preemption` re-installs trainlab's handlers at ``on_train_start``, after Lightning
+registered its own; Lightning restores the process's earlier handlers at teardown. Lightning's
+SLURM auto-requeue (SIGUSR1 -> ``hpc_ckpt`` + ``scontrol requeue``) is replaced the same way:
+trainlab's checkpoint is the resumable one.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from framework.callbacks.clock import StepClock
+from framework.checkpoint.periodic import PeriodicCheckpoint
+from framework.faults.events import FaultLog
+from framework.faults.preemption import PREEMPT_SIGNALS, PREEMPTED_EVENT
+
+
+class _Received:
+    """What the handler saw in this process: the first preempting signal, its time, the steps done then."""
+
+    signum: Optional[int] = None
+    t: Optional[float] = None
+    steps_done: Optional[int] = None
+    progress = 0  # optimizer steps finished so far (kept by Preemption, read by the handler)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if _Received.signum is None:
+        _Received.signum, _Received.t, _Received.steps_done = signum, time.time(), _Received.progress
+
+
+def install_handlers() -> None:
+    """Make :data:`PREEMPT_SIGNALS` set this process's preemption flag instead of ending it.
+
+    Call from the main thread (Python runs signal handlers there); a rank calls it before
+    building its Trainer (a signal during start-up then stops it after its first step), and
+    :class:`Preemption` again over Lightning's handlers.
+    """
+    for sig in PREEMPT_SIGNALS:
+        signal.signal(sig, _on_signal)
+
+
+def ignore_in_loader_worker(worker_id: int) -> None:
+    """``DataLoader`` ``worker_init_fn``: a loader worker ignores :data:`PREEMPT_SIGNALS`.
+
+    A signal sent to a rank's whole process group (the elastic agent's, Slurm's) reaches its
+    loader workers too; killed by it, they would fail the rank in the middle of the step it is
+    finishing. The rank ends them itself when it stops.
+    """
+    for sig in PREEMPT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class Preemption(pl.Callback):
+    """Stop after the optimizer step in progress when a preempting signal arrived (module docstring).
+
+    Must come after the checkpoint callback in the Trainer's list (a periodic save of the same
+    step is then reused, not repeated) and after the :class:`StepClock`.
+
+    Args:
+        clock: the Trainer's step clock (which batch closed an optimizer step).
+        checkpoint: the run's checkpoint callback; its :meth:`~PeriodicCheckpoint.save` writes the step.
+        log: the run's event log on rank 0; None on other ranks.
+        segment: ``"<launch>.<restart>"``, which (re)start of the ranks this is.
+    """
+
+    def __init__(self, *, clock: StepClock, checkpoint: PeriodicCheckpoint, log: Optional[FaultLog], segment: str) -> None:
+        self.clock = clock
+        self.checkpoint = checkpoint
+        self.event_log = log  # not self.log: that name is taken on a Callback
+        self.segment = segment
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _Received.progress = trainer.global_step
+        install_handlers()  # over Lightning's, registered just before training starts
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self.clock.step_ended:
+            return  # inside gradient accumulation: the step is finished first
+        _Received.progress = trainer.global_step
+        signum = self._agreed_signal(trainer)
+        if not signum or trainer.global_step >= trainer.max_steps:
+            return  # no signal, or the run is done anyway (its final save follows)
+        step = trainer.global_step
+        self.checkpoint.save(trainer)  # every rank; a save of this step already made is not repeated
+        if self.event_log is not None:
+            at = _Received.steps_done
+            self.event_log.append(PREEMPTED_EVENT, seg=self.segment, signal=signal.Signals(signum).name,
+                            t_signal=_Received.t, step_at_signal=None if at is None else at + 1, saved_step=step)
+        trainer.should_stop = True
+
+    @staticmethod
+    def _agreed_signal(trainer: pl.Trainer) -> int:
+        """The largest signal number any rank received (0: none); one all-reduce when distributed."""
+        mine = _Received.signum or 0
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return mine
+        flag = torch.tensor([mine], dtype=torch.int32, device=trainer.strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())

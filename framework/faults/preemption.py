@@ -1,0 +1,108 @@
+"""The driver's side of a preemption: what the ranks saved, how many finished steps were lost, the exit status.
+
+A preemption is SIGTERM, or SIGUSR1 (what Slurm's ``--signal=USR1@<seconds>`` sends ahead of
+the end of a job's time), reaching the driver, the ranks, or both. The driver forwards the
+signals it gets to the ranks (the elastic agent, :mod:`framework.launcher`); every rank
+finishes the optimizer step it is in, saves it, and stops
+(:class:`framework.callbacks.preemption.Preemption`), and rank 0 writes a ``preempted`` record
+to the run's event log. The driver then ends the run *preempted*: exit status
+:data:`EXIT_PREEMPTED`, MLflow status KILLED (not FAILED: nothing crashed) with the tag
+``trainlab.preempted``. Running the same command again resumes from the saved step
+(``resume=auto``), and the run ends with the weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from framework.faults.events import FaultLog
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""The signals that preempt a run (Ctrl-C's SIGINT interrupts it: exit 130, no save)."""
+
+EXIT_PREEMPTED = 75
+"""The driver's exit status after a preemption: ``EX_TEMPFAIL`` of sysexits.h (a temporary
+failure: run the same command again to resume)."""
+
+PREEMPTED_EVENT = "preempted"
+"""The event-log record rank 0 writes when the ranks stopped for a preemption."""
+
+PREEMPTED_TAG = "trainlab.preempted"
+"""The MLflow tag of a run whose last attempt was preempted (removed when a later attempt ends otherwise)."""
+
+
+@dataclass(frozen=True)
+class Preempted:
+    """How a preemption ended an attempt.
+
+    Attributes:
+        signal: the signal's name (``SIGTERM`` or ``SIGUSR1``).
+        saved: whether the ranks saved the step they were in (False: they were killed first,
+            e.g. ``trainer.stop_grace_s`` was too short).
+        step_at_signal: the optimizer step in progress when rank 0 got the signal (1-based); None
+            when rank 0 did not get it itself, or the ranks did not save.
+        saved_step: the step of the checkpoint the next attempt resumes from (0: none).
+        steps_lost: finished optimizer steps after ``saved_step`` (they run again); the goal is 0.
+        t_signal: when rank 0 got the signal (Unix seconds), or None.
+    """
+
+    signal: str
+    saved: bool
+    step_at_signal: Optional[int]
+    saved_step: int
+    steps_lost: int
+    t_signal: Optional[float]
+
+    def describe(self, now: Optional[float] = None) -> str:
+        """One line: the signal, the steps, and the seconds from the signal to now (the driver's exit)."""
+        now = time.time() if now is None else now
+        took = f"; {now - self.t_signal:.1f} s from the signal to exit" if self.t_signal else ""
+        if self.saved:
+            at = f" in step {self.step_at_signal}" if self.step_at_signal else ""
+            return (f"{self.signal}{at}: every rank finished the step and saved step {self.saved_step}"
+                    f" ({self.steps_lost} finished steps lost){took}")
+        return (f"{self.signal}: the ranks stopped before they could save (trainer.stop_grace_s too short?); the newest"
+                f" checkpoint is step {self.saved_step} ({self.steps_lost} finished steps lost){took}")
+
+
+def preemption_outcome(run_dir: Path, checkpoint_dir: str, *, since: float,
+                       signal_name: Optional[str] = None) -> Optional[Preempted]:
+    """The preemption of the attempt that started at ``since`` (Unix seconds), or None when there was none.
+
+    ``signal_name``: the preempting signal when the driver got it (then there is an outcome even
+    if the ranks wrote no ``preempted`` record: they were killed before they saved).
+    """
+    records = [r for r in FaultLog(run_dir).read() if r.get("t", 0) >= since]
+    marks = [r for r in records if r.get("ev") == PREEMPTED_EVENT]
+    if not marks and signal_name is None:
+        return None
+    done = max((r["step"] for r in records if r.get("ev") == "step" and not r.get("rolled_back")), default=0)
+    if marks:
+        rec = marks[-1]
+        return Preempted(signal=rec["signal"], saved=True, step_at_signal=rec.get("step_at_signal"),
+                         saved_step=rec["saved_step"], steps_lost=max(0, done - rec["saved_step"]),
+                         t_signal=rec.get("t_signal"))
+    from framework.checkpoint.format import find_latest_valid, read_manifest
+
+    latest = find_latest_valid(checkpoint_dir, warn=lambda msg: None)
+    saved = read_manifest(latest)["step"] if latest else 0
+    return Preempted(signal=signal_name or "?", saved=False, step_at_signal=None, saved_step=saved,
+                     steps_lost=max(0, done - saved), t_signal=None)
+
+
+def record_preemption(tracker: Any, preempted: Optional[Preempted]) -> None:
+    """Tag the MLflow run preempted (and log ``preempt/steps_lost`` at the saved step), or remove an
+    earlier attempt's tag when this one was not preempted; never raises."""
+    try:
+        if preempted is None:
+            tracker.clear_tag(PREEMPTED_TAG)
+            return
+        tracker.set_tags({PREEMPTED_TAG: preempted.describe()})
+        tracker.log_metrics({"preempt/steps_lost": float(preempted.steps_lost)}, step=preempted.saved_step)
+    except Exception as err:  # tracking never masks the training outcome
+        print(f"trainlab: warning: could not record the preemption in MLflow: {err}", file=sys.stderr, flush=True)

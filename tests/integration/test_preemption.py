@@ -1,0 +1,72 @@
+"""Preemption (issue 17 item 4): SIGTERM or SIGUSR1 to the driver makes every rank finish the optimizer
+step it is in, save it and stop; the driver exits 75 with the MLflow run KILLED and tagged
+``trainlab.preempted``; the same command resumes the same MLflow run to FINISHED with final weights
+bitwise equal to an uninterrupted run's. No periodic checkpoint falls inside the run, so the only one
+the resume can use is the preemption's; 2 micro-batches per step, so the signal lands inside
+gradient accumulation as often as not.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from framework.faults.preemption import EXIT_PREEMPTED, PREEMPTED_TAG
+from tests.integration.conftest import losses, wait_for
+from tests.integration.test_checkpoint_resume import assert_bitwise_equal
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 40
+COMMON = ["model.n_layer=2", "model.n_head=2", "model.d_model=64", "trainer.val_sequences=16",
+          f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=1000",
+          "checkpoint.keep_last_k=3", "trainer.global_batch_size=8"]
+# single gets Slurm's warning signal, ddp the scheduler's SIGTERM (both go the same way)
+LAYOUT = {"single": (["parallelism=single", "trainer.micro_batch_size=4"], signal.SIGUSR1),
+          "ddp": (["parallelism=ddp", "trainer.micro_batch_size=2"], signal.SIGTERM)}
+
+
+@pytest.mark.parametrize("plugin", ["single", "ddp"])
+def test_preempted_run_saves_its_step_and_resumes_exactly(runner, plugin):
+    overrides, sig = LAYOUT[plugin]
+    name = f"preempt_{plugin}"
+    common = [*COMMON, *overrides, f"run_name={name}"]
+    runner.run(*common, "experiment_name=ref", "tracking=none")
+    ref = losses(runner.metrics(name, experiment="ref"))
+
+    proc = runner.start(*common)
+    run_dir = runner.workdir / "outputs" / "default" / name
+    wait_for(lambda: len(losses(runner.metrics(name))) >= 3, timeout=300, proc=proc)
+    t_sent = time.time()
+    proc.send_signal(sig)  # the driver only: it forwards the signal to its ranks
+    out, _ = proc.communicate(timeout=120)
+    exit_s = time.time() - t_sent
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    recs = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines() if '"preempted"' in line]
+    assert len(recs) == 1, out[-4000:]
+    rec = recs[0]
+    steps_run = max(losses(runner.metrics(name)))
+    # Every rank finished the step it was in and saved it: no finished step is lost. (A signal landing
+    # between a step's end and the ranks' agreement on it stops at that step: saved = step_at_signal - 1.)
+    assert rec["signal"] == sig.name and rec["saved_step"] == steps_run < MAX_STEPS
+    assert rec["step_at_signal"] - 1 <= rec["saved_step"] <= rec["step_at_signal"]
+    ckpt = runner.workdir / "checkpoints" / "default" / name
+    assert [p.name for p in sorted(ckpt.glob("step*"))] == [f"step{steps_run:08d}"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    assert run.info.status == "KILLED" and "(0 finished steps lost)" in run.data.tags[PREEMPTED_TAG]
+    print(f"\n{plugin}: {sig.name} in step {rec['step_at_signal']}, saved step {rec['saved_step']}, 0 steps lost;"
+          f" signal to driver exit {exit_s:.1f} s (measured by the test)")
+
+    again = runner.run(*common)
+    assert f"resuming from {ckpt.relative_to(runner.workdir)}/step{steps_run:08d}" in again.stdout
+    got = losses(runner.metrics(name))
+    for step in range(steps_run + 1, MAX_STEPS + 1):
+        assert got[step] == ref[step], f"step {step} after the resume"
+    assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", runner.workdir / "checkpoints" / "ref" / name / f"step{MAX_STEPS:08d}")
+    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    assert run.info.status == "FINISHED" and PREEMPTED_TAG not in run.data.tags

@@ -1,0 +1,73 @@
+"""Multi-node settings (framework/nodes.py) and the driver's reading of a preemption (framework/faults/preemption.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from framework.config.schema import ConfigError
+from framework.config.validate import load_run_config, validate
+from framework.faults.events import FaultLog
+from framework.faults.preemption import preemption_outcome
+from framework.launch import LaunchSpec
+from framework.nodes import MARKER, hydra_run_dir, mark_shared_folder, resolve_nodes, wait_for_shared_folder
+
+TWO_NODES = ["parallelism=ddp", "parallelism.world_size=4", "parallelism.nnodes=2", "trainer.global_batch_size=8",
+             "trainer.micro_batch_size=2", "tracking=none", "checkpoint=none"]
+
+
+def test_nodes_come_from_the_config_or_from_slurm(compose):
+    run = load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=10.0.0.1:29400", "rendezvous.node_rank=1"))
+    nodes = resolve_nodes(run, env={})
+    assert (nodes.node_rank, nodes.endpoint, nodes.host, nodes.port) == (1, "10.0.0.1:29400", "10.0.0.1", 29400)
+    assert nodes.rdzv_id == f"{run.experiment_name}.{run.run_name}".replace("/", "_")  # the same on every node of the same command
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NODEID": "1", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}
+    nodes = resolve_nodes(load_run_config(compose(*TWO_NODES)), env=slurm)
+    assert (nodes.node_rank, nodes.endpoint, nodes.rdzv_id) == (1, "10.0.0.9:29500", "4242")
+    assert resolve_nodes(load_run_config(compose("parallelism=ddp", "tracking=none")), env=slurm) is None  # one node
+
+
+def test_multinode_refusals_are_one_line_naming_the_key(compose):
+    with pytest.raises(ConfigError, match=r"^rendezvous.endpoint is required with parallelism.nnodes=2"):
+        resolve_nodes(load_run_config(compose(*TWO_NODES)), env={})
+    with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1: restarts across nodes are not supported yet"):
+        resolve_nodes(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", "trainer.max_restarts=1")), env={})
+    with pytest.raises(ConfigError, match=r"fault injection and recovery run on one node only yet"):
+        validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", "fault=rank_crash", "resilience=restart")))
+
+
+def test_the_launch_file_carries_the_node_and_node_k_writes_into_the_shared_folder(compose, tmp_path):
+    resolved = validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=127.0.0.1:29400")))
+    nodes = resolve_nodes(resolved.run, env={})
+    launch = LaunchSpec(resolved=resolved, run_dir=tmp_path, mlflow_run_id=None, resume_from=None,
+                        token_cache_dir=str(tmp_path), nodes=nodes)
+    assert LaunchSpec.read(launch.write(tmp_path / "launch.json")) == launch
+    assert hydra_run_dir("e", "r", None, 0) == "outputs/e/r"
+    assert hydra_run_dir("e", "r", "/shared/ck", 1) == "/shared/ck/nodes/node1"
+    mark_shared_folder(tmp_path, nodes)
+    wait_for_shared_folder(tmp_path, nodes)  # node 0's marker of this rendezvous: seen at once
+    (tmp_path / MARKER).write_text(json.dumps({"id": "another job", "t": 0}))
+    with pytest.raises(ConfigError, match="is not shared"):
+        wait_for_shared_folder(tmp_path, dataclasses.replace(nodes, timeout_s=1))
+
+
+def test_the_driver_reads_a_preemption_from_the_event_log(tmp_path):
+    log = FaultLog(tmp_path)
+    log.append("step", step=6)  # an earlier attempt's record is not this attempt's
+    assert preemption_outcome(tmp_path, str(tmp_path / "ck"), since=time.time() + 1) is None
+    since = time.time()
+    for step in (7, 8, 9):
+        log.append("step", step=step)
+    log.append("preempted", signal="SIGTERM", step_at_signal=9, saved_step=9, t_signal=since)
+    got = preemption_outcome(tmp_path, str(tmp_path / "ck"), since=since)
+    assert (got.signal, got.saved, got.saved_step, got.steps_lost) == ("SIGTERM", True, 9, 0)
+    assert got.describe(now=since + 2.5).endswith("saved step 9 (0 finished steps lost); 2.5 s from the signal to exit")
+    # the driver got the signal, the ranks were killed before they saved: no checkpoint, 3 steps lost
+    since2 = time.time()
+    for step in (1, 2, 3):
+        log.append("step", step=step)
+    lost = preemption_outcome(tmp_path, str(tmp_path / "ck"), since=since2, signal_name="SIGUSR1")
+    assert (lost.saved, lost.saved_step, lost.steps_lost) == (False, 0, 3)
