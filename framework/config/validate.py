@@ -121,7 +121,9 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         ranks = layout.nproc_per_node
-        if run.trainer.threads_per_rank * ranks > cores and run.trainer.accelerator != "cuda":
+        # 1 thread per rank is always allowed (as null gives): more ranks than cores oversubscribe
+        # whatever the thread count, and the launcher's own choice would be 1 too.
+        if run.trainer.threads_per_rank > 1 and run.trainer.threads_per_rank * ranks > cores and run.trainer.accelerator != "cuda":
             errors.append(
                 f"trainer.threads_per_rank={run.trainer.threads_per_rank} x {ranks} ranks > {cores} cores: CPU ranks"
                 f" would thrash; allowed: <= {max(1, cores // ranks)} (or null = cores // ranks)"

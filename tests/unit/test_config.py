@@ -149,3 +149,17 @@ def test_every_point_of_a_study_preset_validates(compose, preset):
     points = _grid_points(dict(params)) or [[]]
     for point in points:
         validate(load_run_config(compose(f"experiment={preset}", *point)))
+
+
+def test_threads_per_rank_is_refused_only_above_the_cores(compose, monkeypatch):
+    """ranks x threads_per_rank > cores thrashes and is refused with the largest allowed value; 1 thread
+    per rank is always allowed (4 ranks on 2 cores oversubscribe whatever the threads, as null does)."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # a 2-core machine
+    common = ("parallelism=ddp", "trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.grad_accum_steps=null")
+    validate(load_run_config(compose(*common, "parallelism.world_size=4", "trainer.threads_per_rank=1")))
+    validate(load_run_config(compose(*common, "parallelism.world_size=2", "trainer.threads_per_rank=1")))
+    with pytest.raises(ConfigError) as err:
+        validate(load_run_config(compose(*common, "parallelism.world_size=2", "trainer.threads_per_rank=2")))
+    assert "trainer.threads_per_rank=2 x 2 ranks > 2 cores" in str(err.value) and "allowed: <= 1" in str(err.value)
