@@ -89,3 +89,23 @@ def test_a_rolled_back_step_is_discarded_and_its_replay_sent_once():
     assert [r for r in client.requests] == [[("train/loss", 1, 1.0)], [("train/loss", 2, 2.0)], [("train/loss", 3, 3.0)],
                                             [("train/loss", 4, 4.0)]]
 
+
+
+def test_only_the_end_of_step_flush_is_carried_into_the_next_step():
+    """The breakdown moves a flush's seconds from the next step's data wait to ``other`` (the flush ran after
+    it closed the step); the flush before a checkpoint save runs inside the step, so it must not be reported."""
+    client = CountingClient()
+    sink = MLflowMetricSink("unused", "run", client=client)
+    reported = []
+    clock = StepClock()
+    flush = FlushMetrics(clock=clock, sinks=[sink], on_time_spent=reported.append)
+    trainer = SimpleNamespace(global_step=0, max_steps=4)
+    clock.on_train_start(trainer, None)
+    trainer.global_step = 1
+    clock.on_train_batch_end(trainer, None, None, None, 0)
+    sink({"train/loss": 1.0}, 1)
+    flush.flush()  # the checkpoint callback's before_save
+    assert len(client.requests) == 1 and reported == []
+    sink({"ckpt/blocking_s": 0.5}, 1)
+    flush.on_train_batch_end(trainer, None, None, None, 0)  # the step's end
+    assert len(client.requests) == 2 and len(reported) == 1 and reported[0] >= 0
