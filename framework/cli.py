@@ -21,7 +21,7 @@ from typing import Callable
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from framework.config import CONF_DIR, fail, path_safe
+from framework.config import CONF_DIR, fail, near_keys, path_safe
 from framework.config.schema import ConfigError
 
 
@@ -113,8 +113,6 @@ def presets_writing(kind: str, conf_dir: Path | None = None) -> list[str]:
 
 def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
     """Hydra's multi-line composition errors as one line; a mistyped key gets suggestions."""
-    import difflib
-
     text = str(err)
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
@@ -127,7 +125,7 @@ def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
         from framework.tracking import flatten
 
         keys = list(flatten(OmegaConf.to_container(defaults, resolve=False)))
-        near = difflib.get_close_matches(m.group(1), keys, n=3, cutoff=0.6)
+        near = near_keys(m.group(1), keys)
         hint = f"did you mean {', '.join(near)}?" if near else "see conf/ and framework/config/schema.py for the keys"
         return f"{m.group(1)} is not a config key; {hint} (to add a new key write +{m.group(1)}=...)"
     lines = [

@@ -31,7 +31,6 @@ maximises; None makes a failed trial and the search goes on.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -43,7 +42,7 @@ from typing import Any, Mapping, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import path_safe
+from framework.config import near_keys, path_safe
 from framework.tracking import OVERRIDES_TAG, PARENT_TAG, SWEEP_TAG, SWEPT_TAG, sweep_children
 
 SWEEP_ENV = "TRAINLAB_SWEEP"  # the running sweep (JSON of :class:`Sweep`), read when a job's run name resolves
@@ -170,7 +169,7 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
         known = [p for p, base in bases.items() if OmegaConf.select(base, key, default=_ABSENT) is not _ABSENT]
         if not known and not o.get_key_element().startswith("+"):
             names = sorted({k for base in bases.values() for k in flatten(OmegaConf.to_container(base, resolve=False))})
-            near = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+            near = near_keys(key, names)
             where = f" of plugin(s) {', '.join(p for p in plugins)}" if plugins != [None] else ""
             fail(f"swept key {key} is not a config key{where}; "
                  + (f"did you mean {', '.join(near)}?" if near else "see conf/ and framework/config/schema.py for the keys"))

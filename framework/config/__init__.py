@@ -22,6 +22,17 @@ def fail(msg: str) -> NoReturn:
     sys.exit(2)
 
 
+def near_keys(key: str, keys: list[str], n: int = 3) -> list[str]:
+    """Up to ``n`` of ``keys`` that ``key`` may be a misspelling of, best first: difflib's close
+    matches (ratio >= 0.6) within 0.15 of the best one, so a shared prefix (``parallelism.``)
+    alone does not make a key a suggestion."""
+    import difflib
+
+    scored = sorted(((difflib.SequenceMatcher(None, key, k).ratio(), k) for k in set(keys)), reverse=True)
+    scored = [(r, k) for r, k in scored if r >= 0.6]
+    return [k for r, k in scored[:n] if r >= scored[0][0] - 0.15]
+
+
 def path_safe(text: str) -> str:
     """``text`` as one folder name: characters other than word characters and ``.,=+-`` become ``_``;
     past 140 characters, the first 120 and a 10-hex-digit SHA-1 of the whole (unique, well under

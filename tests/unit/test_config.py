@@ -163,3 +163,12 @@ def test_threads_per_rank_is_refused_only_above_the_cores(compose, monkeypatch):
     with pytest.raises(ConfigError) as err:
         validate(load_run_config(compose(*common, "parallelism.world_size=2", "trainer.threads_per_rank=2")))
     assert "trainer.threads_per_rank=2 x 2 ranks > 2 cores" in str(err.value) and "allowed: <= 1" in str(err.value)
+
+
+def test_key_suggestions_are_the_close_ones_not_the_same_prefix():
+    from framework.config import near_keys
+
+    keys = ["parallelism.reshard_after_forward", "parallelism.nproc_per_node", "parallelism.world_size", "trainer.max_steps"]
+    assert near_keys("parallelism.reshard_after_forwad", keys) == ["parallelism.reshard_after_forward"]
+    assert near_keys("parallelism.nproc_per_nod", keys) == ["parallelism.nproc_per_node"]
+    assert near_keys("nothing.like.it", keys) == []
