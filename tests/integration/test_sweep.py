@@ -1,7 +1,7 @@
 """Sweeps of any key: one parent MLflow run, one FINISHED child per job, resumed as a whole.
 
 Each sweep of the issue (``checkpoint.every_n_steps``, ``trainer.max_steps``, ``data.num_workers``,
-``optim.lr`` on ``ddp``) ends with its jobs as distinct FINISHED child runs of
+``optim.lr`` x ``parallelism=single,ddp``) ends with its jobs as distinct FINISHED child runs of
 one parent; the first two sweep keys that do not name a run by default (they used to map both
 jobs to one run and die on its lock). gpt_tiny, 2-3 steps, one MLflow store per module.
 """
@@ -139,14 +139,14 @@ def test_a_job_the_validation_refuses_is_a_failed_child_and_the_sweep_goes_on(st
     assert parent.data.metrics["sweep/jobs_failed"] == 2 and parent.data.metrics["sweep/jobs_finished"] == 0
 
 
-def test_a_sweep_of_lr_starts_ranks_for_ddp_jobs(store):
-    """-m optim.lr=1e-3,3e-3 with parallelism=ddp: two children of 2 ranks, one parent, named by Hydra's spelling
-    of the swept floats. (Sweeps over plugins, single and ddp or tp and pp: test_perf_e2e.py, test_megatron.py.)"""
-    store.run("-m", "optim.lr=1e-3,3e-3", "parallelism=ddp", "trainer.max_steps=2", "checkpoint=none",
+def test_a_sweep_of_lr_by_plugin_starts_ranks_for_ddp_jobs(store):
+    """The issue's -m optim.lr=1e-3,3e-3 parallelism=single,ddp: four children (two of 2 ranks), one parent,
+    named by Hydra's spelling of the swept floats."""
+    store.run("-m", "optim.lr=1e-3,3e-3", "parallelism=single,ddp", "trainer.max_steps=2", "checkpoint=none",
               "experiment_name=lr_plugin", "trainer.micro_batch_size=2",  # global batch 4 = 2 x 2 ranks
               *[o for o in FAST[1:] if not o.startswith("trainer.micro_batch_size")])
     parent, children = _sweep(store, "lr_plugin")
-    assert len(children) == 2
+    assert len(children) == 4
     _check_finished_children(parent, children, "optim.lr", ["0.001", "0.003"])
-    assert [(c.data.tags["plugin"], c.data.tags["world_size"]) for c in children] == [("ddp", "2")] * 2
-    assert sorted(c.info.run_name for c in children) == ["lr=0.001", "lr=0.003"]  # (Hydra writes the job's 1e-3 so)
+    assert sorted((c.data.tags["plugin"], c.data.tags["world_size"]) for c in children) == [("ddp", "2")] * 2 + [("single", "1")] * 2
+    assert sorted(c.info.run_name for c in children)[0] == "lr=0.001,parallelism=ddp"  # (Hydra writes the job's 1e-3 so)
