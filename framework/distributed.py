@@ -70,6 +70,15 @@ def exit_process(code: int) -> NoReturn:
     import concurrent.futures.thread as executor_threads
 
     getattr(executor_threads, "_python_exit", lambda: None)()
+    # Daemonic children still alive (DataLoader workers, e.g. of an iterator Lightning made only to
+    # check the loader is iterable) are what multiprocessing's exit handler terminates and then
+    # joins; loader workers ignore SIGTERM (framework.callbacks.preemption), so kill them instead,
+    # or that join waits forever.
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()

@@ -53,3 +53,29 @@ def test_a_shrink_re_resolves_the_run_at_a_smaller_world_size(compose):
     assert shrunk.micro_batch_size == 2 and shrunk.run.fault.events == []
     with pytest.raises(ConfigError, match="dp degrees tried: none"):
         resolve_shrunk(shrunk.run, 1)
+
+
+def test_a_process_exits_although_a_daemonic_child_ignores_sigterm(tmp_path):
+    """Loader workers ignore the preemption signals; multiprocessing's exit handler terminates (SIGTERM) and
+    joins daemonic children, which then waited forever: exit_process kills them first."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "exits.py"
+    script.write_text(textwrap.dedent('''
+        import multiprocessing, signal, time
+        from framework.distributed import exit_process
+
+        def idle():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(600)
+
+        if __name__ == "__main__":
+            child = multiprocessing.get_context("fork").Process(target=idle, daemon=True)
+            child.start()
+            time.sleep(0.5)
+            exit_process(0)
+    '''))
+    done = subprocess.run([sys.executable, str(script)], timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
