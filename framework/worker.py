@@ -193,6 +193,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     from framework.faults.guard import build_fault_callbacks
 
     resolved, trainer_cfg = launch.resolved, launch.resolved.run.trainer
+    segment = f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # which (re)start of the ranks this is
     clock = StepClock()  # step ends and the seconds outside training, for both metric callbacks
     step_metrics = _step_metrics(resolved, clock, flops, sinks)
     breakdown = StepBreakdown(
@@ -225,7 +226,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
 
     (periodic,) = [cb for cb in ckpt_callbacks if isinstance(cb, PeriodicCheckpoint)]
     callbacks.append(Preemption(clock=clock, checkpoint=periodic, log=FaultLog(launch.run_dir) if rank == 0 else None,
-                                segment=f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"))
+                                segment=segment))
     if trainer_cfg.profile_steps is not None:
         from framework.callbacks.profiler import StepProfiler
 
@@ -234,7 +235,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     callbacks += plugin.callbacks(resolved, sinks)  # plugin-specific metrics (e.g. pipeline bubble)
     callbacks.append(breakdown)  # after the others: checkpoint and validation run inside the step it times
     callbacks.append(RunTimeline(log=FaultLog(launch.run_dir), clock=clock, launch_index=launch.launch_index,
-                                 segment=f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                 segment=segment,
                                  marks=marks, enabled=rank == 0))  # goodput and recovery counters: sees the step whole
     if flush is not None:  # last: one tracking request per logged step, once every callback wrote its metrics
         callbacks.append(flush)
