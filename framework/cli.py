@@ -13,10 +13,11 @@ runs with.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
@@ -135,15 +136,16 @@ def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
     return " ".join(lines) or type(err).__name__
 
 
-def precheck(argv: list[str]) -> None:
+def precheck(argv: list[str]) -> Any:
     """Compose and validate a single run's config before Hydra starts (no output folder yet).
 
     Every bad input becomes one ``trainlab: error:`` line and exit code 2. Sweeps (``-m``) and
-    Hydra's own flags are left to Hydra (each job is validated when it starts).
+    Hydra's own flags are left to Hydra (each job is validated when it starts). Returns the
+    validated run (:class:`~framework.config.resolved.ResolvedRun`), None when left to Hydra.
     """
     check_group_choices(argv)
     if any(a.startswith("-") for a in argv):
-        return
+        return None
     from hydra import compose, initialize_config_dir
 
     from framework.config.validate import load_run_config, validate
@@ -155,11 +157,13 @@ def precheck(argv: list[str]) -> None:
     except Exception as err:  # Hydra's override/composition errors
         fail(_one_line_hydra_error(err, argv))
     if cfg.get("hydra", {}).get("mode") == "MULTIRUN":  # an experiment preset that sweeps
-        return
+        return None
     try:
-        check_first_shrink(validate(load_run_config(cfg)))
+        resolved = validate(load_run_config(cfg))
+        check_first_shrink(resolved)
     except ConfigError as err:
         fail(str(err))
+    return resolved
 
 
 def main(app: Callable[[], None]) -> None:
@@ -171,8 +175,16 @@ def main(app: Callable[[], None]) -> None:
     in a sweep: at least one job failed, after every job has run), 2 (bad input), 75
     (preempted), 130 (interrupted).
     """
+    # Fail fast on an unreachable MLflow server instead of minutes of retries (driver and ranks;
+    # set before the rank server starts, whose environment the ranks inherit).
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     try:
-        precheck(sys.argv[1:])
+        resolved = precheck(sys.argv[1:])
+        if resolved is not None:
+            from framework.launcher import start_rank_server
+
+            start_rank_server(resolved)  # its imports overlap the driver's set-up
         app()
         code = 0
         if FAILED_JOBS:
@@ -194,5 +206,7 @@ def main(app: Callable[[], None]) -> None:
 
         close_sweep("KILLED" if code in (130, EXIT_PREEMPTED) else "FAILED")
     from framework.distributed import exit_process
+    from framework.launcher import stop_rank_server
 
+    stop_rank_server()
     exit_process(code)

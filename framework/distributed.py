@@ -52,6 +52,23 @@ def cap_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def kill_daemonic_children() -> None:
+    """SIGKILL this process's daemonic multiprocessing children that are still alive.
+
+    They are the persistent DataLoader workers of a finished rank (Lightning's loaders are never
+    collected before exit). multiprocessing's exit handler -- at interpreter exit, and when a
+    process it started (a rank forked from the ``trainer.preload_ranks`` server) returns -- sends
+    them SIGTERM and joins them; loader workers ignore SIGTERM (they must outlive a preemption
+    signal to the process group: :func:`framework.callbacks.preemption.ignore_in_loader_worker`),
+    so that join would wait forever. Call it once the rank's work is done.
+    """
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
 def exit_process(code: int) -> NoReturn:
     """End this process with exit status ``code`` without the interpreter's finalization.
 
@@ -70,15 +87,7 @@ def exit_process(code: int) -> NoReturn:
     import concurrent.futures.thread as executor_threads
 
     getattr(executor_threads, "_python_exit", lambda: None)()
-    # Daemonic children still alive (DataLoader workers, e.g. of an iterator Lightning made only to
-    # check the loader is iterable) are what multiprocessing's exit handler terminates and then
-    # joins; loader workers ignore SIGTERM (framework.callbacks.preemption), so kill them instead,
-    # or that join waits forever.
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
+    kill_daemonic_children()
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()

@@ -22,11 +22,58 @@ import uuid
 from framework.distributed import threads_per_rank
 from framework.launch import LaunchSpec
 
+PRELOAD_MODULES = ["torch", "pytorch_lightning", "framework.worker", "framework.module", "framework.data",
+                   "framework.callbacks.goodput", "framework.faults.guard", "framework.checkpoint.policy"]
+"""What the forkserver imports once when ``trainer.preload_ranks`` is on (:func:`start_rank_server`)."""
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_rank_server(resolved) -> None:
+    """With ``trainer.preload_ranks`` (the default), start now the forkserver this node's ranks will fork from.
+
+    The server imports :data:`PRELOAD_MODULES` (torch, Lightning, the worker: ~4 s of CPU on the
+    2-core machine) in its own process, so on a machine with a free core that runs while the driver
+    composes, validates, tokenizes and opens its MLflow run, and every (re)start of the ranks forks
+    from it instead of importing again. One server per driver process: later calls (the next job of
+    a sweep, a shrink's relaunch) reuse it. The ranks inherit the environment the server had when it
+    started (plus what the elastic agent sets per rank), so the thread cap for this node's ranks
+    (``OMP_NUM_THREADS``, ranks x threads <= cores) is set here first. Nothing without preload_ranks.
+
+    ``resolved``: the validated run (:class:`~framework.config.resolved.ResolvedRun`).
+    """
+    run = resolved.run
+    if not run.trainer.preload_ranks:
+        return
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(resolved.nproc_per_node, run.trainer.threads_per_rank))
+    multiprocessing.set_forkserver_preload(PRELOAD_MODULES)
+    forkserver.ensure_running()
+
+
+def stop_rank_server() -> None:
+    """Kill the forkserver of :func:`start_rank_server`, if one runs; the driver calls it last.
+
+    Left alone, the server would exit when the driver's end closes its pipe, but only after its
+    interpreter's finalization with torch loaded (~1 s on the 2-core machine), holding the
+    driver's stdout open meanwhile (a caller reading it to the end waits). Its ranks are done by
+    then, and it holds no state. (The server's pid is not public in :mod:`multiprocessing.forkserver`.)
+    """
+    import signal
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 LAUNCH_FILE = "launch.json"
@@ -73,14 +120,10 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(launch.run_dir / "elastic")),
     )
-    if run.trainer.preload_ranks:
-        # Ranks fork from one forkserver per driver that imported torch, Lightning and the worker
-        # once: a restart's new ranks skip the imports (most of a restart's start-up on a CPU).
-        import multiprocessing
+    if run.trainer.preload_ranks:  # ranks fork from the server that imported torch, Lightning and the worker once
+        from framework.worker import run_rank
 
-        from framework.worker import PRELOAD_MODULES, run_rank
-
-        multiprocessing.set_forkserver_preload(PRELOAD_MODULES)
+        start_rank_server(launch.resolved)  # started already by the driver (a no-op then)
         config.start_method = "forkserver"
         elastic_launch(config, entrypoint=run_rank)(str(launch_file))
         return

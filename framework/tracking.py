@@ -205,17 +205,12 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
         ConfigError: the tracking URI cannot be used (a bad URI, an unreachable server), one line,
             before any rank starts.
     """
-    import os
-
     from omegaconf import OmegaConf
 
     from framework.config.schema import ConfigError
     from framework.config.validate import run_to_dict
 
     run = resolved.run
-    # Fail fast on an unreachable server instead of MLflow's minutes of retries.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     run_key = f"{run.experiment_name}/{run.run_name}"
     try:
         tracker = DriverRun(run.tracking.uri, run.experiment_name, run.experiment_description)

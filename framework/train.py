@@ -197,6 +197,9 @@ def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
 
     resolved = validate(load_run_config(cfg))
     check_first_shrink(resolved)  # validates the shrunk run, so it is not part of validate()
+    from framework.launcher import start_rank_server
+
+    start_rank_server(resolved)  # a sweep's first job (a single run started it in the precheck)
     run = resolved.run
     _check_resume_request(resolved)
     from framework.data import prepare_data  # imported once the config holds (as the model below)

@@ -286,14 +286,9 @@ def _shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
-PRELOAD_MODULES = ["torch", "pytorch_lightning", "framework.worker", "framework.module", "framework.data",
-                   "framework.callbacks.goodput", "framework.faults.guard", "framework.checkpoint.policy"]
-"""What the forkserver imports once when ``trainer.preload_ranks`` is on (:func:`framework.launcher.launch_ranks`)."""
-
-
 def run_rank(launch_file: str) -> int:
     """Entry point of one rank as a function (``trainer.preload_ranks``: forked from a forkserver
-    that already imported :data:`PRELOAD_MODULES`); returns 0, the value the elastic agent waits
+    that already imported :data:`framework.launcher.PRELOAD_MODULES`); returns 0, the value the elastic agent waits
     for from every rank (multiprocessing then ends the process with ``os._exit``).
     """
     from framework.callbacks.goodput import process_start_time
@@ -302,11 +297,13 @@ def run_rank(launch_file: str) -> int:
     faulthandler.enable(all_threads=True)
     _die_with_parent()
     from framework.callbacks.preemption import install_handlers
+    from framework.distributed import kill_daemonic_children
 
     install_handlers()  # a preemption during start-up stops the rank after its first step
     _quiet_libraries()
     build_trainer_and_fit(LaunchSpec.read(launch_file), marks)
     _shutdown_process_group()
+    kill_daemonic_children()  # the loader workers: multiprocessing's join of them at return would hang
     return 0
 
 

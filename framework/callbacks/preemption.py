@@ -60,7 +60,14 @@ def install_handlers() -> None:
     Call from the main thread (Python runs signal handlers there); a rank calls it before
     building its Trainer (a signal during start-up then stops it after its first step), and
     :class:`Preemption` again over Lightning's handlers.
+
+    It also gives SIGINT (Ctrl-C, or the elastic agent stopping the ranks) Python's default
+    handler, KeyboardInterrupt, which Lightning turns into a graceful stop: a process inherits an
+    ignored SIGINT (a shell's background job has SIGINT and SIGQUIT ignored, and ranks forked
+    from the ``trainer.preload_ranks`` server inherit the server's disposition), and a rank that
+    ignored it trained on after Ctrl-C until the agent killed it.
     """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in PREEMPT_SIGNALS:
         signal.signal(sig, _on_signal)
 

@@ -174,7 +174,7 @@ class TrainerConfig:
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores // local ranks
     max_restarts: int = 0  # elastic agent restarts of failed ranks
     stop_grace_s: int = 30  # seconds the ranks get to finish the step and save after SIGTERM/SIGUSR1 (or Ctrl-C) reaches the driver
-    preload_ranks: bool = False  # start ranks from a forkserver with torch/Lightning imported (cheaper restarts)
+    preload_ranks: bool = True  # start ranks from a forkserver with torch/Lightning imported (started early; cheaper restarts)
     progress_bar: bool = True  # tqdm bar on rank 0
     profile_steps: Optional[list[int]] = None  # [a, b]: torch.profiler trace of optimizer steps a..b (MLflow artifact); None = off
     compile: bool = False  # torch.compile the model (nn.Module.compile: checkpoints keep their keys)
