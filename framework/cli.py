@@ -21,8 +21,11 @@ from typing import Callable
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from framework import slurm
 from framework.config import CONF_DIR, fail, near_keys, path_safe
 from framework.config.schema import ConfigError
+
+slurm.register_launchers()  # hydra/launcher=submitit_slurm|submitit_local with trainlab's resources mapped in
 
 
 
@@ -142,6 +145,9 @@ def precheck(argv: list[str]) -> None:
     Hydra's own flags are left to Hydra (each job is validated when it starts).
     """
     check_group_choices(argv)
+    launcher_error = slurm.check_launcher(argv)  # e.g. submitit_slurm without sbatch on PATH
+    if launcher_error:
+        fail(launcher_error)
     if any(a.startswith("-") for a in argv):
         return
     from hydra import compose, initialize_config_dir
