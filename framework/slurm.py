@@ -140,3 +140,45 @@ def check_launcher(argv: list[str], which: Callable[[str], Optional[str]] = shut
                     " this machine: scripts/slurm/start_local_slurm.sh --install); hydra/launcher=submitit_local runs"
                     " the jobs on this machine")
     return None
+# --- preemption inside a submitit job ---------------------------------------------------------------
+
+def submitit_job_signal() -> Optional[signal.Signals]:
+    """submitit's preemption/timeout signal (``SIGUSR2`` unless ``SUBMITIT_PREEMPT_SIGNAL`` says otherwise)
+    when this process is a submitit Slurm job, else None."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return None
+    return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+
+
+class SubmititHandlers:
+    """submitit's signal handlers of this job, saved when the driver starts (before the elastic
+    agent installs its own), so the job can requeue once the ranks have saved."""
+
+    def __init__(self) -> None:
+        self.sig = submitit_job_signal()
+        self.saved: dict[int, Any] = {}
+        if self.sig is not None:
+            self.saved = {s: signal.getsignal(s) for s in (self.sig, signal.SIGTERM, signal.SIGCONT)}
+
+    def requeues(self, signal_name: Optional[str]) -> bool:
+        """Whether a preemption by ``signal_name`` is submitit's: the job requeues (SIGTERM does not:
+        a scheduler that requeues on preemption does so itself, and ``scancel`` means stop)."""
+        return self.sig is not None and signal_name == self.sig.name and callable(self.saved.get(self.sig))
+
+
+def requeue_after_save(handlers: SubmititHandlers) -> None:
+    """Hand submitit's signal to submitit's handler, now that the ranks have saved: it pickles the
+    launcher's call again (``checkpoint()``), runs ``scontrol requeue <job>`` and exits the job
+    (``sys.exit(-1)``, as after any submitit requeue; Slurm then ends the job's processes and starts the
+    job again, which resumes from the saved step). submitit's SIGTERM/SIGCONT handlers (log and go on) are
+    restored first, so the requeue's SIGTERM does not interrupt it.
+
+    Raises:
+        SystemExit: always, from submitit (or submitit's ``UncompletedJobError`` when it declines to
+            requeue: timed out more than ``slurm.max_timeouts`` times).
+    """
+    assert handlers.sig is not None
+    for sig, handler in handlers.saved.items():
+        if sig != handlers.sig and handler is not None:
+            signal.signal(sig, handler)
+    handlers.saved[handlers.sig](handlers.sig, None)

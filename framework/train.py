@@ -35,8 +35,9 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
     default, None when the job failed; what the Optuna sweeper maximises), else None. Exits with
     code 2 on a configuration error (in a sweep: the job is a FAILED child and the sweep goes on),
     1 when training failed outside a sweep (in a sweep the run ends FAILED and the job returns),
-    130 when interrupted (Ctrl-C), 75 when preempted (SIGTERM/SIGUSR1: the ranks saved the step
-    they were in; :mod:`framework.faults.preemption`). The run's locks are held for the job and released when it ends.
+    130 when interrupted (Ctrl-C), 75 when preempted (SIGTERM/SIGUSR1/SIGUSR2: the ranks saved the step
+    they were in; :mod:`framework.faults.preemption`); in a submitit Slurm job preempted by submitit's
+    signal, submitit requeues the job instead (:func:`framework.slurm.requeue_after_save`). The run's locks are held for the job and released when it ends.
     """
     from framework import sweep
 
@@ -79,8 +80,10 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
     from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, preemption_outcome, record_preemption
     from framework.faults.supervisor import supervise
     from framework.launch import LaunchSpec
+    from framework.slurm import SubmititHandlers, requeue_after_save
     from framework.tracking import finish_driver_run, log_token_cache_input, open_driver_run
 
+    submitit_handlers = SubmititHandlers()  # in a submitit Slurm job: its requeue handler, before the agent installs its own
     run = resolved.run
     resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # auto: the newest intact checkpoint
     if resume.path:
@@ -137,6 +140,10 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
             record_preemption(tracker, preempted)
             finish_driver_run(tracker, status, run_dir=run_dir, started_at=started_at, error=error,
                               resumed=bool(resume.path))
+    if preempted and submitit_handlers.requeues(preempted.signal):  # the ranks saved: now submitit requeues the job
+        print(f"trainlab: preempted: {preempted.describe()}; submitit requeues the Slurm job, which resumes the run",
+              file=sys.stderr, flush=True)
+        requeue_after_save(submitit_handlers)
     if preempted:
         print(f"trainlab: preempted: {preempted.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_PREEMPTED)

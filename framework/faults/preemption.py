@@ -1,7 +1,8 @@
 """The driver's side of a preemption: what the ranks saved, how many finished steps were lost, the exit status.
 
 A preemption is SIGTERM, or SIGUSR1 (what Slurm's ``--signal=USR1@<seconds>`` sends ahead of
-the end of a job's time), reaching the driver, the ranks, or both. The driver forwards the
+the end of a job's time), or SIGUSR2 (submitit's choice for the same warning), reaching the driver,
+the ranks, or both. The driver forwards the
 signals it gets to the ranks (the elastic agent, :mod:`framework.launcher`); every rank
 finishes the optimizer step it is in, saves it, and stops
 (:class:`framework.callbacks.preemption.Preemption`), and rank 0 writes a ``preempted`` record
@@ -22,8 +23,11 @@ from typing import Any, Optional
 
 from framework.faults.events import FaultLog
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-"""The signals that preempt a run (Ctrl-C's SIGINT interrupts it: exit 130, no save)."""
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+"""The signals that preempt a run: SIGTERM (a scheduler's), SIGUSR1 (Slurm's ``--signal`` warning as
+usually asked), SIGUSR2 (submitit's: ``hydra/launcher=submitit_slurm`` asks Slurm for
+``--signal=USR2@<slurm.signal_delay_s>``, :mod:`framework.slurm`). Ctrl-C's SIGINT interrupts a run:
+exit 130, no save."""
 
 EXIT_PREEMPTED = 75
 """The driver's exit status after a preemption: ``EX_TEMPFAIL`` of sysexits.h (a temporary
@@ -41,7 +45,7 @@ class Preempted:
     """How a preemption ended an attempt.
 
     Attributes:
-        signal: the signal's name (``SIGTERM`` or ``SIGUSR1``).
+        signal: the signal's name (``SIGTERM``, ``SIGUSR1`` or ``SIGUSR2``).
         saved: whether the ranks saved the step they were in (False: they were killed first,
             e.g. ``trainer.stop_grace_s`` was too short).
         step_at_signal: the optimizer step in progress when rank 0 got the signal (1-based); None

@@ -5,6 +5,7 @@ is not installed or cannot be started (the script needs root)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -75,3 +76,67 @@ def test_sweep_submitted_to_slurm_ends_in_finished_children(slurm, tmp_path, dat
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["sweep/jobs"] == parent.data.metrics["sweep/jobs_finished"] == 2
     assert "sweep: 2 of 2 job(s) FINISHED" in proc.stdout  # the outcomes the jobs reported from their Slurm jobs
+
+
+MAX_STEPS = 30
+PREEMPT = [*TINY, f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=1000",
+           "checkpoint.keep_last_k=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"]  # 4 / 2 micro-batches per step
+
+
+def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(slurm, tmp_path, data_cache):
+    """Each job of a 2-job sweep (single, ddp) gets submitit's preemption signal (SIGUSR2, what Slurm's
+    ``--signal=USR2@<slurm.signal_delay_s>`` sends before the time limit) from ``scancel --signal`` a few
+    steps in: its ranks finish the step and save it, then submitit requeues the job (``scontrol
+    requeue``), and the requeued job resumes from that step and ends with the final checkpoint of an
+    uninterrupted run, bitwise; its MLflow run ends FINISHED."""
+    import time
+
+    from framework.faults.preemption import PREEMPTED_TAG
+    from framework.tracking import read_jsonl_metrics
+    from tests.integration.conftest import losses, wait_for
+    from tests.integration.test_checkpoint_resume import assert_bitwise_equal
+
+    runner = Runner(tmp_path, data_cache)
+    for plugin in ("single", "ddp"):  # the uninterrupted runs, here (not under Slurm)
+        runner.run(f"parallelism={plugin}", *PREEMPT, "experiment_name=ref", "tracking=none", f"run_name={plugin}")
+    sweep = runner.start("-m", "hydra/launcher=submitit_slurm", "parallelism=single,ddp", *PREEMPT,
+                         "experiment_name=requeue", "slurm.timeout_min=10")
+    exp_dir = tmp_path / "outputs" / "requeue"
+    signalled = {}
+    try:
+        for task, plugin in enumerate(("single", "ddp")):  # (one job at a time: each takes the node's 2 CPUs)
+            metrics = lambda: [p / "metrics.jsonl" for p in exp_dir.glob(f"*/parallelism={plugin}")]  # noqa: E731
+            wait_for(lambda: any(len(losses(read_jsonl_metrics(m))) >= 3 for m in metrics() if m.exists()),
+                     timeout=300, proc=sweep)
+            (job_dir,) = [p for p in (exp_dir / ".submitit").iterdir() if p.name.endswith(f"_{task}")]
+            subprocess.run(["scancel", "--signal=USR2", job_dir.name], check=True)
+            signalled[plugin] = (job_dir.name, time.time())
+        out, _ = sweep.communicate(timeout=480)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, out[-4000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db")
+    runs = client.search_runs([client.get_experiment_by_name("requeue").experiment_id])
+    print()
+    for plugin, (job_id, t_sent) in signalled.items():
+        (run_dir,) = exp_dir.glob(f"*/parallelism={plugin}")
+        (child,) = [r for r in runs if r.info.run_name == f"parallelism={plugin}"]
+        assert child.info.status == "FINISHED" and PREEMPTED_TAG not in child.data.tags, child.data.tags.get("error")
+        recs = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines() if '"preempted"' in line]
+        assert len(recs) == 1, recs
+        rec = recs[0]
+        assert rec["signal"] == "SIGUSR2" and rec["step_at_signal"] - 1 <= rec["saved_step"] <= rec["step_at_signal"]
+        log = (exp_dir / ".submitit" / job_id / f"{job_id}_0_log.out").read_text()
+        ckpt = tmp_path / "checkpoints" / "requeue" / run_dir.parent.name / run_dir.name
+        assert f"trainlab: resuming from {ckpt.relative_to(tmp_path)}/step{rec['saved_step']:08d}" in log, log[-3000:]
+        err = (exp_dir / ".submitit" / job_id / f"{job_id}_0_log.err").read_text()
+        assert "submitit requeues the Slurm job" in err and "(0 finished steps lost)" in err, err[-3000:]
+        (line,) = job_lines([job_id])
+        assert "JobState=COMPLETED" in line and "Restarts=1" in line, line
+        ref = losses(read_jsonl_metrics(tmp_path / "outputs" / "ref" / plugin / "metrics.jsonl"))
+        got = losses(read_jsonl_metrics(run_dir / "metrics.jsonl"))
+        assert [got[s] for s in range(rec["saved_step"] + 1, MAX_STEPS + 1)] == [ref[s] for s in range(rec["saved_step"] + 1, MAX_STEPS + 1)]
+        assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", tmp_path / "checkpoints" / "ref" / plugin / f"step{MAX_STEPS:08d}")
+        print(f"{plugin}: SIGUSR2 in step {rec['step_at_signal']}, saved step {rec['saved_step']} (0 steps lost),"
+              f" requeued: {line}; MLflow {child.info.status}")
