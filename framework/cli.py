@@ -4,7 +4,7 @@
 (:mod:`framework.train`). Before Hydra starts, :func:`precheck` composes and validates a single
 run's config so that every bad input is one ``trainlab: error:`` line with exit code 2 (no
 output folder is made). Exit codes: 0 done, 1 training failed (in a sweep: at least one job
-failed, after every job has run), 2 bad input, 75 preempted (SIGTERM/SIGUSR1; the same command
+failed, after every job has run), 2 bad input, 75 preempted (SIGTERM/SIGUSR1/SIGUSR2; the same command
 resumes: :mod:`framework.faults.preemption`), 130 interrupted.
 
 Importing this module registers the ``tl_run_name`` resolver that ``conf/config.yaml`` names
@@ -59,6 +59,17 @@ def run_dir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | 
 
 
 OmegaConf.register_new_resolver("tl_run_dir", run_dir_for_node, replace=True)
+
+
+def sweep_subdir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None) -> str:
+    """A sweep job's Hydra sub-folder: the run name on node 0, node k's folder on the others
+    (:func:`framework.nodes.hydra_sweep_subdir`)."""
+    from framework.nodes import hydra_sweep_subdir
+
+    return hydra_sweep_subdir(experiment_name, run_name, checkpoint_dir, node_rank)
+
+
+OmegaConf.register_new_resolver("tl_sweep_subdir", sweep_subdir_for_node, replace=True)
 
 
 FAILED_JOBS: list[str] = []

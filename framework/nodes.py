@@ -120,6 +120,17 @@ def hydra_run_dir(experiment_name: str, run_name: str, checkpoint_dir: Optional[
     return str(node_dir(checkpoint_dir or f"checkpoints/{experiment_name}/{run_name}", rank))
 
 
+def hydra_sweep_subdir(experiment_name: str, run_name: str, checkpoint_dir: Optional[str], node_rank: Optional[int]) -> str:
+    """A sweep job's Hydra sub-folder (under ``hydra.sweep.dir`` = ``outputs/<experiment>``): the run name on
+    node 0, and on the other nodes :func:`hydra_run_dir`'s folder as an absolute path (which replaces the sweep
+    folder), so that a multi-node job of a sweep (e.g. ``-m hydra/launcher=submitit_slurm parallelism.nnodes=2``)
+    keeps node k's files and lock out of node 0's run folder (the ``tl_sweep_subdir`` resolver)."""
+    rank = node_rank if node_rank is not None else int(os.environ.get("SLURM_NODEID", "0"))
+    if rank <= 0:
+        return run_name
+    return str(Path(hydra_run_dir(experiment_name, run_name, checkpoint_dir, rank)).absolute())
+
+
 def check_endpoint(nodes: NodeSpec) -> None:
     """Node 0: it can listen on the endpoint. Other nodes: the endpoint answers within ``timeout_s``
     (node 0's agent listens there once node 0 has tokenized and opened its run).

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,7 @@ from framework.config.validate import load_run_config, validate
 from framework.faults.events import FaultLog
 from framework.faults.preemption import preemption_outcome
 from framework.launch import LaunchSpec
-from framework.nodes import MARKER, hydra_run_dir, mark_shared_folder, resolve_nodes, wait_for_shared_folder
+from framework.nodes import MARKER, hydra_run_dir, hydra_sweep_subdir, mark_shared_folder, resolve_nodes, wait_for_shared_folder
 
 TWO_NODES = ["parallelism=ddp", "parallelism.world_size=4", "parallelism.nnodes=2", "trainer.global_batch_size=8",
              "trainer.micro_batch_size=2", "tracking=none", "checkpoint=none"]
@@ -47,6 +49,10 @@ def test_the_launch_file_carries_the_node_and_node_k_writes_into_the_shared_fold
     assert LaunchSpec.read(launch.write(tmp_path / "launch.json")) == launch
     assert hydra_run_dir("e", "r", None, 0) == "outputs/e/r"
     assert hydra_run_dir("e", "r", "/shared/ck", 1) == "/shared/ck/nodes/node1"
+    # a sweep job (under outputs/<experiment>): the run name on node 0, node k's folder (absolute) elsewhere
+    assert hydra_sweep_subdir("e", "s/j", None, 0) == "s/j"
+    assert hydra_sweep_subdir("e", "s/j", "/shared/ck", 1) == "/shared/ck/nodes/node1"
+    assert os.path.join("outputs/e", hydra_sweep_subdir("e", "s/j", None, 2)) == str(Path("checkpoints/e/s/j/nodes/node2").absolute())
     mark_shared_folder(tmp_path, nodes)
     wait_for_shared_folder(tmp_path, nodes)  # node 0's marker of this rendezvous: seen at once
     (tmp_path / MARKER).write_text(json.dumps({"id": "another job", "t": 0}))
