@@ -152,6 +152,7 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
 
     from framework.checkpoint.resume import select_resume
     from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS
+    from framework.faults.supervisor import max_restarts_for
     from framework.launch import LaunchSpec
     from framework.launcher import launch_ranks
     from framework.nodes import check_endpoint, wait_for_shared_folder
@@ -162,26 +163,36 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
         wait_for_shared_folder(resolved.checkpoint_dir, nodes)
     except ConfigError as err:
         cli.fail(str(err))
-    resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # the folder node 0 reads: the same choice
-    if resume.step >= run.trainer.max_steps and run.resume == "auto":
-        print(f"{me}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train", flush=True)
-        return
-    launch = LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=resume.path,
-                        token_cache_dir=str(cache.dir), nodes=nodes)
-    print(f"{me} of {nodes.nnodes}: ranks {nodes.node_rank * resolved.nproc_per_node}.."
-          f"{(nodes.node_rank + 1) * resolved.nproc_per_node - 1}, rendezvous {nodes.endpoint}"
-          + (f", resuming from {resume.path}" if resume.path else ""), flush=True)
-    try:
-        launch_ranks(launch)
-    except (KeyboardInterrupt, SignalException) as err:
-        if getattr(err, "sigval", None) in PREEMPT_SIGNALS:
-            print(f"{me}: preempted ({err.sigval.name}); node 0's driver records the run", file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_PREEMPTED)
-        print(f"{me}: interrupted", file=sys.stderr, flush=True)
-        raise SystemExit(130)
-    except Exception as err:
-        print(f"{me}: error: training failed: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+    restarts = 0  # resilience=restart: this driver relaunches its ranks as node 0's does (framework/faults/supervisor.py)
+    while True:
+        resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # the folder node 0 reads: the same choice
+        if resume.step >= run.trainer.max_steps and run.resume == "auto":
+            print(f"{me}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train",
+                  flush=True)
+            return
+        launch = LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=resume.path,
+                            token_cache_dir=str(cache.dir), nodes=nodes, launch_index=restarts)
+        print(f"{me} of {nodes.nnodes}: ranks {nodes.node_rank * resolved.nproc_per_node}.."
+              f"{(nodes.node_rank + 1) * resolved.nproc_per_node - 1}, rendezvous {nodes.endpoint}"
+              + (f", resuming from {resume.path}" if resume.path else ""), flush=True)
+        try:
+            launch_ranks(launch, max_restarts=0)  # the agent cannot restart across nodes (static rendezvous)
+            break
+        except (KeyboardInterrupt, SignalException) as err:
+            if getattr(err, "sigval", None) in PREEMPT_SIGNALS:
+                print(f"{me}: preempted ({err.sigval.name}); node 0's driver records the run", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_PREEMPTED)
+            print(f"{me}: interrupted", file=sys.stderr, flush=True)
+            raise SystemExit(130)
+        except Exception as err:
+            if run.resilience.policy == "restart" and restarts < max_restarts_for(run):
+                restarts += 1
+                print(f"{me}: the ranks failed ({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__});"
+                      f" restart {restarts}/{max_restarts_for(run)}: joining node 0 again", file=sys.stderr, flush=True)
+                continue
+            alone = " (resilience=shrink: node 0 goes on alone)" if run.resilience.policy == "shrink" else ""
+            print(f"{me}: error: training failed{alone}: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
     print(f"{me}: ranks finished; node 0's driver records the run", flush=True)
 
 

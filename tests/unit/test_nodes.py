@@ -33,10 +33,15 @@ def test_nodes_come_from_the_config_or_from_slurm(compose):
 def test_multinode_refusals_are_one_line_naming_the_key(compose):
     with pytest.raises(ConfigError, match=r"^rendezvous.endpoint is required with parallelism.nnodes=2"):
         resolve_nodes(load_run_config(compose(*TWO_NODES)), env={})
-    with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1: restarts across nodes are not supported yet"):
+    with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1: the elastic agent cannot restart ranks across nodes"):
         resolve_nodes(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", "trainer.max_restarts=1")), env={})
-    with pytest.raises(ConfigError, match=r"fault injection and recovery run on one node only yet"):
+    with pytest.raises(ConfigError, match=r"fault injection and the in-process policies run on one node only yet"):
         validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", "fault=rank_crash", "resilience=restart")))
+    with pytest.raises(ConfigError, match=r"allowed: fault=none resilience=none\|restart\|shrink"):
+        validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", "resilience=rollback")))
+    for policy in ("restart", "shrink"):  # a lost node: the drivers restart every node, or node 0 goes on alone
+        assert resolve_nodes(validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1",
+                                                              f"resilience={policy}"))).run, env={}).nnodes == 2
 
 
 def test_the_launch_file_carries_the_node_and_node_k_writes_into_the_shared_folder(compose, tmp_path):
