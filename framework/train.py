@@ -14,6 +14,7 @@ the sweep around it is :mod:`framework.sweep`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,7 +77,8 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
 
     from framework import sweep
     from framework.checkpoint.resume import select_resume
-    from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, preemption_outcome, record_preemption
+    from framework.faults.preemption import (EXIT_PREEMPTED, PREEMPT_SIGNALS, EarlySignals, preemption_outcome,
+                                             record_preemption)
     from framework.faults.supervisor import supervise
     from framework.launch import LaunchSpec
     from framework.tracking import finish_driver_run, log_token_cache_input, open_driver_run
@@ -116,8 +118,20 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
     status, error, preempted = "FAILED", None, None
     (run_dir / "error.txt").unlink(missing_ok=True)  # a resumed run starts without its last failure
     started_at = time.time()
+
+    def preempted_before_ranks(sig: Any) -> None:  # the main thread is blocked (node 0's agent waits for the nodes)
+        outcome = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=sig.name,
+                                     before_ranks=True, t_signal=early.t_signal)
+        if tracker is not None:
+            record_preemption(tracker, outcome)
+            finish_driver_run(tracker, "KILLED", run_dir=run_dir, started_at=started_at, error=None, resumed=bool(resume.path))
+        print(f"trainlab: preempted: {outcome.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
+        os._exit(EXIT_PREEMPTED)
+
+    early = EarlySignals(preempted_before_ranks)
     try:
-        supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
+        with early:
+            supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
         preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at)  # the ranks got the signal
         status = "KILLED" if preempted else "FINISHED"
         if tracker is not None and not preempted:
@@ -127,7 +141,8 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         if getattr(err, "sigval", None) not in PREEMPT_SIGNALS:  # Ctrl-C
             print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
             raise SystemExit(130)
-        preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=err.sigval.name)
+        preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=err.sigval.name,
+                                       before_ranks=early.fired is not None, t_signal=early.t_signal)
     except Exception as err:
         error = str(err).strip()
         _record_failure(run_dir, run.run_name, err)
