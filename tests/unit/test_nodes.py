@@ -76,3 +76,11 @@ def test_the_driver_reads_a_preemption_from_the_event_log(tmp_path):
         log.append("step", step=step)
     lost = preemption_outcome(tmp_path, str(tmp_path / "ck"), since=since2, signal_name="SIGUSR1")
     assert (lost.saved, lost.saved_step, lost.steps_lost) == (False, 0, 3)
+
+
+def test_a_signal_before_the_ranks_start_is_its_own_preemption(tmp_path):
+    out = preemption_outcome(tmp_path, str(tmp_path / "ck"), since=0.0, signal_name="SIGTERM", before_ranks=True,
+                             t_signal=100.0)
+    assert (out.saved, out.saved_step, out.steps_lost) == (False, 0, 0)
+    assert out.describe(now=101.5) == ("SIGTERM before the ranks started: nothing ran in this attempt; the newest"
+                                       " checkpoint is step 0 (0 finished steps lost); 1.5 s from the signal to exit")
