@@ -83,6 +83,7 @@ def test_two_loopback_nodes_match_one_node_with_four_ranks(parity, plugin):
     (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id],
                                 f"tags.mlflow.runName = 'nodes_{plugin}'")
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "4"
+    assert (run.data.params["derived.nnodes"], run.data.params["derived.cross_node_axes"]) == ("2", "dp")
     assert [p.name for p in (runner.workdir / f"node1_{plugin}").iterdir()] == []
     assert sorted(p.name for p in r["shared"].glob("step*")) == ["step00000009", "step00000010"]
     assert (r["shared"] / "nodes" / "node1" / "launch.json").is_file()
