@@ -37,7 +37,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-PLUGINS = ("ddp", "fsdp")  # fsdp: the sharded plugin (parameters, gradients and optimizer state sharded over the 4 ranks)
+# fsdp: the sharded plugin (parameters, gradients and optimizer state sharded over the 4 ranks); tp: dp2 x tp2 (FSDP on
+# dp), a TP group inside each node (ranks 0-1, 2-3), the DP groups (0, 2), (1, 3) across the nodes
+PLUGINS = ("ddp", "fsdp", "tp")
 
 
 def _two_nodes(runner, overrides: list[str], shared, node1_cwd) -> tuple[subprocess.CompletedProcess, str]:
@@ -84,6 +86,19 @@ def test_two_loopback_nodes_match_one_node_with_four_ranks(parity, plugin):
                                 f"tags.mlflow.runName = 'nodes_{plugin}'")
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "4"
     assert (run.data.params["derived.nnodes"], run.data.params["derived.cross_node_axes"]) == ("2", "dp")
+    # the measured payload split by each collective's group: DDP's and FSDP's groups are the 4 ranks (all of it crosses
+    # the nodes); tp's TP all-reduces stay in a node, its FSDP gathers and reduce-scatters on dp cross them
+    comm = [m for m in runner.metrics(f"nodes_{plugin}") if "perf/comm_bytes" in m]
+    assert comm and all(m["perf/comm_bytes_inter_node"] + m["perf/comm_bytes_intra_node"] == m["perf/comm_bytes"]
+                        for m in comm)
+    for m in comm:
+        if plugin == "tp":  # TP: all-reduces in the tp group; FSDP on dp: all-gathers and reduce-scatters
+            assert m["perf/comm_bytes_intra_node"] == m["perf/comm_bytes_allreduce"] > 0
+            assert m["perf/comm_bytes_inter_node"] == m["perf/comm_bytes_allgather"] + m["perf/comm_bytes_reduce_scatter"]
+        else:
+            assert m["perf/comm_bytes_intra_node"] == 0
+    one_node = runner.metrics(f"nodes_{plugin}", experiment="one_node")
+    assert not [m for m in one_node if "perf/comm_bytes_inter_node" in m]  # one node: no split
     assert [p.name for p in (runner.workdir / f"node1_{plugin}").iterdir()] == []
     assert sorted(p.name for p in r["shared"].glob("step*")) == ["step00000009", "step00000010"]
     assert (r["shared"] / "nodes" / "node1" / "launch.json").is_file()
