@@ -1,8 +1,9 @@
 """Two nodes on this machine (issue 17 items 1, 2, 4): two drivers on loopback, 2 gloo ranks each (1 thread
-per rank), give the per-step losses of one node with 4 ranks at the same global batch, for ddp and fsdp
-(sharded); node 0's driver owns the MLflow run and the output folder, node 1's makes neither; node 1
-killed mid-run (SIGKILL to its driver and ranks) is restarted from the last checkpoint
-(``resilience=restart``) or left behind (``resilience=shrink``: node 0 goes on alone); bad
+per rank), give the per-step losses of one node with 4 ranks at the same global batch, for ddp, fsdp (sharded)
+and tp dp2 x tp2, with the communication split into intra- and inter-node bytes; node 0's driver owns the
+MLflow run and the output folder, node 1's makes neither; node 1 killed mid-run (SIGKILL to its driver and
+ranks) rejoins from the last checkpoint (``resilience=restart``) or is left behind (``resilience=shrink``:
+node 0 goes on alone); SIGTERM to node 0's driver while it waits for node 1 ends the run KILLED; bad
 multi-node input is one line.
 """
 
