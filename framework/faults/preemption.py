@@ -116,7 +116,8 @@ class EarlySignals:
     handler and the agent has not replaced it (``on_blocked`` records the run and ends the
     process).
 
-    Main thread only (``signal.signal`` and ``set_wakeup_fd`` are).
+    Guards from the main thread only (``signal.signal`` and ``set_wakeup_fd`` are main-thread
+    calls); entered from another thread it does nothing.
     """
 
     def __init__(self, on_blocked: Callable[[signal.Signals], None], grace_s: float = 1.0) -> None:
@@ -158,6 +159,9 @@ class EarlySignals:
         import socket
         import threading
 
+        self._active = threading.current_thread() is threading.main_thread()
+        if not self._active:  # signals are the main thread's to handle: nothing to guard from here
+            return self
         self._read, self._write = socket.socketpair()
         self._write.setblocking(False)
         self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
@@ -167,6 +171,8 @@ class EarlySignals:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if not self._active:
+            return
         signal.set_wakeup_fd(self._old_fd)
         for sig, previous in self._previous.items():
             if self.ours(sig):  # the ranks never started: back to what was there before

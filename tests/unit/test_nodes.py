@@ -84,3 +84,22 @@ def test_a_signal_before_the_ranks_start_is_its_own_preemption(tmp_path):
     assert (out.saved, out.saved_step, out.steps_lost) == (False, 0, 0)
     assert out.describe(now=101.5) == ("SIGTERM before the ranks started: nothing ran in this attempt; the newest"
                                        " checkpoint is step 0 (0 finished steps lost); 1.5 s from the signal to exit")
+
+
+def test_the_early_signal_guard_raises_in_the_main_thread_and_leaves_the_handlers_as_they_were():
+    import os
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from framework.faults.preemption import EarlySignals
+
+    before = signal.getsignal(signal.SIGUSR1)
+    blocked = []
+    guard = EarlySignals(blocked.append, grace_s=0.1)
+    with pytest.raises(SignalException):
+        with guard:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(1.0)  # the handler runs here, in the main thread: the watcher does not call on_blocked
+    assert guard.fired == signal.SIGUSR1 and blocked == []
+    assert signal.getsignal(signal.SIGUSR1) == before
