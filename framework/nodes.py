@@ -38,6 +38,10 @@ from framework.config.schema import ConfigError
 MARKER = ".trainlab-node0.json"
 """Node 0's marker in the checkpoint folder: ``{"id": <rendezvous id>, "t": <Unix time>}``."""
 
+NODE_POLICIES = ("restart", "shrink")
+"""The resilience policies of a multi-node run: a lost node is restarted by the drivers, or node 0 goes on alone
+(:func:`framework.faults.supervisor.supervise`)."""
+
 SLURM_PORT = 29500
 """The rendezvous port under Slurm when ``rendezvous.endpoint`` is null (torchrun's default port)."""
 
@@ -93,12 +97,15 @@ def resolve_nodes(run, env: Mapping[str, str] = os.environ) -> Optional[NodeSpec
                       f" (allowed: 0..{par.nnodes - 1})")
     from framework.faults.schedule import faults_enabled
 
-    if faults_enabled(run):
-        errors.append(f"fault={run.fault.name} / resilience={run.resilience.policy}: fault injection and recovery run on"
-                      f" one node only yet (parallelism.nnodes={par.nnodes}; allowed: fault=none resilience=none)")
+    if faults_enabled(run) and (run.resilience.policy not in NODE_POLICIES or run.fault.events or run.fault.mtbf_steps > 0
+                                or run.resilience.skip_steps):
+        errors.append(f"fault={run.fault.name} / resilience={run.resilience.policy}: fault injection and the in-process"
+                      f" policies run on one node only yet (parallelism.nnodes={par.nnodes}; allowed: fault=none"
+                      f" resilience={'|'.join(('none', *NODE_POLICIES))})")
     if run.trainer.max_restarts:
-        errors.append(f"trainer.max_restarts={run.trainer.max_restarts}: restarts across nodes are not supported yet"
-                      f" (allowed with parallelism.nnodes={par.nnodes}: 0)")
+        errors.append(f"trainer.max_restarts={run.trainer.max_restarts}: the elastic agent cannot restart ranks across"
+                      f" nodes with the static rendezvous (allowed with parallelism.nnodes={par.nnodes}: 0; use"
+                      " resilience=restart, whose restarts the drivers make)")
     if errors:
         raise ConfigError("; ".join(errors))
     # the agent names its log folder after the id: path-safe characters only
