@@ -19,14 +19,15 @@ from what is on disk without running anything.
    first-order form without its approximations, optimum ``k* = sqrt(2 delta M)/s`` (M = MTBF
    in seconds = ``--mtbf-steps`` x s). Daly's eq. 37 (also printed) lets failures strike saves and
    restarts too, which these failures cannot.
-3. **Sweep**: intervals ``--intervals`` (default ``--multipliers`` x k*), each under ``fault=random``
+3. **Sweep**: intervals ``--multipliers`` x k* (plus ``--intervals``), each under ``fault=random``
    (rank crashes, mean ``--mtbf-steps`` apart, ``fault.random_seed`` = each of ``--seeds``; the
    same seed gives the same failure steps at every interval: a paired design),
    ``resilience=restart``. Measured "training goodput" G = productive / (productive + checkpoint
    + lost + detect + restart): the run's goodput without its first start-up, shutdown and
    validation, which no interval changes and the model leaves out.
-4. **Simulation** (:mod:`framework.cost.failure_sim`) with the calibrated costs and with the
-   sweep's own mean costs: paired (each run's failure steps) and unpaired (200 other seeds).
+4. **Simulation** (:mod:`framework.cost.failure_sim`) with the calibrated costs, with the sweep's
+   costs (median step and save, restart seconds per failure over all runs) and with each run's
+   own: paired (each run's failure steps) and unpaired (200 other seeds, the sweep's costs).
 5. **Optima**: the waste ``1/G - 1`` averaged over seeds is fitted (least squares) with
    ``a*n_saves(k)/N + b*k + c``; the fitted optimum is ``sqrt(a/b)`` (the argmin of a/k + b k).
    The same fit is made to the paired and unpaired simulations; the best grid point is printed too.
@@ -168,7 +169,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--multipliers", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.0, 4.0],
                    help="intervals as multiples of Young's k* (unless --intervals)")
-    p.add_argument("--intervals", type=int, nargs="+", help="run only these intervals (steps); default: all")
+    p.add_argument("--intervals", type=int, nargs="+",
+                   help="run only these intervals (steps; added to the grid); default: the whole grid")
     p.add_argument("--calib-every", type=int, default=10)
     p.add_argument("--calibrate-only", action="store_true")
     p.add_argument("--collect", action="store_true", help="run nothing: report the runs already on disk")
@@ -198,7 +200,9 @@ def main() -> None:
     print(f"MTBF {args.mtbf_steps} steps = {m_s:.2f} s: Young k* {k_young:.2f} steps (Daly {k_daly:.2f})")
     if args.calibrate_only:
         return
-    grid = sorted({max(1, round(m * k_young)) for m in args.multipliers})
+    # the grid: multipliers x k*, any --intervals, and any interval already run in this workdir
+    on_disk = {int(d.name[1:].split("_s")[0]) for d in run_dir(args.workdir, "").glob("k*_s*") if complete(args.workdir, d.name)}
+    grid = sorted({max(1, round(m * k_young)) for m in args.multipliers} | set(args.intervals or []) | on_disk)
     todo = set(args.intervals or grid)
     sweep = {"trainer.max_steps": args.max_steps, "fault.mtbf_steps": args.mtbf_steps}
     runs = []
@@ -226,11 +230,13 @@ def main() -> None:
         return simulate(steps=args.max_steps, step_s=c["step_s"], policy=Policy("sync", k, c["delta_s"]),
                         restart_s=c["restart_s"], failure_steps=fsteps).goodput
 
-    print(f"\n{'every':>5} {'seed':>4} {'fail':>4} {'step_s':>6} {'save_s':>6} {'R_s':>5} {'measured':>8} {'sim_cal':>7} {'sim_own':>7}")
+    print(f"\n{'every':>5} {'seed':>4} {'fail':>4} {'step_s':>6} {'save_s':>6} {'R_s':>5} {'measured':>8} {'sim_cal':>7} {'sim_own':>7}"
+          f" {'sim_run':>7}")
     for r in runs:
         r["sim_cal"], r["sim_own"] = sim(r["every"], r["failure_steps"], cal), sim(r["every"], r["failure_steps"], own)
+        r["sim_run"] = sim(r["every"], r["failure_steps"], r)  # the run's own step, save and restart times
         print(f"{r['every']:>5} {r['seed']:>4} {r['failures']:>4} {r['step_s']:>6.3f} {r['delta_s']:>6.3f} {r['restart_s']:>5.2f}"
-              f" {r['measured']:>8.4f} {r['sim_cal']:>7.4f} {r['sim_own']:>7.4f}", flush=True)
+              f" {r['measured']:>8.4f} {r['sim_cal']:>7.4f} {r['sim_own']:>7.4f} {r['sim_run']:>7.4f}", flush=True)
     seeds_done = {k: {r["seed"] for r in runs if r["every"] == k} for k in grid}
     ks = [k for k in grid if seeds_done[k] == set(args.seeds)]  # intervals with every seed
     summary = []
@@ -252,7 +258,7 @@ def main() -> None:
     result = {"calibration": cal, "own_costs": own, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "k_young": k_young, "k_daly": k_daly, "runs": runs, "summary": summary}
     if len(ks) >= 3:
-        agree = {name: statistics.fmean(abs(r["measured"] - r[name]) for r in runs if r["every"] in ks) for name in ("sim_own", "sim_cal")}
+        agree = {name: statistics.fmean(abs(r["measured"] - r[name]) for r in runs if r["every"] in ks) for name in ("sim_own", "sim_cal", "sim_run")}
         fits = {"measured": fit_optimum(ks, [s["waste"] for s in summary], args.max_steps),
                 "sim_paired": fit_optimum(ks, [s["waste_sim"] for s in summary], args.max_steps),
                 "sim_unpaired": fit_optimum(ks, [s["waste_unpaired"] for s in summary], args.max_steps)}
@@ -262,7 +268,7 @@ def main() -> None:
             jack.append(fit_optimum(ks, w, args.max_steps)["optimum"])
         best = max(summary, key=lambda s: s["measured"])["every"]
         print(f"\nagreement, |measured - simulated| per run (goodput points): sweep's costs {100 * agree['sim_own']:.2f},"
-              f" calibration costs {100 * agree['sim_cal']:.2f}")
+              f" calibration costs {100 * agree['sim_cal']:.2f}, each run's own costs {100 * agree['sim_run']:.2f}")
         for name, f in fits.items():
             print(f"fit {name:>12}: waste = {f['a']:.4f} n_saves/N + {f['b']:.5f} k + {f['c']:.4f} -> optimum {f['optimum']:.2f} steps")
         opt = fits["measured"]["optimum"]
