@@ -30,7 +30,9 @@ from what is on disk without running anything.
    own: paired (each run's failure steps) and unpaired (200 other seeds, the sweep's costs).
 5. **Optima**: the waste ``1/G - 1`` averaged over seeds is fitted (least squares) with
    ``a*n_saves(k)/N + b*k + c``; the fitted optimum is ``sqrt(a/b)`` (the argmin of a/k + b k).
-   The same fit is made to the paired and unpaired simulations; the best grid point is printed too.
+   The same fit is made to the paired and unpaired simulations; the best grid point is printed too,
+   and the design's power: the spread of the fitted optimum over 200 simulated sweeps with other
+   seeds (the same costs, no timing noise), i.e. what failure sampling alone allows.
 
 Writes ``validate.json`` (every number printed) and ``validation.png`` (``--plot``).
 """
@@ -132,7 +134,8 @@ def sd(xs: list[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
-def plot(path: Path, summary: list[dict], fits: dict, k_young: float, k_daly: float, max_steps: int, title: str) -> None:
+def plot(path: Path, summary: list[dict], fits: dict, k_young: float, k_young_own: float, k_daly: float, max_steps: int,
+         title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,8 +153,9 @@ def plot(path: Path, summary: list[dict], fits: dict, k_young: float, k_daly: fl
     f = fits["measured"]
     ax.plot(grid, [1 / (1 + f["a"] * math.ceil(max_steps / k) / max_steps + f["b"] * k + f["c"]) for k in grid], ":",
             color="C0", label=f"fit to measured, optimum {f['optimum']:.1f}")
-    ax.axvline(k_young, color="k", lw=0.8, label=f"Young k* = {k_young:.1f}")
-    ax.axvline(k_daly, color="k", lw=0.8, ls="--", label=f"Daly = {k_daly:.1f}")
+    ax.axvline(k_young, color="k", lw=0.8, label=f"Young k* = {k_young:.1f} (calibration)")
+    ax.axvline(k_young_own, color="C3", lw=0.8, label=f"Young k* = {k_young_own:.1f} (the sweep's costs)")
+    ax.axvline(k_daly, color="k", lw=0.8, ls="--", label=f"Daly = {k_daly:.1f} (calibration)")
     ax.set_xscale("log")
     ax.set_xlabel("checkpoint interval (steps)")
     ax.set_ylabel("training goodput")
@@ -224,7 +228,9 @@ def main() -> None:
     # The sweep's own costs: medians of step and save time, R = all restart seconds / all failures.
     own = {"step_s": statistics.median(r["step_s"] for r in runs), "delta_s": statistics.median(r["delta_s"] for r in runs),
            "restart_s": sum(r["restart_s"] * r["failures"] for r in runs) / max(1, sum(r["failures"] for r in runs))}
-    print(f"sweep's own costs: step {own['step_s']:.4f} s, save {own['delta_s']:.4f} s, restart {own['restart_s']:.2f} s")
+    k_young_own = young_interval(own["delta_s"], args.mtbf_steps * own["step_s"]) / own["step_s"]
+    print(f"sweep's own costs: step {own['step_s']:.4f} s, save {own['delta_s']:.4f} s, restart {own['restart_s']:.2f} s:"
+          f" Young k* {k_young_own:.2f} steps")
 
     def sim(k: int, fsteps: list[int], c: dict) -> float:
         return simulate(steps=args.max_steps, step_s=c["step_s"], policy=Policy("sync", k, c["delta_s"]),
@@ -256,7 +262,7 @@ def main() -> None:
         print(f"{s['every']:>5} {s['x_young']:>5.2f} {s['failures']:>4} {s['measured']:>8.4f} ± {s['measured_sd']:.4f}"
               f" {s['sim_paired']:>10.4f} {s['sim_paired_cal']:>11.4f} {s['sim_unpaired']:>8.4f} ± {s['sim_unpaired_sd']:.4f}")
     result = {"calibration": cal, "own_costs": own, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "k_young": k_young, "k_daly": k_daly, "runs": runs, "summary": summary}
+              "k_young": k_young, "k_daly": k_daly, "k_young_own": k_young_own, "runs": runs, "summary": summary}
     if len(ks) >= 3:
         agree = {name: statistics.fmean(abs(r["measured"] - r[name]) for r in runs if r["every"] in ks) for name in ("sim_own", "sim_cal", "sim_run")}
         fits = {"measured": fit_optimum(ks, [s["waste"] for s in summary], args.max_steps),
@@ -266,6 +272,16 @@ def main() -> None:
         for out in args.seeds:
             w = [statistics.fmean(1 / r["measured"] - 1 for r in runs if r["every"] == k and r["seed"] != out) for k in ks]
             jack.append(fit_optimum(ks, w, args.max_steps)["optimum"])
+        # The design's power: the fitted optimum of exact-cost simulations over 200 other sets of as many seeds
+        # (failure sampling alone; no timing noise), against Young's k* for the same costs.
+        sets = []
+        for i in range(200):
+            seeds = [2000 + len(args.seeds) * i + j for j in range(len(args.seeds))]
+            w = [statistics.fmean(1 / sim(k, schedule_steps(args.mtbf_steps, args.max_steps, s), own) - 1 for s in seeds) for k in ks]
+            sets.append(fit_optimum(ks, w, args.max_steps)["optimum"])
+        sets = [x for x in sets if math.isfinite(x)]
+        power = {"median": statistics.median(sets), "sd": sd(sets),
+                 "within_10pct": sum(abs(x / k_young_own - 1) <= 0.1 for x in sets) / len(sets)}
         best = max(summary, key=lambda s: s["measured"])["every"]
         print(f"\nagreement, |measured - simulated| per run (goodput points): sweep's costs {100 * agree['sim_own']:.2f},"
               f" calibration costs {100 * agree['sim_cal']:.2f}, each run's own costs {100 * agree['sim_run']:.2f}")
@@ -273,10 +289,13 @@ def main() -> None:
             print(f"fit {name:>12}: waste = {f['a']:.4f} n_saves/N + {f['b']:.5f} k + {f['c']:.4f} -> optimum {f['optimum']:.2f} steps")
         opt = fits["measured"]["optimum"]
         print(f"optimum: measured (fit) {opt:.2f} steps = {opt / k_young:.3f} x Young {k_young:.2f} ({100 * (opt / k_young - 1):+.1f} %);"
-              f" leave-one-seed-out {min(jack):.2f}..{max(jack):.2f}; best grid point {best}; Daly {k_daly:.2f}")
-        result |= {"agreement": agree, "fits": fits, "jackknife": jack, "best_grid": best}
+              f" leave-one-seed-out {min(jack):.2f}..{max(jack):.2f}; best grid point {best}; Daly {k_daly:.2f};"
+              f" Young with the sweep's costs {k_young_own:.2f} ({100 * (opt / k_young_own - 1):+.1f} %)")
+        print(f"design power: fitted optimum of simulated sweeps over 200 other seed sets: median {power['median']:.2f},"
+              f" sd {power['sd']:.2f} steps; within 10 % of Young {k_young_own:.2f}: {100 * power['within_10pct']:.0f} % of sets")
+        result |= {"agreement": agree, "fits": fits, "jackknife": jack, "best_grid": best, "power": power}
         if args.plot:
-            plot(args.plot, summary, fits, k_young, k_daly, args.max_steps,
+            plot(args.plot, summary, fits, k_young, k_young_own, k_daly, args.max_steps,
                  f"{len(args.seeds)} seeds x {args.max_steps} steps, MTBF {args.mtbf_steps:g} steps, "
                  f"step {own['step_s']:.3f} s, save {own['delta_s']:.3f} s, R {own['restart_s']:.2f} s")
     (args.workdir / "validate.json").write_text(json.dumps(result, indent=1))
