@@ -1,7 +1,11 @@
 """Young/Daly against real runs: goodput vs checkpoint interval under seeded random rank crashes.
 
-    python experiments/checkpoint_interval/validate.py --workdir /tmp/ckpt_interval \\
-        --mtbf-steps 12 --max-steps 160 --seeds 0 1 2 3 --extra trainer.preload_ranks=true tracking=none
+    python experiments/checkpoint_interval/validate.py --workdir /dev/shm/ckpt_interval \\
+        --mtbf-steps 18 --max-steps 120 --seeds 0 1 2 3 --extra trainer.preload_ranks=true tracking=none \\
+        model.n_layer=2 model.d_model=512 model.n_head=8 trainer.micro_batch_size=1 trainer.global_batch_size=2 \\
+        data.seq_len=64
+
+(the setup of experiments/checkpoint_interval/README.md, "Validation on real runs", and why).
 
 Every run's outputs stay in ``--workdir``; a run whose outputs are complete is not run again, so
 the sweep can be run in chunks (``--intervals`` / ``--seeds`` subsets) and ``--collect`` reports
@@ -168,8 +172,8 @@ def plot(path: Path, summary: list[dict], fits: dict, k_young: float, k_young_ow
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", type=Path, required=True, help="scratch folder (outputs/, checkpoints/, results)")
-    p.add_argument("--mtbf-steps", type=float, default=12.0)
-    p.add_argument("--max-steps", type=int, default=160)
+    p.add_argument("--mtbf-steps", type=float, default=18.0)
+    p.add_argument("--max-steps", type=int, default=120)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--multipliers", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5, 2.0, 4.0],
                    help="intervals as multiples of Young's k* (unless --intervals)")
