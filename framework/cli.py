@@ -4,7 +4,7 @@
 (:mod:`framework.train`). Before Hydra starts, :func:`precheck` composes and validates a single
 run's config so that every bad input is one ``trainlab: error:`` line with exit code 2 (no
 output folder is made). Exit codes: 0 done, 1 training failed (in a sweep: at least one job
-failed, after every job has run), 2 bad input, 75 preempted (SIGTERM/SIGUSR1; the same command
+failed, after every job has run), 2 bad input, 75 preempted (SIGTERM/SIGUSR1/SIGUSR2; the same command
 resumes: :mod:`framework.faults.preemption`), 130 interrupted.
 
 Importing this module registers the ``tl_run_name`` resolver that ``conf/config.yaml`` names
@@ -22,8 +22,11 @@ from typing import Any, Callable
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from framework import slurm
 from framework.config import CONF_DIR, fail, near_keys, path_safe
 from framework.config.schema import ConfigError
+
+slurm.register_launchers()  # hydra/launcher=submitit_slurm|submitit_local with trainlab's resources mapped in
 
 
 
@@ -57,6 +60,17 @@ def run_dir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | 
 
 
 OmegaConf.register_new_resolver("tl_run_dir", run_dir_for_node, replace=True)
+
+
+def sweep_subdir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None) -> str:
+    """A sweep job's Hydra sub-folder: the run name on node 0, node k's folder on the others
+    (:func:`framework.nodes.hydra_sweep_subdir`)."""
+    from framework.nodes import hydra_sweep_subdir
+
+    return hydra_sweep_subdir(experiment_name, run_name, checkpoint_dir, node_rank)
+
+
+OmegaConf.register_new_resolver("tl_sweep_subdir", sweep_subdir_for_node, replace=True)
 
 
 FAILED_JOBS: list[str] = []
@@ -144,6 +158,9 @@ def precheck(argv: list[str]) -> Any:
     validated run (:class:`~framework.config.resolved.ResolvedRun`), None when left to Hydra.
     """
     check_group_choices(argv)
+    launcher_error = slurm.check_launcher(argv)  # e.g. submitit_slurm without sbatch on PATH
+    if launcher_error:
+        fail(launcher_error)
     if any(a.startswith("-") for a in argv):
         return None
     from hydra import compose, initialize_config_dir

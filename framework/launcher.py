@@ -113,9 +113,10 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
         **rdzv,
         max_restarts=run.trainer.max_restarts if max_restarts is None else max_restarts,
         monitor_interval=0.2,
-        # The agent forwards these to the ranks (SIGUSR1 too: Slurm's --signal warning), then waits
+        # The agent forwards these to the ranks (SIGUSR1/SIGUSR2 too: Slurm's --signal warning, as usually
+        # asked / as submitit asks it: framework.faults.preemption.PREEMPT_SIGNALS), then waits
         # stop_grace_s for them to finish the step and save (framework.callbacks.preemption) before SIGKILL.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
         shutdown_timeout=run.trainer.stop_grace_s,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(launch.run_dir / "elastic")),

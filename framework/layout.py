@@ -107,6 +107,34 @@ class ParallelLayout:
         """Which data shard global ``rank`` reads: its ``dp`` coordinate (TP and PP peers read the same data)."""
         return self.coordinates(rank)["dp"]
 
+    def node_of(self, rank: int) -> int:
+        """The node of global ``rank``: ``rank // nproc_per_node`` (node ``k`` holds ranks ``k * nproc_per_node`` ..)."""
+        return rank // self.nproc_per_node
+
+    def nodes_per_group(self, axis: str) -> int:
+        """The most nodes one process group of mesh axis ``axis`` spans (1: every such group is inside a node).
+
+        A group of ``axis`` is the ranks that differ only in their ``axis`` coordinate. With TP
+        innermost, a TP group stays in a node when ``tp`` divides ``nproc_per_node``; which of DP
+        and PP cross nodes depends on the sizes (dp4 on 2 nodes: dp spans 2; dp2 x tp2 x pp2 on 2
+        nodes of 4 ranks: each node is one pipeline stage, pp spans 2, dp 1). Enumerates the ranks
+        (O(world_size)).
+
+        Raises:
+            KeyError: an unknown axis name.
+        """
+        self.degree(axis)  # KeyError on an unknown axis
+        nodes: dict[tuple[int, ...], set[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            nodes.setdefault(tuple(v for k, v in c.items() if k != axis), set()).add(self.node_of(rank))
+        return max(len(v) for v in nodes.values())
+
+    def cross_node_axes(self) -> tuple[str, ...]:
+        """The mesh axes (in :data:`MESH_DIM_NAMES` order) whose groups span more than one node: their
+        collectives cross the network between nodes (MLflow param ``derived.cross_node_axes``)."""
+        return tuple(a for a in MESH_DIM_NAMES if self.degree(a) > 1 and self.nodes_per_group(a) > 1)
+
     def describe(self) -> str:
         """``dp2-tp1-pp1``: the layout as a short tag (MLflow tag ``layout``)."""
         return f"dp{self.dp}-tp{self.tp}-pp{self.pp}"

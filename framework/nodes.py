@@ -38,6 +38,10 @@ from framework.config.schema import ConfigError
 MARKER = ".trainlab-node0.json"
 """Node 0's marker in the checkpoint folder: ``{"id": <rendezvous id>, "t": <Unix time>}``."""
 
+NODE_POLICIES = ("restart", "shrink")
+"""The resilience policies of a multi-node run: a lost node is restarted by the drivers, or node 0 goes on alone
+(:func:`framework.faults.supervisor.supervise`)."""
+
 SLURM_PORT = 29500
 """The rendezvous port under Slurm when ``rendezvous.endpoint`` is null (torchrun's default port)."""
 
@@ -93,12 +97,15 @@ def resolve_nodes(run, env: Mapping[str, str] = os.environ) -> Optional[NodeSpec
                       f" (allowed: 0..{par.nnodes - 1})")
     from framework.faults.schedule import faults_enabled
 
-    if faults_enabled(run):
-        errors.append(f"fault={run.fault.name} / resilience={run.resilience.policy}: fault injection and recovery run on"
-                      f" one node only yet (parallelism.nnodes={par.nnodes}; allowed: fault=none resilience=none)")
+    if faults_enabled(run) and (run.resilience.policy not in NODE_POLICIES or run.fault.events or run.fault.mtbf_steps > 0
+                                or run.resilience.skip_steps):
+        errors.append(f"fault={run.fault.name} / resilience={run.resilience.policy}: fault injection and the in-process"
+                      f" policies run on one node only yet (parallelism.nnodes={par.nnodes}; allowed: fault=none"
+                      f" resilience={'|'.join(('none', *NODE_POLICIES))})")
     if run.trainer.max_restarts:
-        errors.append(f"trainer.max_restarts={run.trainer.max_restarts}: restarts across nodes are not supported yet"
-                      f" (allowed with parallelism.nnodes={par.nnodes}: 0)")
+        errors.append(f"trainer.max_restarts={run.trainer.max_restarts}: the elastic agent cannot restart ranks across"
+                      f" nodes with the static rendezvous (allowed with parallelism.nnodes={par.nnodes}: 0; use"
+                      " resilience=restart, whose restarts the drivers make)")
     if errors:
         raise ConfigError("; ".join(errors))
     # the agent names its log folder after the id: path-safe characters only
@@ -118,6 +125,17 @@ def hydra_run_dir(experiment_name: str, run_name: str, checkpoint_dir: Optional[
     if rank <= 0:
         return f"outputs/{experiment_name}/{run_name}"
     return str(node_dir(checkpoint_dir or f"checkpoints/{experiment_name}/{run_name}", rank))
+
+
+def hydra_sweep_subdir(experiment_name: str, run_name: str, checkpoint_dir: Optional[str], node_rank: Optional[int]) -> str:
+    """A sweep job's Hydra sub-folder (under ``hydra.sweep.dir`` = ``outputs/<experiment>``): the run name on
+    node 0, and on the other nodes :func:`hydra_run_dir`'s folder as an absolute path (which replaces the sweep
+    folder), so that a multi-node job of a sweep (e.g. ``-m hydra/launcher=submitit_slurm parallelism.nnodes=2``)
+    keeps node k's files and lock out of node 0's run folder (the ``tl_sweep_subdir`` resolver)."""
+    rank = node_rank if node_rank is not None else int(os.environ.get("SLURM_NODEID", "0"))
+    if rank <= 0:
+        return run_name
+    return str(Path(hydra_run_dir(experiment_name, run_name, checkpoint_dir, rank)).absolute())
 
 
 def check_endpoint(nodes: NodeSpec) -> None:

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -280,6 +281,24 @@ class JobOutcome:
 
 OUTCOMES: list[JobOutcome] = []
 
+OUTCOME_FILE = "sweep_outcome.json"
+"""A job's :class:`JobOutcome` in its run folder (with the writer's ``pid`` and time ``t``): how the
+sweep learns the outcomes of jobs run in other processes (``hydra/launcher=submitit_slurm``)."""
+
+
+def remote_outcomes(sweep_dir: Path, since: float) -> list[JobOutcome]:
+    """Outcomes that jobs in other processes wrote under ``sweep_dir`` (``<job>/`` :data:`OUTCOME_FILE`)
+    since ``since`` (Unix seconds), by job name."""
+    found = []
+    for path in sorted(Path(sweep_dir).glob(f"*/{OUTCOME_FILE}")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.pop("pid", None) != os.getpid() and rec.pop("t", 0) >= since:
+            found.append(JobOutcome(**rec))
+    return found
+
 
 def _settings() -> dict[str, Any]:
     """The sweep callback's settings (``hydra.callbacks.trainlab_sweep``) of the running job."""
@@ -317,7 +336,10 @@ def record_job(run_dir: Path, status: str, reason: str = "") -> float | None:
         elif limit is not None and peak is not None and peak > float(limit) * GIB:
             reason = f"peak memory {peak / GIB:.3f} GiB > max_peak_mem_gib {float(limit):g}"
             objective = None
-    OUTCOMES.append(JobOutcome(name, swept, status, reason, objective, peak))
+    outcome = JobOutcome(name, swept, status, reason, objective, peak)
+    OUTCOMES.append(outcome)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / OUTCOME_FILE).write_text(json.dumps({**asdict(outcome), "pid": os.getpid(), "t": time.time()}))
     if reason and sweep is not None:
         print(f"trainlab: sweep job {name}: {status}: {reason}", file=sys.stderr, flush=True)
     return objective
@@ -386,6 +408,7 @@ class SweepCallback(Callback):
         self.max_peak_mem_gib = max_peak_mem_gib
         self.report = report
         self.sweep: Sweep | None = None
+        self.started = 0.0  # when this sweep started (Unix seconds)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from framework.config.schema import ConfigError
@@ -398,6 +421,7 @@ class SweepCallback(Callback):
         sweep.command = " ".join(["python -m framework.train", *sys.argv[1:]])
         _hold_lock(Path("outputs") / str(config.experiment_name) / sweep.name, "sweep")
         OUTCOMES.clear()
+        self.started = time.time()
         if config.tracking.enabled:
             try:
                 sweep.tracking_uri = str(config.tracking.uri)
@@ -416,6 +440,12 @@ class SweepCallback(Callback):
         os.environ.pop(SWEEP_ENV, None)
         if sweep is None:
             return
+        # jobs a launcher ran in other processes (submitit: Slurm jobs) reported through their run folders
+        remote = remote_outcomes(Path("outputs") / str(config.experiment_name) / sweep.name, self.started)
+        OUTCOMES.extend(remote)
+        from framework import cli
+
+        cli.FAILED_JOBS.extend(o.name for o in remote if o.status != "FINISHED")
         print("\n" + outcome_table(OUTCOMES, self.objective), flush=True)
         best = best_outcome(OUTCOMES)
         if best is not None:

@@ -181,12 +181,14 @@ def _first_line(err: BaseException) -> str:
 
 
 def derived_params(resolved: Any, model: Any) -> dict[str, Any]:
-    """Values the driver derived (layout, batch split in sequences, tokens per step, checkpoint
-    folder) and the model's size (``model``: the configured GPT, e.g. on the meta device)."""
+    """Values the driver derived (layout, its nodes and the mesh axes whose groups cross nodes, batch split in
+    sequences, tokens per step, checkpoint folder) and the model's size (``model``: the configured GPT, e.g. on the meta device)."""
     lay = resolved.layout
     return {
         "derived.dp_degree": lay.dp, "derived.tp_degree": lay.tp, "derived.pp_degree": lay.pp,
-        "derived.world_size": resolved.world_size, "derived.micro_batch_size": resolved.micro_batch_size,
+        "derived.world_size": resolved.world_size, "derived.nnodes": lay.nnodes, "derived.nproc_per_node": lay.nproc_per_node,
+        "derived.cross_node_axes": ",".join(lay.cross_node_axes()) or "none",
+        "derived.micro_batch_size": resolved.micro_batch_size,
         "derived.grad_accum_steps": resolved.grad_accum_steps, "derived.global_batch_size": resolved.global_batch_size,
         "derived.tokens_per_step": resolved.tokens_per_step, "derived.checkpoint_dir": resolved.checkpoint_dir,
         "derived.vocab_size": model.vocab_size, "model.num_params": model.num_params(exclude_position_embedding=False),

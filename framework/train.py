@@ -14,6 +14,7 @@ the sweep around it is :mod:`framework.sweep`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,8 +36,9 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
     default, None when the job failed; what the Optuna sweeper maximises), else None. Exits with
     code 2 on a configuration error (in a sweep: the job is a FAILED child and the sweep goes on),
     1 when training failed outside a sweep (in a sweep the run ends FAILED and the job returns),
-    130 when interrupted (Ctrl-C), 75 when preempted (SIGTERM/SIGUSR1: the ranks saved the step
-    they were in; :mod:`framework.faults.preemption`). The run's locks are held for the job and released when it ends.
+    130 when interrupted (Ctrl-C), 75 when preempted (SIGTERM/SIGUSR1/SIGUSR2: the ranks saved the step
+    they were in; :mod:`framework.faults.preemption`); in a submitit Slurm job preempted by submitit's
+    signal, submitit requeues the job instead (:func:`framework.slurm.requeue_after_save`). The run's locks are held for the job and released when it ends.
     """
     from framework import sweep
 
@@ -76,11 +78,14 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
 
     from framework import sweep
     from framework.checkpoint.resume import select_resume
-    from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, preemption_outcome, record_preemption
+    from framework.faults.preemption import (EXIT_PREEMPTED, PREEMPT_SIGNALS, EarlySignals, preemption_outcome,
+                                             record_preemption)
     from framework.faults.supervisor import supervise
     from framework.launch import LaunchSpec
+    from framework.slurm import SubmititHandlers, requeue_after_save
     from framework.tracking import finish_driver_run, log_token_cache_input, open_driver_run
 
+    submitit_handlers = SubmititHandlers()  # in a submitit Slurm job: its requeue handler, before the agent installs its own
     run = resolved.run
     resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # auto: the newest intact checkpoint
     if resume.path:
@@ -116,8 +121,20 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
     status, error, preempted = "FAILED", None, None
     (run_dir / "error.txt").unlink(missing_ok=True)  # a resumed run starts without its last failure
     started_at = time.time()
+
+    def preempted_before_ranks(sig: Any) -> None:  # the main thread is blocked (node 0's agent waits for the nodes)
+        outcome = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=sig.name,
+                                     before_ranks=True, t_signal=early.t_signal)
+        if tracker is not None:
+            record_preemption(tracker, outcome)
+            finish_driver_run(tracker, "KILLED", run_dir=run_dir, started_at=started_at, error=None, resumed=bool(resume.path))
+        print(f"trainlab: preempted: {outcome.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
+        os._exit(EXIT_PREEMPTED)
+
+    early = EarlySignals(preempted_before_ranks)
     try:
-        supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
+        with early:
+            supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
         preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at)  # the ranks got the signal
         status = "KILLED" if preempted else "FINISHED"
         if tracker is not None and not preempted:
@@ -127,7 +144,8 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         if getattr(err, "sigval", None) not in PREEMPT_SIGNALS:  # Ctrl-C
             print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
             raise SystemExit(130)
-        preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=err.sigval.name)
+        preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=err.sigval.name,
+                                       before_ranks=early.fired is not None, t_signal=early.t_signal)
     except Exception as err:
         error = str(err).strip()
         _record_failure(run_dir, run.run_name, err)
@@ -137,6 +155,10 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
             record_preemption(tracker, preempted)
             finish_driver_run(tracker, status, run_dir=run_dir, started_at=started_at, error=error,
                               resumed=bool(resume.path))
+    if preempted and submitit_handlers.requeues(preempted.signal):  # the ranks saved: now submitit requeues the job
+        print(f"trainlab: preempted: {preempted.describe()}; submitit requeues the Slurm job, which resumes the run",
+              file=sys.stderr, flush=True)
+        requeue_after_save(submitit_handlers)
     if preempted:
         print(f"trainlab: preempted: {preempted.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_PREEMPTED)
@@ -152,6 +174,7 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
 
     from framework.checkpoint.resume import select_resume
     from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS
+    from framework.faults.supervisor import max_restarts_for
     from framework.launch import LaunchSpec
     from framework.launcher import launch_ranks
     from framework.nodes import check_endpoint, wait_for_shared_folder
@@ -162,26 +185,36 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
         wait_for_shared_folder(resolved.checkpoint_dir, nodes)
     except ConfigError as err:
         cli.fail(str(err))
-    resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # the folder node 0 reads: the same choice
-    if resume.step >= run.trainer.max_steps and run.resume == "auto":
-        print(f"{me}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train", flush=True)
-        return
-    launch = LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=resume.path,
-                        token_cache_dir=str(cache.dir), nodes=nodes)
-    print(f"{me} of {nodes.nnodes}: ranks {nodes.node_rank * resolved.nproc_per_node}.."
-          f"{(nodes.node_rank + 1) * resolved.nproc_per_node - 1}, rendezvous {nodes.endpoint}"
-          + (f", resuming from {resume.path}" if resume.path else ""), flush=True)
-    try:
-        launch_ranks(launch)
-    except (KeyboardInterrupt, SignalException) as err:
-        if getattr(err, "sigval", None) in PREEMPT_SIGNALS:
-            print(f"{me}: preempted ({err.sigval.name}); node 0's driver records the run", file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_PREEMPTED)
-        print(f"{me}: interrupted", file=sys.stderr, flush=True)
-        raise SystemExit(130)
-    except Exception as err:
-        print(f"{me}: error: training failed: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+    restarts = 0  # resilience=restart: this driver relaunches its ranks as node 0's does (framework/faults/supervisor.py)
+    while True:
+        resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # the folder node 0 reads: the same choice
+        if resume.step >= run.trainer.max_steps and run.resume == "auto":
+            print(f"{me}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train",
+                  flush=True)
+            return
+        launch = LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=resume.path,
+                            token_cache_dir=str(cache.dir), nodes=nodes, launch_index=restarts)
+        print(f"{me} of {nodes.nnodes}: ranks {nodes.node_rank * resolved.nproc_per_node}.."
+              f"{(nodes.node_rank + 1) * resolved.nproc_per_node - 1}, rendezvous {nodes.endpoint}"
+              + (f", resuming from {resume.path}" if resume.path else ""), flush=True)
+        try:
+            launch_ranks(launch, max_restarts=0)  # the agent cannot restart across nodes (static rendezvous)
+            break
+        except (KeyboardInterrupt, SignalException) as err:
+            if getattr(err, "sigval", None) in PREEMPT_SIGNALS:
+                print(f"{me}: preempted ({err.sigval.name}); node 0's driver records the run", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_PREEMPTED)
+            print(f"{me}: interrupted", file=sys.stderr, flush=True)
+            raise SystemExit(130)
+        except Exception as err:
+            if run.resilience.policy == "restart" and restarts < max_restarts_for(run):
+                restarts += 1
+                print(f"{me}: the ranks failed ({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__});"
+                      f" restart {restarts}/{max_restarts_for(run)}: joining node 0 again", file=sys.stderr, flush=True)
+                continue
+            alone = " (resilience=shrink: node 0 goes on alone)" if run.resilience.policy == "shrink" else ""
+            print(f"{me}: error: training failed{alone}: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
     print(f"{me}: ranks finished; node 0's driver records the run", flush=True)
 
 

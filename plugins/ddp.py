@@ -27,7 +27,7 @@ from framework.config.schema import ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
 from framework.cost.comm import CommEstimate, ModelStats, ddp_comm_volume
 from framework.cost.memory import replicated_adamw_model_states_bytes
-from framework.metrics.timing import CommMeter
+from framework.metrics.timing import WORLD, CommMeter
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin
 
@@ -50,7 +50,7 @@ def _metered_allreduce_hook(meter, bucket):  # no annotations: DDP rejects strin
     ``meter``: a :class:`CommMeter`; ``bucket``: a ``dist.GradBucket``; returns the future of the averaged bucket.
     """
     buf = bucket.buffer()
-    rec = meter.launch("allreduce", buf.numel() * buf.element_size())
+    rec = meter.launch("allreduce", buf.numel() * buf.element_size(), WORLD)  # the default hook: the world group
 
     def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         meter.complete(rec)

@@ -30,7 +30,7 @@ from framework.config.schema import ConfigError, ParallelConfig
 from framework.distributed import process_group_backend, resolve_accelerator
 from framework.cost.comm import CommEstimate, ModelStats, fsdp_comm_volume
 from framework.cost.memory import fsdp_model_states_bytes
-from framework.metrics.timing import CommMeter
+from framework.metrics.timing import CommMeter, call_group
 from framework.parallelize import ParallelPlan
 from framework.plugin import ParallelPlugin, PluginCapabilities
 from framework.registry import register_plugin
@@ -129,7 +129,7 @@ class FSDPPlugin(ParallelPlugin):
 
             def metered(*args, **kwargs):
                 t = args[payload_arg] if len(args) > payload_arg else kwargs[PAYLOAD_KWARG[kind]]
-                rec = meter.launch(kind, t.numel() * t.element_size())
+                rec = meter.launch(kind, t.numel() * t.element_size(), call_group(inner, args, kwargs))
                 out = inner(*args, **kwargs)
                 meter.complete(rec)
                 return out

@@ -53,7 +53,9 @@ logging step: ``perf/<category>_s``, ``perf/<category>_frac``, ``perf/breakdown_
 ``perf/step_time_std_s``; ``perf/comm_bytes`` (payload bytes per step, measured by the
 plugin's collectives through :class:`~framework.metrics.timing.CommMeter`), by kind
 ``perf/comm_bytes_<kind>``, ring bytes on the wire ``perf/comm_bytes_wire`` (derived from the
-measured payload of each kind with the group size the plugin's estimate gives that kind), and
+measured payload of each kind with the group size the plugin's estimate gives that kind), on
+several nodes ``perf/comm_bytes_inter_node`` / ``perf/comm_bytes_intra_node`` (the payload of
+collectives whose process group spans nodes / stays in one, from each collective's group), and
 the plugin's model ``perf/comm_bytes_model`` / ``perf/comm_bytes_wire_model``; ``mem/peak_bytes`` (max over ranks),
 ``mem/model_states_bytes`` (the largest sample of a logged step -- after each backward, before
 the optimizer step and at the step's end --, max over ranks) and ``mem/model_states_bytes_model``. At the end,
@@ -187,7 +189,7 @@ class StepBreakdown(pl.Callback):
     # -- hooks ---------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.clock = make_clock(pl_module.device)
-        self.meter = CommMeter(self.clock)
+        self.meter = CommMeter(self.clock, ranks_per_node=self.resolved.layout.nproc_per_node)
         self.meter.close()  # counts inside the training window only (module docstring)
         self.plugin.install_comm_meter(trainer.strategy.model, self.meter)
         if trainer.optimizers:
@@ -278,6 +280,7 @@ class StepBreakdown(pl.Callback):
         walls: list[float] = []
         inflight = 0.0
         bytes_by_kind: dict[str, int] = defaultdict(int)
+        inter: int | None = 0
         for st in self._window:
             sec, fl = self._resolve(st)
             for k, v in sec.items():
@@ -288,6 +291,8 @@ class StepBreakdown(pl.Callback):
             inflight += fl
             for k, v in CommMeter.bytes_by_kind(st.comm).items():
                 bytes_by_kind[k] += v
+            step_inter = CommMeter.inter_node_bytes(st.comm)
+            inter = None if inter is None or step_inter is None else inter + step_inter
         wall = sum(walls)
         out = {f"perf/{k}_s": v / n for k, v in sums.items()}
         out.update({f"perf/{k}_frac": (v / wall if wall > 0 else 0.0) for k, v in sums.items()})
@@ -298,6 +303,9 @@ class StepBreakdown(pl.Callback):
         out["perf/comm_bytes"] = float(sum(payload.values()))
         out["perf/comm_bytes_wire"] = float(self.estimate.wire_bytes(payload))
         out.update({f"perf/comm_bytes_{k}": float(v) for k, v in payload.items()})
+        if self.resolved.layout.nnodes > 1 and inter is not None:  # every collective's group known
+            out["perf/comm_bytes_inter_node"] = inter / n
+            out["perf/comm_bytes_intra_node"] = out["perf/comm_bytes"] - inter / n
         return out
 
     def add_logging_time(self, seconds: float) -> None:

@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM, or SIGUSR1 (Slurm's ``--signal`` warning), stops every rank after the
+"""Preemption: SIGTERM, or SIGUSR1/SIGUSR2 (Slurm's ``--signal`` warning; submitit asks for SIGUSR2), stops every rank after the
 optimizer step in progress, with a checkpoint of that step, so no finished step is lost.
 
 In each rank the signal only sets a flag (:func:`install_handlers`; nothing else is safe inside

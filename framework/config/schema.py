@@ -382,6 +382,33 @@ class RendezvousConfig:
                      f"rendezvous.endpoint={self.endpoint!r} is not host:port (e.g. node0.cluster:29500)")
 
 
+@dataclass
+class SlurmConfig:
+    """What a job asks Slurm for under ``hydra/launcher=submitit_slurm`` / ``submitit_local``
+    (hydra-submitit-launcher; the mapping is ``conf/hydra/launcher/*.yaml`` and :mod:`framework.slurm`).
+
+    Nodes come from ``parallelism.nnodes`` (one trainlab driver per node: ``tasks_per_node=1``),
+    CPUs per task from the ranks per node and ``cpus_per_rank``, GPUs from the ranks per node
+    when ``trainer.accelerator=cuda``. Ignored by the default (local) launcher.
+    """
+
+    partition: Optional[str] = None  # Slurm partition; null: the cluster's default partition
+    timeout_min: int = 60  # the job's time limit (minutes)
+    signal_delay_s: int = 120  # Slurm sends submitit's signal (SIGUSR2) this many seconds before the time limit
+    max_timeouts: int = 3  # requeues after reaching the time limit (preemptions requeue without limit)
+    cpus_per_rank: int = 1  # CPU cores reserved per rank; trainer.threads_per_rank, when set, wins
+    gpus_per_node: Optional[int] = None  # null: the ranks per node with trainer.accelerator=cuda, else none
+    mem_gb: Optional[int] = None  # memory per node (GB); null: the partition's default
+
+    def __post_init__(self) -> None:
+        _require(self.timeout_min > 0, f"slurm.timeout_min={self.timeout_min} must be > 0 (minutes)")
+        _require(self.signal_delay_s >= 0, f"slurm.signal_delay_s={self.signal_delay_s} must be >= 0 (seconds)")
+        _require(self.max_timeouts >= 0, f"slurm.max_timeouts={self.max_timeouts} must be >= 0")
+        _require(self.cpus_per_rank >= 1, f"slurm.cpus_per_rank={self.cpus_per_rank} must be >= 1")
+        _require(self.gpus_per_node is None or self.gpus_per_node >= 0, f"slurm.gpus_per_node={self.gpus_per_node} must be >= 0 or null")
+        _require(self.mem_gb is None or self.mem_gb > 0, f"slurm.mem_gb={self.mem_gb} must be > 0 or null")
+
+
 RESUME_MODES = ("auto", "never")
 
 
@@ -399,6 +426,7 @@ class RunConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)  # injected faults (framework/faults/)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)  # detection and recovery policy
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)  # how the nodes find each other (nnodes > 1)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # resources asked of Slurm (hydra/launcher=submitit_slurm)
     experiment_name: str = "default"  # MLflow experiment; experiment presets set it
     experiment_description: str = ""  # the MLflow experiment's description (a study's question); "" = left as it is
     run_name: str = "default"  # MLflow run name and checkpoint sub-folder (from the overrides)

@@ -56,7 +56,9 @@ def resolve_shrunk(run: Any, world_size: int) -> ResolvedRun:
     """``run`` resolved at the first world size of :func:`shrink_targets` that validates.
 
     ``global_batch_size`` and ``micro_batch_size`` are kept and ``grad_accum_steps`` re-derived
-    (data parallel only: ``dp_degree == world_size``). The listed faults are dropped from the copy
+    (data parallel only: ``dp_degree == world_size``). A multi-node run (``parallelism.nnodes > 1``)
+    shrinks to node 0 alone: ``world_size / nnodes`` ranks on one node (``resilience.shrink_to``
+    and ``min_world_size`` do not apply). The listed faults are dropped from the copy
     (the schedule already lives in the launch object; ranks that no longer exist cannot be
     checked against the new world size). Called by the driver (and by ``validate`` for the first
     shrink); the ranks of the next launch receive the result and validate nothing.
@@ -70,10 +72,13 @@ def resolve_shrunk(run: Any, world_size: int) -> ResolvedRun:
     t, r = run.trainer, run.resilience
     gbs, mbs, _ = _batch(run, world_size, derive_batch)
     tried, other = [], []
-    for w in shrink_targets(world_size, r.shrink_to, r.min_world_size):
+    nnodes = run.parallelism.nnodes
+    # several nodes: a lost node leaves node 0 alone (its driver relaunches only its own ranks), at its ranks per node
+    targets = [world_size // nnodes] if nnodes > 1 else shrink_targets(world_size, r.shrink_to, r.min_world_size)
+    for w in targets:
         new = dataclasses.replace(
             run,
-            parallelism=dataclasses.replace(run.parallelism, world_size=w, dp_degree=-1),
+            parallelism=dataclasses.replace(run.parallelism, world_size=w, dp_degree=-1, nnodes=1, nproc_per_node=None),
             trainer=dataclasses.replace(t, global_batch_size=gbs, micro_batch_size=mbs, grad_accum_steps=None),
             fault=dataclasses.replace(run.fault, events=[], mtbf_steps=0.0),
         )
@@ -83,7 +88,8 @@ def resolve_shrunk(run: Any, world_size: int) -> ResolvedRun:
             tried.append(w)
             if gbs % (mbs * w) == 0:  # the batch divides: another rule refused this size
                 other.append(f"dp {w}: {err}")
-    target = "one rank less" if r.shrink_to is None else f"resilience.shrink_to={_fmt(r.shrink_to)}"
+    target = ("node 0 alone" if nnodes > 1 else
+              "one rank less" if r.shrink_to is None else f"resilience.shrink_to={_fmt(r.shrink_to)}")
     raise ConfigError(
         f"resilience.policy=shrink: no smaller layout keeps global_batch_size={gbs} at micro_batch_size={mbs}"
         f" (from world_size {world_size}, {target}, resilience.min_world_size={r.min_world_size}); dp degrees tried:"

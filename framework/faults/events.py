@@ -22,7 +22,10 @@ Records (``ev`` field; ``t`` = Unix time in seconds, ``step`` = optimizer step, 
 - ``skipped``: a rank dropped step ``step``'s update (``rank``, ``reason``).
 - ``rollback``: the ranks went back from ``from_step`` to the snapshot at ``to_step``.
 - ``resume_skipped_corrupt``: a restarted rank passed over a corrupt checkpoint (``path``).
-- ``shrink``: the driver relaunched with fewer ranks (``from_world``, ``to_world``).
+- ``shrink``: the driver relaunched with fewer ranks (``from_world``, ``to_world``; several nodes: node 0 alone).
+- ``node_restart``: node 0's driver of a multi-node run relaunched every node's ranks after they failed
+  (``restart``: its number, ``step``: the checkpoint resumed, ``reason``: the failure's first line);
+  :func:`framework.faults.supervisor.supervise`.
 - ``abort``: the policy gave up after ``faults`` detected faults.
 - ``preempted``: the ranks stopped for a preemption (``signal``, ``step_at_signal``, ``saved_step``,
   ``t_signal``: when rank 0 got the signal); :mod:`framework.faults.preemption`.

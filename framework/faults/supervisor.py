@@ -63,7 +63,9 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
         ShrinkImpossible: the ranks failed under ``shrink`` and no smaller layout keeps the
             global batch (the one-line reason of :func:`~framework.faults.elastic.resolve_shrunk`).
     """
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     from framework.faults.schedule import build_schedule, faults_enabled
     from framework.launcher import launch_ranks
@@ -81,15 +83,24 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
         if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
             kinds = sorted({e["kind"] for e in launch.fault_schedule})
             tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
+        # several nodes: a relaunch whose rendezvous times out (a lost node did not come back) failed as well
+        node_errors = (DistError, RendezvousError)
+        node_restarts = 0  # several nodes: the driver's relaunches of every node (the agent restarts none)
         while True:
             try:
-                launch_ranks(launch, max_restarts=max_restarts_for(run))
+                launch_ranks(launch, max_restarts=0 if launch.nodes else max_restarts_for(run))
                 return
-            except ChildFailedError:
+            except (ChildFailedError, *node_errors) as err:
+                if not isinstance(err, ChildFailedError) and launch.nodes is None:
+                    raise
                 aborts = [r for r in log.read() if r.get("ev") == "abort"]
                 if aborts:
                     print(f"trainlab: error: the resilience policy aborted the run in step {aborts[-1]['step']}:"
                           f" {aborts[-1]['faults']} faults detected > resilience.max_faults", file=sys.stderr, flush=True)
+                if not aborts and launch.nodes is not None and node_restarts < max_restarts_for(run):
+                    node_restarts += 1
+                    launch = _relaunch_nodes(launch, log, err, node_restarts, max_restarts_for(run))
+                    continue
                 if aborts or run.resilience.policy != "shrink":
                     raise
                 try:
@@ -105,13 +116,41 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
                 print(f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
                       f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}", file=sys.stderr, flush=True)
                 launch = launch.replace(resolved=new_resolved, resume_from=str(latest) if latest else None,
-                                        launch_index=launch.launch_index + 1, shrunk_at_step=step)
+                                        launch_index=launch.launch_index + 1, shrunk_at_step=step,
+                                        nodes=None)  # several nodes: node 0 goes on alone, on a rendezvous of its own
                 shrinks.append((resolved, new_resolved, step))
                 _set_tags(tracker, shrink_tags(shrinks))
                 run, resolved = new_resolved.run, new_resolved
     finally:
         log.append("driver_end")
         report_figures(log.read(), tracker)
+
+
+def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: int, max_restarts: int) -> LaunchSpec:
+    """Node 0 of a multi-node run whose ranks failed (a rank crashed, or a node was lost: its ranks' peers
+    see the connection close): the launch of restart ``restart`` of every node, from the newest valid checkpoint.
+
+    The elastic agent cannot do it (measured, torch 2.13, ``torchrun`` static rendezvous with
+    ``--max-restarts 2``, node 1 killed): node 0's agent restarts its ranks at once, without
+    waiting for the lost node; each restarted rank reads the dead rank's gloo address from the
+    failed round's keys in the agent's store (``connectFullMesh … Connection refused``) and fails
+    within 2 s, so both restarts were spent 4 s after the kill and node 0's agent exited before
+    node 1's command came back. So every driver starts a fresh agent (a fresh store at the same endpoint); node 0's agent
+    waits up to ``rendezvous.timeout_s`` for the other nodes: their drivers' same command, started
+    again by the scheduler (or their own relaunch, :func:`framework.train`'s other-node loop).
+    Logged as a ``node_restart`` record; the ranks' ``start`` record after a failed attempt makes it a
+    restart in the recovery figures (``recovery/restarts``).
+    """
+    from framework.checkpoint.format import find_latest_valid, read_manifest
+
+    latest = find_latest_valid(launch.resolved.checkpoint_dir, warn=_warn)
+    step = read_manifest(latest)["step"] if latest else 0
+    why = str(err).strip().splitlines()
+    log.append("node_restart", restart=restart, step=step, reason=(why[0] if why else type(err).__name__)[:300])
+    print(f"trainlab: resilience: the ranks failed (a lost node, or a crashed rank); restart {restart}/{max_restarts} of"
+          f" all {launch.nodes.nnodes} nodes from {latest or 'the start'}; waiting up to rendezvous.timeout_s="
+          f"{launch.nodes.timeout_s} s for every node (start a lost node's command again)", file=sys.stderr, flush=True)
+    return launch.replace(resume_from=str(latest) if latest else None, launch_index=launch.launch_index + 1)
 
 
 def _set_tags(tracker: Any, tags: dict[str, str]) -> None:

@@ -75,15 +75,61 @@ def make_clock(device: torch.device) -> HostClock | CudaEventClock:
 
 
 class CommRecord:
-    """One collective: its kind, payload bytes, and launch / completion marks."""
+    """One collective: its kind, payload bytes, launch / completion marks, and whether its group spans nodes
+    (``inter_node``: True/False, None when unknown)."""
 
-    __slots__ = ("kind", "nbytes", "launched", "completed")
+    __slots__ = ("kind", "nbytes", "launched", "completed", "inter_node")
 
-    def __init__(self, kind: str, nbytes: int, launched: Any) -> None:
+    def __init__(self, kind: str, nbytes: int, launched: Any, inter_node: bool | None = None) -> None:
         self.kind = kind
         self.nbytes = nbytes
         self.launched = launched
         self.completed: Any = None
+        self.inter_node = inter_node
+
+
+WORLD = "world"
+"""``CommMeter.launch(..., group=WORLD)``: the collective runs on the default (world) process group."""
+
+
+def call_group(fn: Any, args: tuple, kwargs: dict, name: str = "group") -> Any:
+    """The ``group`` argument of a call ``fn(*args, **kwargs)`` of a ``torch.distributed`` collective (None when
+    not given: the default group; None also when the arguments do not bind)."""
+    import inspect
+
+    if name in kwargs:
+        return kwargs[name]
+    try:
+        sig = _SIGNATURES.get(fn) or _SIGNATURES.setdefault(fn, inspect.signature(fn))
+        return sig.bind_partial(*args, **kwargs).arguments.get(name)
+    except (TypeError, ValueError):
+        return None
+
+
+_SIGNATURES: dict[Any, Any] = {}
+
+
+def group_spans_nodes(group: Any, ranks_per_node: int) -> bool | None:
+    """Whether process group ``group`` holds ranks of more than one node (node of a global rank =
+    ``rank // ranks_per_node``, the elastic agent's numbering: node ``k`` holds ranks ``k * ranks_per_node ..``).
+
+    ``group``: a ``torch.distributed.ProcessGroup``, :data:`WORLD` or None (the default group), or
+    a list of global ranks. Returns None when it cannot tell (no process group, no ``ranks_per_node``).
+    """
+    import torch.distributed as dist
+
+    if ranks_per_node <= 0:
+        return None
+    if isinstance(group, (list, tuple)):
+        ranks = list(group)
+    else:
+        if not dist.is_initialized():
+            return None
+        try:
+            ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None or group is WORLD else group)
+        except Exception:  # not a process group (an unresolved name): unknown, never a metering failure
+            return None
+    return len({r // ranks_per_node for r in ranks}) > 1
 
 
 class CommMeter:
@@ -97,8 +143,13 @@ class CommMeter:
     dropped: ``launch`` returns None and ``complete(None)`` does nothing.
     """
 
-    def __init__(self, clock: HostClock | CudaEventClock) -> None:
+    def __init__(self, clock: HostClock | CudaEventClock, ranks_per_node: int | None = None) -> None:
+        import os
+
         self.clock = clock
+        # the agent's LOCAL_WORLD_SIZE: the ranks of one node (0: unknown; no node split)
+        self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if ranks_per_node is None else ranks_per_node
+        self._spans: dict[int, tuple[Any, bool | None]] = {}  # id(group) -> (group, spans nodes)
         self._lock = threading.Lock()
         self._records: list[CommRecord] = []
         self._open = True
@@ -131,12 +182,13 @@ class CommMeter:
                 self._pauses -= 1
 
     # -- reports (the plugin's) ----------------------------------------------------------------
-    def launch(self, kind: str, nbytes: int) -> CommRecord | None:
-        """Record the start of a collective of ``nbytes`` payload bytes; returns its record, or
-        None when the meter is not counting (the collective is dropped)."""
+    def launch(self, kind: str, nbytes: int, group: Any = None) -> CommRecord | None:
+        """Record the start of a collective of ``nbytes`` payload bytes on process group ``group``
+        (a ``ProcessGroup``, a list of global ranks, or None/:data:`WORLD`: the default group);
+        returns its record, or None when the meter is not counting (the collective is dropped)."""
         if not self.counting:
             return None
-        rec = CommRecord(kind, int(nbytes), self.clock.mark())
+        rec = CommRecord(kind, int(nbytes), self.clock.mark(), self._spans_nodes(group))
         with self._lock:
             self._records.append(rec)
         return rec
@@ -147,9 +199,19 @@ class CommMeter:
         if rec is not None:
             rec.completed = self.clock.mark()
 
-    def report(self, kind: str, nbytes: int) -> None:
-        """A collective whose launch and completion are not told apart: ``complete(launch(kind, nbytes))``."""
-        self.complete(self.launch(kind, nbytes))
+    def report(self, kind: str, nbytes: int, group: Any = None) -> None:
+        """A collective whose launch and completion are not told apart: ``complete(launch(kind, nbytes, group))``."""
+        self.complete(self.launch(kind, nbytes, group))
+
+    def _spans_nodes(self, group: Any) -> bool | None:
+        if isinstance(group, (list, tuple)):
+            return group_spans_nodes(group, self.ranks_per_node)
+        key = id(group)
+        hit = self._spans.get(key)
+        if hit is None or hit[0] is not group:  # (the group is kept, so its id is not reused)
+            hit = (group, group_spans_nodes(group, self.ranks_per_node))
+            self._spans[key] = hit
+        return hit[1]
 
     # -- reading (the framework's) ---------------------------------------------------------------
     def last_launch(self) -> Any:
@@ -162,6 +224,13 @@ class CommMeter:
         with self._lock:
             recs, self._records = self._records, []
         return recs
+
+    @staticmethod
+    def inter_node_bytes(records: list[CommRecord]) -> int | None:
+        """Payload bytes of ``records`` whose group spans nodes; None when a record's group is unknown."""
+        if any(r.inter_node is None for r in records):
+            return None
+        return sum(r.nbytes for r in records if r.inter_node)
 
     @staticmethod
     def bytes_by_kind(records: list[CommRecord]) -> dict[str, int]:

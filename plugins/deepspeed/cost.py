@@ -108,6 +108,8 @@ def meter_deepspeed_comm(meter: Any) -> None:
     """
     from deepspeed.comm import comm as ds_comm
 
+    from framework.metrics.timing import call_group
+
     cdb = ds_comm.cdb
     for method, (kind, index, keyword) in _METERED.items():
         inner = getattr(type(cdb), method, None)
@@ -116,7 +118,7 @@ def meter_deepspeed_comm(meter: Any) -> None:
 
         def metered(*args: Any, _inner=inner, _kind=kind, _index=index, _keyword=keyword, **kwargs: Any) -> Any:
             payload = args[_index] if len(args) > _index else kwargs[_keyword]
-            rec = meter.launch(_kind, _nbytes(payload))
+            rec = meter.launch(_kind, _nbytes(payload), call_group(_inner, (cdb, *args), kwargs))
             out = _inner(cdb, *args, **kwargs)
             meter.complete(rec)
             return out

@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 
+from framework.metrics.timing import call_group
+
 # function name -> (kind, how to get payload bytes from (tensor, group size))
 _FUNCOL: dict[str, tuple[str, Callable[[torch.Tensor, int], int]]] = {
     "all_reduce": ("allreduce", lambda t, n: t.numel() * t.element_size()),
@@ -51,10 +53,11 @@ class MeterSlot:
     def __init__(self) -> None:
         self.meter: Any = None
 
-    def report(self, kind: str, nbytes: int) -> None:
-        """Report one collective of ``nbytes`` payload bytes (nothing before a meter is installed)."""
+    def report(self, kind: str, nbytes: int, group: Any = None) -> None:
+        """Report one collective of ``nbytes`` payload bytes on ``group`` (:meth:`CommMeter.launch`;
+        nothing before a meter is installed)."""
         if self.meter is not None:
-            self.meter.report(kind, nbytes)
+            self.meter.report(kind, nbytes, group)
 
 
 METER = MeterSlot()  # one per process: the functional collectives are process-wide functions
@@ -69,6 +72,26 @@ def _group_size(group: Any) -> int:
     if isinstance(group, list):
         return len(group)
     return funcol._resolve_group(group).size()
+
+
+def _process_group(group: Any) -> Any:
+    """A functional collective's ``group`` as :meth:`CommMeter.launch` takes it: a ProcessGroup (a
+    ``(DeviceMesh, dim)`` pair's, or a named group's), a list of ranks, or None when unresolvable
+    (then the step's bytes are not split by node)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    if isinstance(group, list):
+        return group
+    try:
+        if isinstance(group, tuple) and len(group) == 2:
+            mesh, dim = group
+            return mesh.get_group(dim)
+        return funcol._resolve_group(group)
+    except Exception:
+        return _UNKNOWN
+
+
+_UNKNOWN = object()  # a group the meter cannot resolve (CommMeter: inter_node None)
 
 
 def install_funcol_meter() -> None:
@@ -86,7 +109,7 @@ def install_funcol_meter() -> None:
                 group = kwargs.get("group")
                 if group is None:  # positional: all_reduce(t, op, group) / all_gather(t, dim, group) / reduce_scatter(t, op, dim, group)
                     group = args[1] if kind in ("allreduce", "allgather") else args[2]
-                METER.report(kind, payload(tensor, _group_size(group) if kind == "allgather" else 1))
+                METER.report(kind, payload(tensor, _group_size(group) if kind == "allgather" else 1), _process_group(group))
                 return inner(tensor, *args, **kwargs)
 
             metered._trainlab_metered = True
@@ -97,6 +120,7 @@ def install_funcol_meter() -> None:
 
 def meter_stage_sends(stage: Any) -> None:
     """Report the bytes of every forward-activation and backward-gradient send of ``stage`` (a PipelineStage)."""
+    import torch.distributed as dist
     for method in ("get_fwd_send_ops", "get_bwd_send_ops"):
         inner = getattr(stage, method)
 
@@ -104,7 +128,7 @@ def meter_stage_sends(stage: Any) -> None:
             def metered(*args: Any, **kwargs: Any):
                 ops = inner(*args, **kwargs)
                 for op in ops:
-                    METER.report("p2p", op.tensor.numel() * op.tensor.element_size())
+                    METER.report("p2p", op.tensor.numel() * op.tensor.element_size(), [dist.get_rank(), op.peer])
                 return ops
 
             return metered
@@ -129,7 +153,7 @@ def install_fsdp_meter() -> None:
             @functools.wraps(inner)
             def metered(*args: Any, **kwargs: Any):
                 t = args[arg] if len(args) > arg else kwargs[PAYLOAD_KWARG[kind]]
-                METER.report(kind, t.numel() * t.element_size())
+                METER.report(kind, t.numel() * t.element_size(), call_group(inner, args, kwargs))
                 return inner(*args, **kwargs)
 
             metered._trainlab_metered_fsdp = True

@@ -18,6 +18,7 @@ from framework.callbacks.breakdown import StepBreakdown
 from framework.callbacks.clock import StepClock
 from framework.callbacks.validation import ValidationLoss
 from framework.cost.comm import CommEstimate
+from framework.layout import ParallelLayout
 from framework.plugin import ParallelPlugin
 
 ACCUM = 2  # micro-batches per optimizer step
@@ -99,7 +100,7 @@ def test_only_training_collectives_count_even_on_steps_with_validation(tmp_path)
     records: list[tuple[int, dict]] = []
     sink = lambda metrics, step: records.append((step, dict(metrics)))  # noqa: E731
     clock = StepClock()
-    breakdown = StepBreakdown(plugin=_EveryForwardPlugin(), resolved=SimpleNamespace(), log_every_n_steps=1,
+    breakdown = StepBreakdown(plugin=_EveryForwardPlugin(), resolved=SimpleNamespace(layout=ParallelLayout(dp=1)), log_every_n_steps=1,
                               warmup_steps_excluded=0, sinks=[sink], clock=clock)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=ACCUM, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
 
+from framework.config.validate import load_run_config
 from framework.cost.failure_sim import Policy, goodput_over_seeds, simulate
 from framework.cost.interval import (
     TwoTier,
@@ -16,6 +18,8 @@ from framework.cost.interval import (
     young_interval,
     young_waste,
 )
+from framework.faults.schedule import build_schedule
+from tests.conftest import REPO
 
 
 def test_young_and_daly_optima_match_the_published_figures():
@@ -97,3 +101,40 @@ def test_progress_tied_failures_fire_once_like_trainlab_schedule():
     r = simulate(steps=30, step_s=1.0, policy=Policy("sync", 10, 1.0), restart_s=5.0, failure_steps=[15])
     assert r.failures == 1 and r.lost_s == pytest.approx(4.0) and r.restart_s == pytest.approx(5.0)
     assert r.wall_s == pytest.approx(30 + 3 * 1.0 + 4.0 + 5.0)  # the replayed step 15 does not fail again
+
+
+def _validate_script():
+    """experiments/checkpoint_interval/validate.py as a module (it is a script, not a package)."""
+    path = REPO / "experiments" / "checkpoint_interval" / "validate.py"
+    spec = importlib.util.spec_from_file_location("checkpoint_interval_validate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_validation_replays_trainlabs_fault_schedule(compose):
+    # the script's copy of the schedule must give the failure steps the runs draw (2 ranks, rank crashes only)
+    v = _validate_script()
+    for seed in (0, 1, 2, 3, 11):
+        run = load_run_config(compose("fault=random", "fault.mtbf_steps=18", f"fault.random_seed={seed}",
+                                      "trainer.max_steps=120", "fault.random_kinds=[rank_crash]"))
+        steps = [e["step"] for e in build_schedule(run, world_size=2)]
+        assert v.schedule_steps(18, 120, seed) == steps and len(steps) > 2
+
+
+def test_progress_tied_failures_have_youngs_optimum_and_the_fit_finds_it():
+    # Failures tied to first-time steps never strike saves, restarts or replays: the expected waste is
+    # n_saves*delta + F*(R + s*E[(k-1)/2]) exactly, so the fitted optimum over many seeds is Young's sqrt(2 delta M)/s.
+    v = _validate_script()
+    s, delta, r, mtbf, n = 0.2, 0.15, 2.5, 18, 1200
+    k_young = young_interval(delta, mtbf * s) / s  # 5.2 steps
+    grid = [1, 2, 3, 5, 8, 12, 20]
+    waste = [sum(1 / simulate(steps=n, step_s=s, policy=Policy("sync", k, delta), restart_s=r,
+                              failure_steps=v.schedule_steps(mtbf, n, seed)).goodput - 1 for seed in range(100)) / 100
+             for k in grid]
+    fit = v.fit_optimum(grid, waste, n)
+    assert fit["optimum"] == pytest.approx(k_young, rel=0.05)
+    assert fit["optimum"] > 1.1 * daly_interval(delta, mtbf * s) / s  # Daly's -delta term does not apply here
+    # the fit recovers the optimum of exact a/k + b k + c data
+    exact = [0.3 * math.ceil(600 / k) / 600 + 0.004 * k + 0.1 for k in grid]
+    assert v.fit_optimum(grid, exact, 600)["optimum"] == pytest.approx(math.sqrt(0.3 / 0.004), rel=1e-9)

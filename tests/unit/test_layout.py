@@ -92,3 +92,13 @@ def test_framework_code_never_names_or_probes_a_plugin():
         named = {s for s in strings for n in names if re.fullmatch(re.escape(n), s)}
         assert not named, f"{path} names plugin(s) {named}"
         assert not probes, f"{path} probes a plugin with getattr/hasattr at line(s) {probes}"
+
+
+def test_the_layout_names_the_axes_whose_groups_cross_nodes():
+    # TP innermost: ranks 0-3 on node 0, 4-7 on node 1
+    assert ParallelLayout(dp=4, nnodes=2).cross_node_axes() == ("dp",)
+    assert ParallelLayout(dp=4).cross_node_axes() == ()
+    lay = ParallelLayout(dp=2, tp=2, pp=2, nnodes=2)  # a node is one pipeline stage: its dp and tp groups stay inside it
+    assert [lay.nodes_per_group(a) for a in ("pp", "dp", "tp")] == [2, 1, 1] and lay.cross_node_axes() == ("pp",)
+    lay = ParallelLayout(dp=4, tp=2, nnodes=4)  # 2 ranks a node: one TP group per node, DP across all 4 nodes
+    assert [lay.nodes_per_group(a) for a in ("dp", "tp")] == [4, 1] and [lay.node_of(r) for r in (0, 1, 2, 7)] == [0, 0, 1, 3]

@@ -17,7 +17,7 @@ from framework.cost.comm import (
 )
 from framework.cost.memory import replicated_adamw_model_states_bytes
 from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
-from framework.metrics.timing import CommMeter, HostClock, comm_paused, make_clock
+from framework.metrics.timing import WORLD, CommMeter, HostClock, call_group, comm_paused, group_spans_nodes, make_clock
 from framework.model import GPT
 from framework.registry import get_plugin_class
 
@@ -186,3 +186,25 @@ def test_activation_checkpointing_counts_the_recompute_in_hfu_not_mfu():
     n_blocks = sum(p.numel() for p in ref.blocks.parameters())
     assert ref.hardware_flops_per_token(16) == ref.flops_per_token(16) == ckpt.flops_per_token(16)
     assert ckpt.hardware_flops_per_token(16) == ckpt.flops_per_token(16) + 2 * n_blocks + 4 * 2 * 32 * 16
+
+def test_the_meter_splits_bytes_by_whether_the_group_spans_nodes():
+    # 2 ranks per node: ranks [0, 1] are node 0's, [1, 2] span nodes 0 and 1; the world group is unknown without a
+    # process group (then the step's bytes are not split)
+    assert group_spans_nodes([0, 1], 2) is False and group_spans_nodes([1, 2], 2) is True
+    assert group_spans_nodes([0, 1], 0) is None and group_spans_nodes(WORLD, 2) is None
+    meter = CommMeter(HostClock(), ranks_per_node=2)
+    meter.report("allreduce", 100, [0, 1])
+    meter.report("allgather", 40, [0, 2])
+    recs = meter.take()
+    assert CommMeter.inter_node_bytes(recs) == 40 and CommMeter.bytes_by_kind(recs) == {"allreduce": 100, "allgather": 40}
+    meter.report("allreduce", 8)  # the default group, no process group here: unknown
+    assert CommMeter.inter_node_bytes(meter.take()) is None
+
+
+def test_call_group_finds_the_group_argument_of_a_collective_call():
+    def all_gather_single(output, input, group=None, async_op=False):
+        pass
+
+    assert call_group(all_gather_single, ("o", "i", "g"), {}) == "g"
+    assert call_group(all_gather_single, ("o", "i"), {"group": "h"}) == "h"
+    assert call_group(all_gather_single, ("o", "i"), {}) is None
