@@ -44,17 +44,35 @@ def start_rank_server(resolved) -> None:
     started (plus what the elastic agent sets per rank), so the thread cap for this node's ranks
     (``OMP_NUM_THREADS``, ranks x threads <= cores) is set here first. Nothing without preload_ranks.
 
+    The server lives in the driver's process group, and its ranks die with it (``PR_SET_PDEATHSIG``,
+    :mod:`framework.worker`): a preemption signal sent to the whole group (a scheduler's SIGTERM,
+    Slurm's SIGUSR1/SIGUSR2 warning to every process of the job) would end the server by default
+    and kill its ranks before they save. So it starts with :data:`~framework.faults.preemption.PREEMPT_SIGNALS`
+    ignored (a disposition that survives ``exec``); each rank installs its own handlers for them.
+
     ``resolved``: the validated run (:class:`~framework.config.resolved.ResolvedRun`).
     """
     run = resolved.run
     if not run.trainer.preload_ranks:
         return
     import multiprocessing
+    import signal
+    import threading
     from multiprocessing import forkserver
+
+    from framework.faults.preemption import PREEMPT_SIGNALS
 
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(resolved.nproc_per_node, run.trainer.threads_per_rank))
     multiprocessing.set_forkserver_preload(PRELOAD_MODULES)
-    forkserver.ensure_running()
+    if threading.current_thread() is not threading.main_thread():  # signal dispositions are the main thread's
+        forkserver.ensure_running()
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in PREEMPT_SIGNALS}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def stop_rank_server() -> None:

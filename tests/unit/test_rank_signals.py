@@ -23,3 +23,27 @@ def test_a_rank_started_with_sigint_ignored_still_stops_on_ctrl_c():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, check=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)).stdout.split()
     assert out == ["True", "_on_signal", "_on_signal"]
+
+
+SERVER = """
+import signal, types
+from multiprocessing import forkserver
+from framework.launcher import start_rank_server, stop_rank_server
+signal.signal(signal.SIGTERM, lambda *a: None)
+before = signal.getsignal(signal.SIGTERM)
+run = types.SimpleNamespace(trainer=types.SimpleNamespace(preload_ranks=True, threads_per_rank=1))
+start_rank_server(types.SimpleNamespace(run=run, nproc_per_node=1))
+pid = forkserver._forkserver._forkserver_pid
+ignored = int(open(f"/proc/{pid}/status").read().split("SigIgn:")[1].split()[0], 16)
+print(*[bool(ignored >> (s - 1) & 1) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)],
+      signal.getsignal(signal.SIGTERM) is before)
+stop_rank_server()
+"""
+
+
+def test_the_rank_server_ignores_preemption_signals_sent_to_the_process_group():
+    """The preload server shares the driver's process group and its ranks die with it: a scheduler's SIGTERM
+    or Slurm's SIGUSR1/SIGUSR2 to every process must not end it before the ranks save. It starts with them
+    ignored; the driver keeps its own handlers."""
+    out = subprocess.run([sys.executable, "-c", SERVER], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["True", "True", "True", "True"], out.stderr[-2000:]
