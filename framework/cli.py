@@ -73,10 +73,6 @@ def sweep_subdir_for_node(experiment_name: str, run_name: str, checkpoint_dir: s
 OmegaConf.register_new_resolver("tl_sweep_subdir", sweep_subdir_for_node, replace=True)
 
 
-FAILED_JOBS: list[str] = []
-"""Run names of this process's sweep jobs that ended FAILED (the driver appends; :func:`main` exits 1)."""
-
-
 def in_sweep() -> bool:
     """Whether this job is one of a Hydra multirun (``-m`` or a preset with ``hydra.mode: MULTIRUN``)."""
     from hydra.types import RunMode
@@ -204,6 +200,8 @@ def main(app: Callable[[], None]) -> None:
             start_rank_server(resolved)  # its imports overlap the driver's set-up
         app()
         code = 0
+        from framework.sweep import FAILED_JOBS
+
         if FAILED_JOBS:
             print(f"trainlab: {len(FAILED_JOBS)} sweep job(s) FAILED: {', '.join(FAILED_JOBS)}"
                   " (each run's error.txt and MLflow tag 'error' say why)", file=sys.stderr)

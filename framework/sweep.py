@@ -47,6 +47,9 @@ from framework.config import near_keys, path_safe
 from framework.tracking import OVERRIDES_TAG, PARENT_TAG, SWEEP_TAG, SWEPT_TAG, sweep_children
 
 SWEEP_ENV = "TRAINLAB_SWEEP"  # the running sweep (JSON of :class:`Sweep`), read when a job's run name resolves
+FAILED_JOBS: list[str] = []
+"""Run names of this process's sweep jobs that ended FAILED (the driver and the sweep's end append;
+:func:`framework.cli.main` exits 1 when there are any)."""
 GIB = 1024**3
 
 
@@ -443,9 +446,7 @@ class SweepCallback(Callback):
         # jobs a launcher ran in other processes (submitit: Slurm jobs) reported through their run folders
         remote = remote_outcomes(Path("outputs") / str(config.experiment_name) / sweep.name, self.started)
         OUTCOMES.extend(remote)
-        from framework import cli
-
-        cli.FAILED_JOBS.extend(o.name for o in remote if o.status != "FINISHED")
+        FAILED_JOBS.extend(o.name for o in remote if o.status != "FINISHED")
         print("\n" + outcome_table(OUTCOMES, self.objective), flush=True)
         best = best_outcome(OUTCOMES)
         if best is not None:

@@ -49,7 +49,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
             cli.fail(str(err))
         print(f"trainlab: error: {err}", file=sys.stderr, flush=True)
         sweep.record_refused_job(cfg, run_dir, str(err))
-        cli.FAILED_JOBS.append(str(cfg.run_name))
+        sweep.FAILED_JOBS.append(str(cfg.run_name))
         return None
     from framework.nodes import resolve_nodes
 
@@ -76,26 +76,17 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
     ``nodes``: node 0 of a multi-node run (:class:`~framework.nodes.NodeSpec`), or None on one node."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from framework import sweep
-    from framework.checkpoint.resume import select_resume
     from framework.faults.preemption import (EXIT_PREEMPTED, PREEMPT_SIGNALS, EarlySignals, preemption_outcome,
                                              record_preemption)
     from framework.faults.supervisor import supervise
     from framework.launch import LaunchSpec
     from framework.slurm import SubmititHandlers, requeue_after_save
-    from framework.tracking import finish_driver_run, log_token_cache_input, open_driver_run
+    from framework.tracking import finish_driver_run
 
     submitit_handlers = SubmititHandlers()  # in a submitit Slurm job: its requeue handler, before the agent installs its own
     run = resolved.run
-    resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # auto: the newest intact checkpoint
-    if resume.path:
-        print(f"trainlab: resuming from {resume.path}", flush=True)
-    else:  # a fresh start: metrics of an earlier attempt without checkpoints must not mix in
-        for stale in ("metrics.jsonl", "summary.json", "faults.jsonl"):
-            (run_dir / stale).unlink(missing_ok=True)
-    if resume.step >= run.trainer.max_steps and run.resume == "auto":
-        print(f"trainlab: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to"
-              " train (raise trainer.max_steps to continue, or use another checkpoint.dir)", flush=True)
+    resume = _choose_resume(resolved, run_dir)
+    if resume is None:
         return "FINISHED", ""
     if nodes is not None:  # node 0: the endpoint is ours to listen on; the other nodes look for the marker
         from framework.nodes import check_endpoint, mark_shared_folder
@@ -105,17 +96,7 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         except ConfigError as err:
             cli.fail(str(err))
         mark_shared_folder(resolved.checkpoint_dir, nodes)
-    tracker = None
-    if run.tracking.enabled:
-        try:
-            tracker = open_driver_run(resolved, model, resumed=bool(resume.path))
-        except ConfigError as err:
-            cli.fail(str(err))
-        if not resume.path:
-            log_token_cache_input(tracker, cache, run.data)
-        current = sweep.current()
-        if current is not None:
-            sweep.attach_child(tracker, current, list(HydraConfig.get().overrides.task))
+    tracker = _open_tracking(resolved, model, cache, resumed=bool(resume.path))
     launch = LaunchSpec(resolved=resolved, run_dir=run_dir, mlflow_run_id=tracker.run_id if tracker else None,
                         resume_from=resume.path, token_cache_dir=str(cache.dir), nodes=nodes)
     status, error, preempted = "FAILED", None, None
@@ -164,6 +145,48 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         raise SystemExit(EXIT_PREEMPTED)
     _print_summary(run_dir, tracker, run.tracking.uri, run.experiment_name)
     return "FINISHED", ""
+
+
+def _choose_resume(resolved: ResolvedRun, run_dir: Path) -> Any:
+    """The checkpoint this attempt resumes from (:func:`framework.checkpoint.resume.select_resume`; ``auto``:
+    the newest intact one), or None when it is at ``trainer.max_steps`` already (nothing to train). A fresh
+    start removes an earlier attempt's metrics, summary and event log (they must not mix in)."""
+    from framework.checkpoint.resume import select_resume
+
+    run = resolved.run
+    resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)
+    if resume.path:
+        print(f"trainlab: resuming from {resume.path}", flush=True)
+    else:
+        for stale in ("metrics.jsonl", "summary.json", "faults.jsonl"):
+            (run_dir / stale).unlink(missing_ok=True)
+    if resume.step >= run.trainer.max_steps and run.resume == "auto":
+        print(f"trainlab: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to"
+              " train (raise trainer.max_steps to continue, or use another checkpoint.dir)", flush=True)
+        return None
+    return resume
+
+
+def _open_tracking(resolved: ResolvedRun, model: Any, cache: Any, *, resumed: bool) -> Any:
+    """The job's MLflow run (:func:`framework.tracking.open_driver_run`; None with tracking off), re-opened
+    when ``resumed``; on a fresh start the token cache is logged as its dataset input; in a sweep it
+    becomes a child of the sweep's parent run. Exits 2 (one line) when the tracking URI cannot be used."""
+    from framework import sweep
+    from framework.tracking import log_token_cache_input, open_driver_run
+
+    run = resolved.run
+    if not run.tracking.enabled:
+        return None
+    try:
+        tracker = open_driver_run(resolved, model, resumed=resumed)
+    except ConfigError as err:
+        cli.fail(str(err))
+    if not resumed:
+        log_token_cache_input(tracker, cache, run.data)
+    current = sweep.current()
+    if current is not None:
+        sweep.attach_child(tracker, current, list(HydraConfig.get().overrides.task))
+    return tracker
 
 
 def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Path) -> None:
@@ -286,7 +309,9 @@ def _record_failure(run_dir: Path, run_name: str, err: Exception) -> None:
     (run_dir / "error.txt").write_text(str(err).strip() + "\n")
     if not cli.in_sweep():  # in a sweep the run ends FAILED and the next job starts (e.g. a fault x policy grid)
         raise SystemExit(1)
-    cli.FAILED_JOBS.append(run_name)
+    from framework import sweep
+
+    sweep.FAILED_JOBS.append(run_name)
 
 
 def _log_run_summary(tracker: Any, resolved: ResolvedRun, run_dir: Path) -> None:
