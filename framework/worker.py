@@ -61,6 +61,9 @@ def _quiet_libraries() -> None:
     # Validation is ValidationLoss's job (fixed windows at fixed steps), not Lightning's val loop.
     warnings.filterwarnings("ignore", message=".*`val_dataloader` but have no `validation_step`.*")
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+    # The elastic agent starts the ranks, also inside a Slurm job (one driver per node): Lightning's hint
+    # to start them with srun, printed wherever Slurm is installed, does not apply.
+    warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system but is not used.*")
 
 
 def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = None) -> None:
