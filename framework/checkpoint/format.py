@@ -200,6 +200,13 @@ def find_latest_valid(dirpath: str | Path, warn: Callable[[str], None] | None = 
     return None
 
 
+
+def latest_valid_step(dirpath: str | Path, warn: Callable[[str], None] | None = None) -> tuple[Path | None, int]:
+    """``(path, step)`` of the newest checkpoint in ``dirpath`` that passes :func:`verify`
+    (:func:`find_latest_valid`, ``warn`` as there); ``(None, 0)`` when there is none."""
+    latest = find_latest_valid(dirpath, warn=warn)
+    return latest, (read_manifest(latest)["step"] if latest else 0)
+
 def fsync_dir(path: Path) -> None:
     """fsync folder ``path`` itself, so that its entries (new files, renames) survive a crash.
 

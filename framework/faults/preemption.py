@@ -98,10 +98,9 @@ def preemption_outcome(run_dir: Path, checkpoint_dir: str, *, since: float, sign
         return Preempted(signal=rec["signal"], saved=True, step_at_signal=rec.get("step_at_signal"),
                          saved_step=rec["saved_step"], steps_lost=max(0, done - rec["saved_step"]),
                          t_signal=rec.get("t_signal"))
-    from framework.checkpoint.format import find_latest_valid, read_manifest
+    from framework.checkpoint.format import latest_valid_step
 
-    latest = find_latest_valid(checkpoint_dir, warn=lambda msg: None)
-    saved = read_manifest(latest)["step"] if latest else 0
+    _, saved = latest_valid_step(checkpoint_dir, warn=lambda msg: None)
     return Preempted(signal=signal_name or "?", saved=False, step_at_signal=None, saved_step=saved,
                      steps_lost=max(0, done - saved), t_signal=t_signal, before_ranks=before_ranks)
 

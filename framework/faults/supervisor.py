@@ -107,10 +107,9 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
                     new_resolved = resolve_shrunk(run, resolved.world_size)
                 except ConfigError as err:
                     raise ShrinkImpossible(str(err)) from None
-                from framework.checkpoint.format import find_latest_valid, read_manifest
+                from framework.checkpoint.format import latest_valid_step
 
-                latest = find_latest_valid(resolved.checkpoint_dir, warn=_warn)
-                step = read_manifest(latest)["step"] if latest else 0
+                latest, step = latest_valid_step(resolved.checkpoint_dir, warn=_warn)
                 log.append("shrink", from_world=resolved.world_size, to_world=new_resolved.world_size, step=step,
                            grad_accum_steps=new_resolved.grad_accum_steps)
                 print(f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
@@ -141,10 +140,9 @@ def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: 
     Logged as a ``node_restart`` record; the ranks' ``start`` record after a failed attempt makes it a
     restart in the recovery figures (``recovery/restarts``).
     """
-    from framework.checkpoint.format import find_latest_valid, read_manifest
+    from framework.checkpoint.format import latest_valid_step
 
-    latest = find_latest_valid(launch.resolved.checkpoint_dir, warn=_warn)
-    step = read_manifest(latest)["step"] if latest else 0
+    latest, step = latest_valid_step(launch.resolved.checkpoint_dir, warn=_warn)
     why = str(err).strip().splitlines()
     log.append("node_restart", restart=restart, step=step, reason=(why[0] if why else type(err).__name__)[:300])
     print(f"trainlab: resilience: the ranks failed (a lost node, or a crashed rank); restart {restart}/{max_restarts} of"
