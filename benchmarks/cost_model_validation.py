@@ -13,11 +13,26 @@ multi-rank layouts, and prints per layout predicted / measured:
   GPT; the cost model's own 16-bit figure is printed beside it): 10%;
 - pipeline bubble (``perf/pp_bubble_frac`` vs :func:`bubble_with_handoff`: the schedule's idle
   fraction with measured stage times and per-micro-batch hand-off): 0.05 absolute;
-- step time (``perf/step_time_s_mean`` vs :func:`step_time_s`): 20%; and the Spearman rank
+- step time (``perf/step_time_s_mean`` vs :func:`predicted_step_s`): 20%; and the Spearman rank
   correlation of predicted and measured step time over the layouts (>= 0.8).
 
+**Step time on this CPU** (the cost model is built for GPUs, where FLOPs and bytes set the step):
+:func:`framework.cost.steptime.step_time` with three inputs measured here, none fitted to the
+validation runs:
+
+- the compute rate: the *marginal* FLOP rate of the model's forward + backward in one process at
+  1 thread (:func:`measure_rates`: the model and its nano twin, below, each timed; rate =
+  FLOPs difference / time difference), per micro-batch size, with 1 and with 2 processes running
+  at once (two ranks share memory bandwidth and caches), and the optimizer's bytes/s the same way;
+  a layout of more ranks than cores gets ``cores / ranks`` of both;
+- ``step_overhead_s``, the framework's fixed time per step (Python per op and per parameter,
+  DTensor dispatch, DeepSpeed's and FSDP's hooks, Lightning's loop, gloo latency): the measured
+  step of **the same layout with a nano model** (the same depth, ``d_model`` 32, 4 heads: the
+  same ops and parameter tensors at ~1/150 of the FLOPs) minus what the cost model gives that
+  nano run.
+
     python benchmarks/cost_model_validation.py [--models gpt_tiny gpt_50m]
-        [--layouts NAME ...] [--steps 6] [--workdir bench-cost-model] [--out FILE.md] [--reuse]
+        [--layouts NAME ...] [--steps 10] [--workdir bench-cost-model] [--out FILE.md] [--reuse]
         [--bubble-parts parts.json]
 
 It takes ``/tmp/trainlab-heavy.lock`` itself (once per model, for all its runs). ``--reuse`` reads
@@ -32,9 +47,8 @@ selective (fused attention keeps none), counts the embedding output (we keep onl
 leaves out the final norm's and the head's inputs, the attention's log-sum-exp and the LayerNorm
 statistics, divides the logits by ``t`` (our head is replicated) and keeps one micro-batch on
 the last stage under GPipe (it keeps ``m``): :func:`gpt_activation_bytes` and :func:`inflight`
-carry trainlab's GPT exactly. The step time is the cost model's
-(:func:`framework.cost.steptime.step_time` on ``conf/cluster/local_cpu``) times the core share
-of 4 ranks on 2 cores.
+carry trainlab's GPT exactly. The step-time inputs above are this machine's: the cost model
+alone (``conf/cluster/local_cpu``: GEMM rate, no overhead) is printed beside them.
 """
 
 from __future__ import annotations
@@ -110,9 +124,15 @@ GPT50M = dict(global_batch=8, steps=4, warmup=1,
 
 # -- running ---------------------------------------------------------------------------------------
 
-def run_layout(model: str, lay: Layout, *, steps: int, warmup: int, work: Path, reuse: bool) -> dict:
-    """Train ``lay`` for ``steps`` steps (the caller holds the heavy-job lock); returns the run's last value of each metric."""
-    name = f"{model}-{lay.name}"
+NANO = {"d_model": 32, "n_head": 4}
+"""The nano twin of a model: the same depth, vocabulary and sequence, ``d_model`` 32 (the framework's per-op and
+per-tensor work at ~1/150 of gpt_tiny's FLOPs); its measured step is the layout's framework overhead."""
+
+
+def run_layout(model: str, lay: Layout, *, steps: int, warmup: int, work: Path, reuse: bool, nano: bool = False) -> dict:
+    """Train ``lay`` for ``steps`` steps (the caller holds the heavy-job lock); returns the run's last value of each
+    metric. ``nano``: the model's :data:`NANO` twin (run name ``<model>-nano-<layout>``)."""
+    name = f"{model}-nano-{lay.name}" if nano else f"{model}-{lay.name}"
     run_dir = work / "outputs" / "default" / name
     metrics = run_dir / "metrics.jsonl"
     if not (reuse and metrics.exists()):
@@ -120,6 +140,8 @@ def run_layout(model: str, lay: Layout, *, steps: int, warmup: int, work: Path, 
                "checkpoint=none", "tracking=none", "trainer.progress_bar=false", f"trainer.max_steps={steps}",
                f"trainer.log_every_n_steps={steps}", f"trainer.warmup_steps_excluded={warmup}", "trainer.val_sequences=8",
                "trainer.val_every_n_steps=1000", "resume=never", f"run_name={name}"]
+        if nano:
+            cmd += [f"model.{k}={v}" for k, v in NANO.items()]
         if metrics.exists():
             metrics.unlink()
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -249,16 +271,128 @@ def plan_layout(lay: Layout):
                       schedule=sched, virtual_stages=lay.v, zero_stage=zero_stage, precision="fp32")
 
 
-def step_time_s(cfg: dict, lay: Layout, cluster, cores: int) -> float:
-    """Predicted seconds per optimizer step: :func:`framework.cost.steptime.step_time` (default, stated parameters)
-    x ``max(1, ranks / cores)``.
+def _rate_worker(cfg: dict, sizes: tuple, iters: int, barrier, out) -> None:
+    """One process of :func:`measure_rates`: at 1 thread, per micro-batch size, the median seconds of the model's
+    and its nano twin's forward + backward and of their AdamW step (in lockstep with the other workers)."""
+    import statistics
+    import time
 
-    ADAPTER: the cost model has one rank per device; here 4 ranks of 1 thread share 2 cores, so every part of a
-    4-rank step runs at half speed (the core share is this machine's, not a fitted figure).
+    import torch
+
+    from framework.config.schema import ModelConfig
+    from framework.model import GPT
+
+    torch.set_num_threads(1)  # one rank = one thread (ranks x threads <= cores; the runs' setting)
+    nets = {}
+    for which, dims in (("model", {"d_model": cfg["d_model"], "n_head": cfg["n_head"]}), ("nano", NANO)):
+        torch.manual_seed(0)
+        gpt = GPT(ModelConfig(n_layer=cfg["n_layer"], max_seq_len=256, **dims), cfg["vocab"])
+        nets[which] = (gpt, torch.optim.AdamW(gpt.parameters(), lr=1e-4))
+    times: dict = {}
+    for b in sizes:
+        x, y = torch.randint(0, cfg["vocab"], (2, b, cfg["seq_len"])).unbind(0)
+        for i in range(iters + 1):  # the first is a warm-up; model and nano alternate, so drift hits both alike
+            for which, (gpt, opt) in nets.items():
+                barrier.wait()
+                t0 = time.perf_counter()
+                gpt(x, y).backward()
+                t1 = time.perf_counter()
+                opt.step()
+                t2 = time.perf_counter()
+                opt.zero_grad(set_to_none=False)
+                if i:
+                    times.setdefault(f"{which}/{b}", []).append((t1 - t0, t2 - t1))
+    res = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for k, v in times.items()}
+    out.put(res)
+
+
+def measure_rates(cfg: dict, sizes: tuple, *, procs: int, iters: int) -> dict:
+    """The marginal compute rate and optimizer bandwidth of ``cfg``'s GPT on this machine, ``procs`` processes at once.
+
+    Returns ``{"flops_per_s": {b: FLOP/s}, "optimizer_bytes_per_s": bytes/s}`` (mean over the processes):
+    FLOP/s = (hardware FLOPs of the model - of its nano twin, forward + backward of ``b`` sequences) / (time
+    difference); bytes/s = (AdamW bytes touched of the model - of the twin) / (time difference), the bytes as the
+    cost model counts them (``optimizer_state_passes`` x state + grad + weight, fp32). Differences leave out what
+    both pay per op and per tensor (that is the layout's overhead, measured by its nano run).
     """
+    import multiprocessing as mp
+
+    from framework.cost.flops import hardware_flops_per_token
+    from framework.cost.memory import PRECISIONS
+    from framework.cost.steptime import StepTimeParams
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_rate_worker, args=(cfg, sizes, iters, barrier, out)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    results = [out.get() for _ in workers]
+    for w in workers:
+        w.join()
+    big, nano = _shape(cfg), _shape({**cfg, **NANO})
+    fpt = hardware_flops_per_token(big, "none") - hardware_flops_per_token(nano, "none")
+    prec = PRECISIONS["fp32"]
+    per_param = StepTimeParams().optimizer_state_passes * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes
+    d_bytes = (_n_params(cfg) - _n_params({**cfg, **NANO})) * per_param
+    rates = {b: sum(fpt * b * cfg["seq_len"] / (r[f"model/{b}"][0] - r[f"nano/{b}"][0]) for r in results) / procs
+             for b in sizes}
+    opt_bw = sum(d_bytes / (sum(r[f"model/{b}"][1] for b in sizes) - sum(r[f"nano/{b}"][1] for b in sizes)) * len(sizes)
+                 for r in results) / procs
+    return {"flops_per_s": rates, "optimizer_bytes_per_s": opt_bw}
+
+
+def _n_params(cfg: dict) -> int:
+    from framework.config.schema import ModelConfig
+    from framework.model import GPT
+
+    gpt = GPT(ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], d_model=cfg["d_model"], max_seq_len=256), cfg["vocab"])
+    return sum(p.numel() for p in gpt.parameters())
+
+
+def load_or_measure_rates(model: str, work: Path, sizes: tuple) -> dict:
+    """:func:`measure_rates` at 1 and 2 processes, cached in ``<work>/rates-<model>.json`` (the caller holds the lock
+    unless the cache exists). Returns ``{procs: {"flops_per_s": {b: ...}, "optimizer_bytes_per_s": ...}}``."""
+    path = work / f"rates-{model}.json"
+    if path.exists():
+        raw = json.loads(path.read_text())
+        return {int(p): {"flops_per_s": {int(b): v for b, v in r["flops_per_s"].items()},
+                         "optimizer_bytes_per_s": r["optimizer_bytes_per_s"]} for p, r in raw.items()}
+    cfg = _model_cfg(model)
+    iters = 20 if cfg["d_model"] <= 256 else 3
+    print(f"measuring {model}'s forward+backward and AdamW rates at 1 and 2 processes ...", file=sys.stderr, flush=True)
+    rates = {p: measure_rates(cfg, sizes, procs=p, iters=iters) for p in (1, 2)}
+    path.write_text(json.dumps(rates, indent=1))
+    return rates
+
+
+def step_time_s(cfg: dict, lay: Layout, cluster, cores: int) -> float:
+    """The cost model alone: :func:`framework.cost.steptime.step_time` on ``local_cpu`` as configured (the GEMM rate of
+    one rank, no overhead) x ``max(1, ranks / cores)`` (4 ranks of 1 thread share 2 cores)."""
     from framework.cost.steptime import step_time
 
     return step_time(_shape(cfg), plan_layout(lay), cluster).total * max(1.0, lay.world / cores)
+
+
+def predicted_step_s(cfg: dict, lay: Layout, cluster, cores: int, rates: dict, nano_measured_s: float) -> tuple[float, float]:
+    """Predicted seconds per optimizer step with this machine's measured inputs (module docstring), and the
+    framework overhead per step it used.
+
+    ``cluster`` is ``local_cpu`` with its compute rate and memory bandwidth replaced by ``rates`` (the marginal
+    forward+backward FLOP/s at the layout's micro-batch size and optimizer bytes/s with ``min(ranks, cores)``
+    processes at once, times ``min(1, cores / ranks)``); ``step_overhead_s`` = ``nano_measured_s`` (the nano run of
+    the same layout) - the cost model's time of that nano run on the same cluster; ``replicated_head`` (trainlab's
+    TP plugin computes the whole output head on every TP rank).
+    """
+    from framework.cost.steptime import StepTimeParams, step_time
+
+    share = min(1.0, cores / lay.world)
+    r = rates[min(lay.world, cores)]
+    flops = r["flops_per_s"].get(lay.micro_batch_size) or min(r["flops_per_s"].values())
+    cl = replace(cluster, peak_flops=flops * share, achievable_fraction=1.0, hbm_bandwidth=r["optimizer_bytes_per_s"] * share)
+    pl = plan_layout(lay)
+    params = StepTimeParams(replicated_head=True)  # trainlab's TP plugin keeps the output head whole on every rank
+    overhead = nano_measured_s - step_time(_shape({**cfg, **NANO}), pl, cl, params).total
+    return step_time(_shape(cfg), pl, cl, replace(params, step_overhead_s=overhead)).total, overhead
 
 
 def _shape(cfg: dict):
@@ -302,8 +436,8 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:.2f}"
 
 
-def _row(model: str, lay: Layout, r: dict, cluster, bubble_parts: dict) -> dict:
-    """Predicted and measured figures of one run."""
+def _row(model: str, lay: Layout, r: dict, r_nano: dict, cluster, bubble_parts: dict, rates: dict) -> dict:
+    """Predicted and measured figures of one run (``r_nano``: its nano twin's run; ``rates``: :func:`load_or_measure_rates`)."""
     from framework.cost.bubble import pp_bubble_fraction
 
     cfg = _model_cfg(model)
@@ -317,6 +451,10 @@ def _row(model: str, lay: Layout, r: dict, cluster, bubble_parts: dict) -> dict:
            "act_cost_model": cost_model_activation_bytes(cfg, lay),
            "step": (r.get("perf/step_time_s_mean", float("nan")),
                     step_time_s(cfg, lay, cluster, os.cpu_count() or 2))}
+    nano_s = r_nano.get("perf/step_time_s_mean", float("nan")) if r_nano else float("nan")
+    row["step_measured_inputs"] = (predicted_step_s(cfg, lay, cluster, os.cpu_count() or 2, rates, nano_s)
+                                   if rates and nano_s == nano_s else (float("nan"), float("nan")))
+    row["nano_s"] = nano_s
     if lay.pp > 1:
         modelled = parts["model"] if parts and lay.dp == 1 and lay.tp == 1 else float("nan")
         row["bubble"] = (r.get("perf/pp_bubble_frac", float("nan")), pp_bubble_fraction(pp=lay.pp, n_microbatches=lay.m, virtual_stages=lay.v),
@@ -324,13 +462,14 @@ def _row(model: str, lay: Layout, r: dict, cluster, bubble_parts: dict) -> dict:
     return row
 
 
-def report(results: list, *, cluster, bubble_parts: dict, calibrate_on: str = "ddp") -> str:
-    """The markdown table of predicted / measured per layout, the misses, and the rank correlation per model."""
-    rows = [_row(model, lay, r, cluster, bubble_parts) for model, lay, r in results]
-    cal = {row["model"]: row["step"][0] / row["step"][1] for row in rows if row["layout"] == calibrate_on}
+def report(results: list, *, cluster, bubble_parts: dict, rates: dict) -> str:
+    """The markdown table of predicted / measured per layout, the misses, and the rank correlation per model.
+
+    ``results``: ``(model, layout, run metrics, nano run metrics or None)``; ``rates``: ``{model: rates}``."""
+    rows = [_row(model, lay, r, rn, cluster, bubble_parts, rates.get(model)) for model, lay, r, rn in results]
     lines = ["| model | layout | comm payload bytes/step, measured (= model unless shown) | model states MiB meas / model "
              "| activations MiB meas / model (err) [cost model: fp32, no dropout, selective] | bubble meas / formula / model "
-             "| step s meas / model (err) / calibrated (err) |", "|" + "---|" * 7]
+             "| step s measured | cost model alone (err) | nano run s | overhead s | predicted (err) |", "|" + "---|" * 11]
     misses: list[str] = []
     for row in rows:
         name = f"{row['model']} {row['layout']}"
@@ -349,20 +488,29 @@ def report(results: list, *, cluster, bubble_parts: dict, calibrate_on: str = "d
             bub = f"{bm:.3f} / {bf:.3f} / " + ("-" if bp != bp else f"{bp:.3f}")
             if not abs(bm - bp) <= 0.05:
                 misses.append(f"{name}: bubble {bm:.3f} vs model " + ("(none)" if bp != bp else f"{bp:.3f}"))
-        tm, tp = row["step"]
-        tc = tp * cal.get(row["model"], float("nan"))
-        if not abs(tm / tc - 1) <= 0.20:
-            misses.append(f"{name}: step time {tm:.3f} s vs calibrated {tc:.3f} s ({tm / tc - 1:+.0%})")
+        tm, talone = row["step"]
+        tp, overhead = row["step_measured_inputs"]
+        if not abs(tm / tp - 1) <= 0.20:
+            misses.append(f"{name}: step time {tm:.3f} s vs predicted {tp:.3f} s ({tm / tp - 1:+.0%})")
         lines.append(f"| {row['model']} | {row['layout']} | {comm} | {_mib(sm)} / {_mib(sp)} | {_mib(am)} / {_mib(ap)} "
-                     f"({am / ap - 1:+.1%}) [{_mib(row['act_cost_model'])}] | {bub} | {tm:.3f} / {tp:.3f} ({tm / tp - 1:+.0%}) / "
-                     f"{tc:.3f} ({tm / tc - 1:+.0%}) |")
+                     f"({am / ap - 1:+.1%}) [{_mib(row['act_cost_model'])}] | {bub} | {tm:.3f} | {talone:.3f} ({tm / talone - 1:+.0%}) "
+                     f"| {row['nano_s']:.3f} | {overhead:.3f} | {tp:.3f} ({tm / tp - 1:+.0%}) |")
     out = "\n".join(lines) + "\n"
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model and r["step"][0] == r["step"][0]]
         if len(mine) > 2:
-            rho = _spearman([r["step"][1] for r in mine], [r["step"][0] for r in mine])
-            out += (f"\n{model}: Spearman rank correlation of predicted and measured step time over {len(mine)} layouts: "
-                    f"{rho:.2f}; calibrated = model x {cal.get(model, float('nan')):.2f} (measured / model of {calibrate_on})")
+            rho_alone = _spearman([r["step"][1] for r in mine], [r["step"][0] for r in mine])
+            ok = [r for r in mine if r["step_measured_inputs"][0] == r["step_measured_inputs"][0]]
+            rho = _spearman([r["step_measured_inputs"][0] for r in ok], [r["step"][0] for r in ok]) if len(ok) > 2 else float("nan")
+            within = sum(abs(r["step"][0] / r["step_measured_inputs"][0] - 1) <= 0.20 for r in ok)
+            out += (f"\n{model}: Spearman rank correlation of predicted and measured step time over {len(ok)} layouts: "
+                    f"**{rho:.2f}** ({within} of {len(ok)} within 20%); the cost model alone: {rho_alone:.2f} over {len(mine)}")
+        r = rates.get(model)
+        if r:
+            out += (f"\n{model} rates (1 process / 2 at once): forward+backward GFLOP/s by micro-batch "
+                    + ", ".join(f"b={b}: {r[1]['flops_per_s'][b] / 1e9:.1f} / {r[2]['flops_per_s'][b] / 1e9:.1f}"
+                                for b in sorted(r[1]["flops_per_s"]))
+                    + f"; AdamW GB/s {r[1]['optimizer_bytes_per_s'] / 1e9:.2f} / {r[2]['optimizer_bytes_per_s'] / 1e9:.2f}")
     return out + "\n\nMisses:\n" + ("\n".join(f"- {x}" for x in misses) if misses else "- none") + "\n"
 
 
@@ -396,7 +544,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt_tiny", "gpt_50m"])
     parser.add_argument("--layouts", nargs="*", default=None, help="layout names (default: all)")
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per gpt_tiny run (gpt_50m: 4)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per gpt_tiny run, 3 left out of timing (gpt_50m: 4, 1)")
     parser.add_argument("--workdir", default="bench-cost-model")
     parser.add_argument("--out", default=None, help="also write the table as markdown here")
     parser.add_argument("--reuse", action="store_true", help="read runs already in --workdir")
@@ -410,9 +558,9 @@ def main() -> None:
         return
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, rates = [], {}
     for model in args.models:
-        steps, warmup = (args.steps, 2) if model != "gpt_50m" else (GPT50M["steps"], GPT50M["warmup"])
+        steps, warmup = (args.steps, 3) if model != "gpt_50m" else (GPT50M["steps"], GPT50M["warmup"])
         todo = [lay for lay in layouts() if (not args.layouts or lay.name in args.layouts)
                 and (model != "gpt_50m" or lay.name in GPT50M["layouts"])]
         if model == "gpt_50m":
@@ -420,12 +568,21 @@ def main() -> None:
         with open(LOCK, "a") as lock:  # one model's runs back to back, one heavy job at a time on the machine
             if not args.reuse:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            for lay in todo:
-                if args.reuse and not (work / "outputs" / "default" / f"{model}-{lay.name}" / "summary.json").exists():
-                    print(f"no run of {model} {lay.name} in {work}: left out", file=sys.stderr)
-                    continue
-                print(f"running {model} {lay.name} ...", file=sys.stderr, flush=True)
-                results.append((model, lay, run_layout(model, lay, steps=steps, warmup=warmup, work=work, reuse=args.reuse)))
+            sizes = tuple(sorted({lay.micro_batch_size for lay in todo}))
+            if not args.reuse or (work / f"rates-{model}.json").exists():
+                rates[model] = load_or_measure_rates(model, work, sizes)
+            for i, lay in enumerate(todo):
+                runs = []
+                for nano in (False, True):
+                    name = f"{model}-nano-{lay.name}" if nano else f"{model}-{lay.name}"
+                    if args.reuse and not (work / "outputs" / "default" / name / "summary.json").exists():
+                        print(f"no run {name} in {work}: left out", file=sys.stderr)
+                        runs.append(None)
+                        continue
+                    print(f"[{i + 1}/{len(todo)}] running {name} ...", file=sys.stderr, flush=True)
+                    runs.append(run_layout(model, lay, steps=steps, warmup=warmup, work=work, reuse=args.reuse, nano=nano))
+                if runs[0] is not None:
+                    results.append((model, lay, runs[0], runs[1]))
     if not args.reuse:  # gloo alpha/beta and the GEMM rate, measured now (2 ranks: under the lock) unless cached
         with open(LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -433,7 +590,7 @@ def main() -> None:
     else:
         cluster = local_cpu(work / ".cache" / "cost")
     parts = json.loads(Path(args.bubble_parts).read_text()) if args.bubble_parts else {}
-    text = report(results, cluster=cluster, bubble_parts=parts)
+    text = report(results, cluster=cluster, bubble_parts=parts, rates=rates)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -31,7 +31,7 @@ backward two thirds plus any recomputed forward.
 
 Step time = pipeline (``m + (p-1)/v`` slots, each a micro-batch's compute + exposed TP + exposed
 ZeRO-3 + hand-off; the ``(p-1)/v`` idle slots are reported as ``bubble``, the ``m`` busy ones by
-part) + exposed DP + optimizer.
+part) + exposed DP + optimizer + the fixed framework overhead per step (``step_overhead_s``).
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ class StepTimeParams:
         handoff_s: fixed cost per micro-batch hand-off between pipeline stages (s).
         microbatch_overhead_s: fixed cost of every micro-batch's forward + backward (s: kernel
             launches, framework hooks; 0 on a large GPU model, seconds' fractions on small CPU runs).
+        step_overhead_s: framework time per optimizer step that neither FLOPs nor bytes account for
+            (s: Python per op and per parameter, hooks, the loop; 0 on a large GPU model). On the local
+            CPU it is measured per layout: a run of the same layout with a near-zero-FLOP model of the
+            same depth (``benchmarks/cost_model_validation.py``, "framework overhead").
+        replicated_head: the output projection (``h x V``) runs whole on every TP rank (trainlab's TP
+            plugin) instead of split over the vocabulary (Megatron's vocab-parallel head, the default).
     """
 
     tp_overlap: float = 0.0
@@ -74,6 +80,8 @@ class StepTimeParams:
     allreduce_algorithm: str = "ring"
     handoff_s: float = 0.0
     microbatch_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    replicated_head: bool = False
 
 
 def latency_steps(kind: str, n: int, algorithm: str = "ring") -> float:
@@ -104,7 +112,8 @@ class StepTime:
 
     ``forward``/``backward`` are the whole step's compute (all micro-batches, recompute in
     backward); ``bubble`` the ``(p-1)/v`` idle slots (each as long as a busy one: compute + exposed
-    TP + ZeRO-3 + hand-off); ``tp_exposed``, ``pp_handoff``, ``zero3_exposed`` those of the ``m`` busy slots; the ``*_exposed`` parts what overlap leaves on the
+    TP + ZeRO-3 + hand-off); ``overhead`` the fixed framework time per step
+    (:attr:`StepTimeParams.step_overhead_s`); ``tp_exposed``, ``pp_handoff``, ``zero3_exposed`` those of the ``m`` busy slots; the ``*_exposed`` parts what overlap leaves on the
     critical path; ``comm_total`` every collective's time, exposed or not, by collective name.
     """
 
@@ -116,19 +125,20 @@ class StepTime:
     zero3_exposed: float
     dp_exposed: float
     optimizer: float
+    overhead: float = 0.0
     comm_total: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
         """Step time (s)."""
         return (self.forward + self.backward + self.bubble + self.tp_exposed + self.pp_handoff + self.zero3_exposed
-                + self.dp_exposed + self.optimizer)
+                + self.dp_exposed + self.optimizer + self.overhead)
 
     def parts(self) -> dict[str, float]:
         """The exposed components, by name (sum = :attr:`total`)."""
         return {"forward": self.forward, "backward": self.backward, "bubble": self.bubble, "tp_exposed": self.tp_exposed,
                 "pp_handoff": self.pp_handoff, "zero3_exposed": self.zero3_exposed, "dp_exposed": self.dp_exposed,
-                "optimizer": self.optimizer}
+                "optimizer": self.optimizer, "overhead": self.overhead}
 
 
 def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
@@ -143,6 +153,10 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     imbalance = stage_layers(shape.n_layer, p) * p / shape.n_layer  # the busiest stage's share of the layers, x p
     t_f = model_fpt / 3 * tokens_mb * imbalance / (lay.tp * p) / rate  # one micro-batch's forward on this rank
     t_b = (2 * model_fpt / 3 + (hw_fpt - model_fpt)) * tokens_mb * imbalance / (lay.tp * p) / rate
+    if params.replicated_head and lay.tp > 1:  # the head's 2hV (forward) and 4hV (backward) FLOPs per token, not divided by t
+        head = 2 * shape.d_model * shape.vocab_size * tokens_mb * (1 - 1 / lay.tp) / rate
+        t_f += head
+        t_b += 2 * head
     t_b += params.microbatch_overhead_s  # counted with backward (one fixed cost per micro-batch)
     slot = t_f + t_b
 
@@ -189,7 +203,7 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     return StepTime(
         forward=m * t_f, backward=m * t_b, bubble=bubble_slots * full_slot, tp_exposed=m * tp_exposed_mb,
         pp_handoff=m * hop, zero3_exposed=m * z3_exposed_mb, dp_exposed=dp_exposed,
-        optimizer=optimizer, comm_total=comm_total,
+        optimizer=optimizer, overhead=params.step_overhead_s, comm_total=comm_total,
     )
 
 

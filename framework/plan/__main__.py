@@ -89,7 +89,8 @@ def load_inputs(cfg):
     params = StepTimeParams(tp_overlap=p.tp_overlap, pp_handoff_exposed=p.pp_handoff_exposed, dp_overlap=p.dp_overlap,
                             bucket_bytes=p.bucket_bytes, param_gather_overlap=p.param_gather_overlap,
                             zero3_prefetch=p.zero3_prefetch, allreduce_algorithm=str(p.allreduce_algorithm),
-                            microbatch_overhead_s=p.microbatch_overhead_s, handoff_s=p.handoff_s)
+                            microbatch_overhead_s=p.microbatch_overhead_s, handoff_s=p.handoff_s,
+                            step_overhead_s=p.step_overhead_s)
     return shape, cluster, space, params
 
 

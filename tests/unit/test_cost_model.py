@@ -27,7 +27,7 @@ from framework.cost.memory import (
     stage_params,
 )
 from framework.cost.shape import ModelShape
-from framework.cost.steptime import MeasuredBreakdown, MeasuredCollective, collective_time, step_time, whatif
+from framework.cost.steptime import MeasuredBreakdown, MeasuredCollective, StepTimeParams, collective_time, step_time, whatif
 from framework.plan.search import PlanError, search
 
 GPT3 = ModelShape(n_layer=96, d_model=12288, n_head=96, vocab_size=51200, seq_len=2048, max_seq_len=2048)
@@ -163,6 +163,20 @@ def test_step_time_pipeline_bubble_matches_the_schedule():
     single = step_time(GPT3, PlanLayout(dp=1, tp=1, pp=1, micro_batch_size=1, global_batch_size=8), fast)
     assert st.forward == pytest.approx(single.forward / 4)  # 96 layers split evenly over 4 stages
     assert single.total == pytest.approx(single.forward + single.backward + single.optimizer)
+
+
+def test_step_overhead_adds_once_and_a_replicated_head_adds_its_flops_on_each_tp_rank():
+    fast = _cluster(nvlink_bandwidth=1e30, nic_bandwidth=1e30, nvlink_alpha_s=0, nic_alpha_s=0)
+    tp2 = PlanLayout(dp=1, tp=2, pp=1, micro_batch_size=2, global_batch_size=4)
+    base = step_time(GPT3, tp2, fast)
+    assert step_time(GPT3, tp2, fast, StepTimeParams(step_overhead_s=0.25)).total == pytest.approx(base.total + 0.25)
+    whole = step_time(GPT3, tp2, fast, StepTimeParams(replicated_head=True))
+    tokens = tp2.global_batch_size * GPT3.seq_len
+    head_flops = 6 * GPT3.d_model * GPT3.vocab_size * tokens  # forward 2hV + backward 4hV per token
+    extra = (whole.forward + whole.backward) - (base.forward + base.backward)
+    assert extra == pytest.approx(head_flops / 2 / fast.achievable_flops)  # the half of the head the other rank did
+    tp1 = PlanLayout(dp=1, tp=1, pp=1, micro_batch_size=2, global_batch_size=4)
+    assert step_time(GPT3, tp1, fast, StepTimeParams(replicated_head=True)).total == pytest.approx(step_time(GPT3, tp1, fast).total)
 
 
 def test_whatif_respects_overlap():
