@@ -17,19 +17,24 @@ multi-rank layouts, and prints per layout predicted / measured:
   correlation of predicted and measured step time over the layouts (>= 0.8).
 
 **Step time on this CPU** (the cost model is built for GPUs, where FLOPs and bytes set the step):
-:func:`framework.cost.steptime.step_time` with three inputs measured here, none fitted to the
+:func:`framework.cost.steptime.step_time` with inputs measured here, none fitted to the
 validation runs:
 
 - the compute rate: the *marginal* FLOP rate of the model's forward + backward in one process at
   1 thread (:func:`measure_rates`: the model and its nano twin, below, each timed; rate =
-  FLOPs difference / time difference), per micro-batch size, with 1 and with 2 processes running
-  at once (two ranks share memory bandwidth and caches), and the optimizer's bytes/s the same way;
-  a layout of more ranks than cores gets ``cores / ranks`` of both;
+  FLOPs difference / time difference), per micro-batch size, and the optimizer's bytes/s the same
+  way;
+- the effective cores: two ranks training at once each run ``slowdown`` times slower than one
+  alone (:func:`concurrent_slowdown`: two ``single`` runs at once against one), so a layout of 2+
+  ranks gets ``1 / slowdown`` of the rates, and one of more ranks than cores also ``cores / ranks``;
 - ``step_overhead_s``, the framework's fixed time per step (Python per op and per parameter,
   DTensor dispatch, DeepSpeed's and FSDP's hooks, Lightning's loop, gloo latency): the measured
   step of **the same layout with a nano model** (the same depth, ``d_model`` 32, 4 heads: the
   same ops and parameter tensors at ~1/150 of the FLOPs) minus what the cost model gives that
-  nano run.
+  nano run;
+- the collectives at gloo's measured alpha and bandwidth (4 KiB-32 MiB), and none of them hidden: on
+  a CPU gloo's threads copy and reduce on the cores the ranks compute on (``dp_overlap``,
+  ``zero3_prefetch``, ``param_gather_overlap`` = 0).
 
     python benchmarks/cost_model_validation.py [--models gpt_tiny gpt_50m]
         [--layouts NAME ...] [--steps 10] [--workdir bench-cost-model] [--out FILE.md] [--reuse]
@@ -299,7 +304,7 @@ def _rate_worker(cfg: dict, sizes: tuple, iters: int, barrier, out) -> None:
                 t1 = time.perf_counter()
                 opt.step()
                 t2 = time.perf_counter()
-                opt.zero_grad(set_to_none=False)
+                opt.zero_grad()  # set_to_none, as Lightning does: the next backward allocates the grads again
                 if i:
                     times.setdefault(f"{which}/{b}", []).append((t1 - t0, t2 - t1))
     res = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for k, v in times.items()}
@@ -350,19 +355,36 @@ def _n_params(cfg: dict) -> int:
 
 
 def load_or_measure_rates(model: str, work: Path, sizes: tuple) -> dict:
-    """:func:`measure_rates` at 1 and 2 processes, cached in ``<work>/rates-<model>.json`` (the caller holds the lock
-    unless the cache exists). Returns ``{procs: {"flops_per_s": {b: ...}, "optimizer_bytes_per_s": ...}}``."""
+    """:func:`measure_rates` of one process, cached in ``<work>/rates-<model>.json`` (the caller holds the lock
+    unless the cache exists). Returns ``{"flops_per_s": {b: ...}, "optimizer_bytes_per_s": ...}``."""
     path = work / f"rates-{model}.json"
     if path.exists():
         raw = json.loads(path.read_text())
-        return {int(p): {"flops_per_s": {int(b): v for b, v in r["flops_per_s"].items()},
-                         "optimizer_bytes_per_s": r["optimizer_bytes_per_s"]} for p, r in raw.items()}
+        return {"flops_per_s": {int(b): v for b, v in raw["flops_per_s"].items()},
+                "optimizer_bytes_per_s": raw["optimizer_bytes_per_s"]}
     cfg = _model_cfg(model)
     iters = 20 if cfg["d_model"] <= 256 else 3
-    print(f"measuring {model}'s forward+backward and AdamW rates at 1 and 2 processes ...", file=sys.stderr, flush=True)
-    rates = {p: measure_rates(cfg, sizes, procs=p, iters=iters) for p in (1, 2)}
+    print(f"measuring {model}'s forward+backward and AdamW rates ...", file=sys.stderr, flush=True)
+    rates = measure_rates(cfg, sizes, procs=1, iters=iters)
     path.write_text(json.dumps(rates, indent=1))
     return rates
+
+
+def concurrent_slowdown(model: str, single: Layout, single_s: float, *, steps: int, warmup: int, work: Path,
+                        reuse: bool) -> float:
+    """How much slower one rank trains while another trains beside it: two ``single`` runs of ``model`` at once
+    (1 thread each), their mean step time over ``single_s`` (the same run alone). This machine's effective cores:
+    2 ranks on 2 cores get ``2 / slowdown`` cores' worth of compute (memory bandwidth, caches, page faults and the
+    drivers' threads are shared; a synthetic forward+backward in two processes shows less than the training loop)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> float:
+        lay = replace(single, name=f"single-concurrent{i}")
+        return run_layout(model, lay, steps=steps, warmup=warmup, work=work, reuse=reuse)["perf/step_time_s_mean"]
+
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(one, (1, 2)))
+    return sum(both) / 2 / single_s
 
 
 def step_time_s(cfg: dict, lay: Layout, cluster, cores: int) -> float:
@@ -373,24 +395,28 @@ def step_time_s(cfg: dict, lay: Layout, cluster, cores: int) -> float:
     return step_time(_shape(cfg), plan_layout(lay), cluster).total * max(1.0, lay.world / cores)
 
 
-def predicted_step_s(cfg: dict, lay: Layout, cluster, cores: int, rates: dict, nano_measured_s: float) -> tuple[float, float]:
+def predicted_step_s(cfg: dict, lay: Layout, cluster, cores: int, rates: dict, slowdown: float,
+                     nano_measured_s: float) -> tuple[float, float]:
     """Predicted seconds per optimizer step with this machine's measured inputs (module docstring), and the
     framework overhead per step it used.
 
     ``cluster`` is ``local_cpu`` with its compute rate and memory bandwidth replaced by ``rates`` (the marginal
-    forward+backward FLOP/s at the layout's micro-batch size and optimizer bytes/s with ``min(ranks, cores)``
-    processes at once, times ``min(1, cores / ranks)``); ``step_overhead_s`` = ``nano_measured_s`` (the nano run of
+    forward+backward FLOP/s at the layout's micro-batch size and optimizer bytes/s of one process), divided by
+    ``slowdown`` (:func:`concurrent_slowdown`) when two or more ranks train at once, and times
+    ``min(1, cores / ranks)``; ``step_overhead_s`` = ``nano_measured_s`` (the nano run of
     the same layout) - the cost model's time of that nano run on the same cluster; ``replicated_head`` (trainlab's
-    TP plugin computes the whole output head on every TP rank).
+    TP plugin computes the whole output head on every TP rank); no overlap (``dp_overlap``, ``zero3_prefetch``,
+    ``param_gather_overlap`` 0: gloo reduces and copies on the cores the ranks compute on).
     """
     from framework.cost.steptime import StepTimeParams, step_time
 
-    share = min(1.0, cores / lay.world)
-    r = rates[min(lay.world, cores)]
-    flops = r["flops_per_s"].get(lay.micro_batch_size) or min(r["flops_per_s"].values())
-    cl = replace(cluster, peak_flops=flops * share, achievable_fraction=1.0, hbm_bandwidth=r["optimizer_bytes_per_s"] * share)
+    share = min(1.0, cores / lay.world) / (slowdown if lay.world > 1 else 1.0)
+    flops = rates["flops_per_s"].get(lay.micro_batch_size) or min(rates["flops_per_s"].values())
+    cl = replace(cluster, peak_flops=flops * share, achievable_fraction=1.0, hbm_bandwidth=rates["optimizer_bytes_per_s"] * share)
     pl = plan_layout(lay)
-    params = StepTimeParams(replicated_head=True)  # trainlab's TP plugin keeps the output head whole on every rank
+    # Nothing overlaps on this CPU: gloo's threads reduce and copy on the cores the rank computes on (1 thread per
+    # rank, ranks x threads <= cores). trainlab's TP plugin keeps the output head whole on every rank.
+    params = StepTimeParams(dp_overlap=0.0, zero3_prefetch=0.0, param_gather_overlap=0.0, replicated_head=True)
     overhead = nano_measured_s - step_time(_shape({**cfg, **NANO}), pl, cl, params).total
     return step_time(_shape(cfg), pl, cl, replace(params, step_overhead_s=overhead)).total, overhead
 
@@ -436,8 +462,9 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:.2f}"
 
 
-def _row(model: str, lay: Layout, r: dict, r_nano: dict, cluster, bubble_parts: dict, rates: dict) -> dict:
-    """Predicted and measured figures of one run (``r_nano``: its nano twin's run; ``rates``: :func:`load_or_measure_rates`)."""
+def _row(model: str, lay: Layout, r: dict, r_nano: dict, cluster, bubble_parts: dict, rates: dict, slowdown: float) -> dict:
+    """Predicted and measured figures of one run (``r_nano``: its nano twin's run; ``rates``: :func:`load_or_measure_rates`;
+    ``slowdown``: :func:`concurrent_slowdown`)."""
     from framework.cost.bubble import pp_bubble_fraction
 
     cfg = _model_cfg(model)
@@ -452,8 +479,8 @@ def _row(model: str, lay: Layout, r: dict, r_nano: dict, cluster, bubble_parts: 
            "step": (r.get("perf/step_time_s_mean", float("nan")),
                     step_time_s(cfg, lay, cluster, os.cpu_count() or 2))}
     nano_s = r_nano.get("perf/step_time_s_mean", float("nan")) if r_nano else float("nan")
-    row["step_measured_inputs"] = (predicted_step_s(cfg, lay, cluster, os.cpu_count() or 2, rates, nano_s)
-                                   if rates and nano_s == nano_s else (float("nan"), float("nan")))
+    row["step_measured_inputs"] = (predicted_step_s(cfg, lay, cluster, os.cpu_count() or 2, rates, slowdown, nano_s)
+                                   if rates and slowdown == slowdown and nano_s == nano_s else (float("nan"), float("nan")))
     row["nano_s"] = nano_s
     if lay.pp > 1:
         modelled = parts["model"] if parts and lay.dp == 1 and lay.tp == 1 else float("nan")
@@ -462,11 +489,12 @@ def _row(model: str, lay: Layout, r: dict, r_nano: dict, cluster, bubble_parts: 
     return row
 
 
-def report(results: list, *, cluster, bubble_parts: dict, rates: dict) -> str:
+def report(results: list, *, cluster, bubble_parts: dict, rates: dict, slowdowns: dict) -> str:
     """The markdown table of predicted / measured per layout, the misses, and the rank correlation per model.
 
-    ``results``: ``(model, layout, run metrics, nano run metrics or None)``; ``rates``: ``{model: rates}``."""
-    rows = [_row(model, lay, r, rn, cluster, bubble_parts, rates.get(model)) for model, lay, r, rn in results]
+    ``results``: ``(model, layout, run metrics, nano run metrics or None)``; ``rates``, ``slowdowns``: by model."""
+    rows = [_row(model, lay, r, rn, cluster, bubble_parts, rates.get(model), slowdowns.get(model, float("nan")))
+            for model, lay, r, rn in results]
     lines = ["| model | layout | comm payload bytes/step, measured (= model unless shown) | model states MiB meas / model "
              "| activations MiB meas / model (err) [cost model: fp32, no dropout, selective] | bubble meas / formula / model "
              "| step s measured | cost model alone (err) | nano run s | overhead s | predicted (err) |", "|" + "---|" * 11]
@@ -507,10 +535,10 @@ def report(results: list, *, cluster, bubble_parts: dict, rates: dict) -> str:
                     f"**{rho:.2f}** ({within} of {len(ok)} within 20%); the cost model alone: {rho_alone:.2f} over {len(mine)}")
         r = rates.get(model)
         if r:
-            out += (f"\n{model} rates (1 process / 2 at once): forward+backward GFLOP/s by micro-batch "
-                    + ", ".join(f"b={b}: {r[1]['flops_per_s'][b] / 1e9:.1f} / {r[2]['flops_per_s'][b] / 1e9:.1f}"
-                                for b in sorted(r[1]["flops_per_s"]))
-                    + f"; AdamW GB/s {r[1]['optimizer_bytes_per_s'] / 1e9:.2f} / {r[2]['optimizer_bytes_per_s'] / 1e9:.2f}")
+            out += (f"\n{model} inputs: forward+backward GFLOP/s of one process by micro-batch "
+                    + ", ".join(f"b={b}: {r['flops_per_s'][b] / 1e9:.1f}" for b in sorted(r["flops_per_s"]))
+                    + f"; AdamW GB/s {r['optimizer_bytes_per_s'] / 1e9:.2f}; slowdown (step time of two concurrent single runs "
+                    f"/ one alone) {slowdowns.get(model, float('nan')):.2f}")
     return out + "\n\nMisses:\n" + ("\n".join(f"- {x}" for x in misses) if misses else "- none") + "\n"
 
 
@@ -558,7 +586,7 @@ def main() -> None:
         return
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    results, rates = [], {}
+    results, rates, slowdowns = [], {}, {}
     for model in args.models:
         steps, warmup = (args.steps, 3) if model != "gpt_50m" else (GPT50M["steps"], GPT50M["warmup"])
         todo = [lay for lay in layouts() if (not args.layouts or lay.name in args.layouts)
@@ -571,6 +599,7 @@ def main() -> None:
             sizes = tuple(sorted({lay.micro_batch_size for lay in todo}))
             if not args.reuse or (work / f"rates-{model}.json").exists():
                 rates[model] = load_or_measure_rates(model, work, sizes)
+            measured = {}
             for i, lay in enumerate(todo):
                 runs = []
                 for nano in (False, True):
@@ -583,6 +612,11 @@ def main() -> None:
                     runs.append(run_layout(model, lay, steps=steps, warmup=warmup, work=work, reuse=args.reuse, nano=nano))
                 if runs[0] is not None:
                     results.append((model, lay, runs[0], runs[1]))
+                    measured[lay.name] = (lay, runs[0]["perf/step_time_s_mean"])
+            if "single" in measured and (not args.reuse or (work / "outputs" / "default" / f"{model}-single-concurrent2").exists()):
+                print(f"running {model} single twice at once ...", file=sys.stderr, flush=True)
+                slowdowns[model] = concurrent_slowdown(model, measured["single"][0], measured["single"][1], steps=steps,
+                                                       warmup=warmup, work=work, reuse=args.reuse)
     if not args.reuse:  # gloo alpha/beta and the GEMM rate, measured now (2 ranks: under the lock) unless cached
         with open(LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -590,7 +624,7 @@ def main() -> None:
     else:
         cluster = local_cpu(work / ".cache" / "cost")
     parts = json.loads(Path(args.bubble_parts).read_text()) if args.bubble_parts else {}
-    text = report(results, cluster=cluster, bubble_parts=parts, rates=rates)
+    text = report(results, cluster=cluster, bubble_parts=parts, rates=rates, slowdowns=slowdowns)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

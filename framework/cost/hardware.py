@@ -7,7 +7,7 @@ bandwidth between nodes (with a per-step latency alpha for each), power and a pr
 GPU-hour (every assumption labelled as one in the file). ``local_cpu`` says ``measured`` for
 what :func:`measure_local_cpu` fills in: the fp32 GEMM rate of one rank
 (:func:`framework.metrics.flops.peak_flops`) and, per collective kind, gloo's alpha and bus
-bandwidth from a 2-rank microbenchmark (all-reduce, all-gather, send/recv over 4 KiB-4 MiB,
+bandwidth from a 2-rank microbenchmark (all-reduce, all-gather, reduce-scatter, send/recv over 4 KiB-32 MiB,
 least-squares fit of ``t = alpha_fit + wire_bytes / bw``), cached in
 ``<cache_dir>/local_cpu.json``.
 
@@ -140,7 +140,7 @@ def cluster_from_dict(raw: Mapping[str, Any], *, where: str = "cluster", cache_d
 
 # --- the local CPU microbenchmark ------------------------------------------------------------
 
-SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # payload bytes per call
+SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20)  # payload bytes per call (32 MiB: DDP's 25 MB buckets, ZeRO-3's layer gathers)
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -161,18 +161,22 @@ def _bench_rank(rank: int, world: int, port: int, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    res: dict[str, list] = {k: [] for k in ("allreduce", "allgather", "p2p")}
+    res: dict[str, list] = {k: [] for k in ("allreduce", "allgather", "reduce_scatter", "p2p")}
     for size in SIZES:
         x = torch.zeros(size // 4)
         gathered = torch.zeros(world * (size // 4 // world) or 1)
         shard = torch.zeros(max(size // 4 // world, 1))
         ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        full = torch.zeros(world * shard.numel())
         for kind in res:
             def op():
                 if kind == "allreduce":
                     dist.all_reduce(x)
                 elif kind == "allgather":
                     ag(gathered, shard)
+                elif kind == "reduce_scatter":
+                    rs(shard, full)
                 elif rank == 0:  # ping-pong: one send each way, halved below
                     dist.send(x, 1)
                     dist.recv(x, 1)
@@ -223,7 +227,7 @@ def measure_local_cpu(cache_dir: str, *, ranks: int = 2) -> dict:
             raw = json.load(f)
     links = {}
     for kind, pts in raw.items():
-        steps = {"allreduce": 2 * (ranks - 1), "allgather": ranks - 1, "p2p": 1}[kind]
+        steps = {"allreduce": 2 * (ranks - 1), "allgather": ranks - 1, "reduce_scatter": ranks - 1, "p2p": 1}[kind]
         a, bw = _fit([(ring_wire_bytes(kind, s, ranks), t) for s, t in pts])
         links[kind] = [a / steps, bw]
     mem_kib = 0
