@@ -326,10 +326,12 @@ class StepBreakdown(pl.Callback):
         if self._unhook_step_end is not None:
             self._unhook_step_end()
             self._unhook_step_end = None
+        run_peak = self._states_run_peak
         metrics = self._memory(trainer, pl_module)
-        # After training ZeRO-1/2 hold no gradient partition (freed after each step): keep the
-        # run's largest logged value rather than overwrite it with this after-training sample.
-        metrics["mem/model_states_bytes"] = self._states_run_peak
+        # Keep the run's largest logged value, not this after-training sample: ZeRO-1/2 hold no
+        # gradient partition after a step (less), and a pipeline stage's FSDP2 root unit is still
+        # gathered after the last validation forward (more: the embeddings unsharded).
+        metrics["mem/model_states_bytes"] = run_peak or metrics["mem/model_states_bytes"]
         total = sum(self._totals.values())
         if total > 0:
             metrics.update({f"perf/{k}_frac_mean": v / total for k, v in self._totals.items()})

@@ -98,7 +98,11 @@ def test_four_rank_layouts(mrun):
     # (dp2 x tp2: the next test; tp2 x pp2: the conformance suite's tp2pp2 case, loss_parity and bytes)
     recs = _train(mrun, "dp2pp2", "parallelism=pp", "trainer.micro_batch_size=2", *four)
     _assert_parity(mrun, "dp2pp2", recs)
-    _comm(recs)
+    logged = _comm(recs)
+    # The run's record (written after the last validation, which leaves the first stage's FSDP2 root
+    # unit gathered) keeps the largest logged step's model states, the modelled figure.
+    (end,) = [r for r in recs if "mem/model_states_bytes" in r and "mem/model_states_bytes_model" not in r]
+    assert end["mem/model_states_bytes"] == logged[-1]["mem/model_states_bytes_model"]
     # TP 4: the same payload per rank as TP 2, 1.5x the ring bytes on the wire (2(t-1)/t).
     recs = _train(mrun, "tp4", "parallelism=tp", *four, "parallelism.tp_degree=4", "trainer.micro_batch_size=4")
     _assert_parity(mrun, "tp4", recs)
