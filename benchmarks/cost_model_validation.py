@@ -276,9 +276,9 @@ def plan_layout(lay: Layout):
                       schedule=sched, virtual_stages=lay.v, zero_stage=zero_stage, precision="fp32")
 
 
-def _rate_worker(cfg: dict, sizes: tuple, iters: int, barrier, out) -> None:
-    """One process of :func:`measure_rates`: at 1 thread, per micro-batch size, the median seconds of the model's
-    and its nano twin's forward + backward and of their AdamW step (in lockstep with the other workers)."""
+def _rate_worker(cfg: dict, sizes: tuple, iters: int, out) -> None:
+    """The process of :func:`measure_rates`: at 1 thread, per micro-batch size, the median seconds of the model's
+    and its nano twin's forward + backward and of their AdamW step."""
     import statistics
     import time
 
@@ -298,7 +298,6 @@ def _rate_worker(cfg: dict, sizes: tuple, iters: int, barrier, out) -> None:
         x, y = torch.randint(0, cfg["vocab"], (2, b, cfg["seq_len"])).unbind(0)
         for i in range(iters + 1):  # the first is a warm-up; model and nano alternate, so drift hits both alike
             for which, (gpt, opt) in nets.items():
-                barrier.wait()
                 t0 = time.perf_counter()
                 gpt(x, y).backward()
                 t1 = time.perf_counter()
@@ -311,10 +310,11 @@ def _rate_worker(cfg: dict, sizes: tuple, iters: int, barrier, out) -> None:
     out.put(res)
 
 
-def measure_rates(cfg: dict, sizes: tuple, *, procs: int, iters: int) -> dict:
-    """The marginal compute rate and optimizer bandwidth of ``cfg``'s GPT on this machine, ``procs`` processes at once.
+def measure_rates(cfg: dict, sizes: tuple, *, iters: int) -> dict:
+    """The marginal compute rate and optimizer bandwidth of ``cfg``'s GPT on this machine (one process at 1 thread,
+    spawned so that this process's thread setting stays as it is).
 
-    Returns ``{"flops_per_s": {b: FLOP/s}, "optimizer_bytes_per_s": bytes/s}`` (mean over the processes):
+    Returns ``{"flops_per_s": {b: FLOP/s}, "optimizer_bytes_per_s": bytes/s}``:
     FLOP/s = (hardware FLOPs of the model - of its nano twin, forward + backward of ``b`` sequences) / (time
     difference); bytes/s = (AdamW bytes touched of the model - of the twin) / (time difference), the bytes as the
     cost model counts them (``optimizer_state_passes`` x state + grad + weight, fp32). Differences leave out what
@@ -327,22 +327,18 @@ def measure_rates(cfg: dict, sizes: tuple, *, procs: int, iters: int) -> dict:
     from framework.cost.steptime import StepTimeParams
 
     ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(procs), ctx.Queue()
-    workers = [ctx.Process(target=_rate_worker, args=(cfg, sizes, iters, barrier, out)) for _ in range(procs)]
-    for w in workers:
-        w.start()
-    results = [out.get() for _ in workers]
-    for w in workers:
-        w.join()
+    out = ctx.Queue()
+    worker = ctx.Process(target=_rate_worker, args=(cfg, sizes, iters, out))
+    worker.start()
+    r = out.get()
+    worker.join()
     big, nano = _shape(cfg), _shape({**cfg, **NANO})
     fpt = hardware_flops_per_token(big, "none") - hardware_flops_per_token(nano, "none")
     prec = PRECISIONS["fp32"]
     per_param = StepTimeParams().optimizer_state_passes * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes
     d_bytes = (_n_params(cfg) - _n_params({**cfg, **NANO})) * per_param
-    rates = {b: sum(fpt * b * cfg["seq_len"] / (r[f"model/{b}"][0] - r[f"nano/{b}"][0]) for r in results) / procs
-             for b in sizes}
-    opt_bw = sum(d_bytes / (sum(r[f"model/{b}"][1] for b in sizes) - sum(r[f"nano/{b}"][1] for b in sizes)) * len(sizes)
-                 for r in results) / procs
+    rates = {b: fpt * b * cfg["seq_len"] / (r[f"model/{b}"][0] - r[f"nano/{b}"][0]) for b in sizes}
+    opt_bw = d_bytes * len(sizes) / (sum(r[f"model/{b}"][1] for b in sizes) - sum(r[f"nano/{b}"][1] for b in sizes))
     return {"flops_per_s": rates, "optimizer_bytes_per_s": opt_bw}
 
 
@@ -365,7 +361,7 @@ def load_or_measure_rates(model: str, work: Path, sizes: tuple) -> dict:
     cfg = _model_cfg(model)
     iters = 20 if cfg["d_model"] <= 256 else 3
     print(f"measuring {model}'s forward+backward and AdamW rates ...", file=sys.stderr, flush=True)
-    rates = measure_rates(cfg, sizes, procs=1, iters=iters)
+    rates = measure_rates(cfg, sizes, iters=iters)
     path.write_text(json.dumps(rates, indent=1))
     return rates
 

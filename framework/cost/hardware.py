@@ -168,7 +168,6 @@ def _bench_rank(rank: int, world: int, port: int, out: str) -> None:
         shard = torch.zeros(max(size // 4 // world, 1))
         ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        full = torch.zeros(world * shard.numel())
         for kind in res:
             def op():
                 if kind == "allreduce":
@@ -176,7 +175,7 @@ def _bench_rank(rank: int, world: int, port: int, out: str) -> None:
                 elif kind == "allgather":
                     ag(gathered, shard)
                 elif kind == "reduce_scatter":
-                    rs(shard, full)
+                    rs(shard, gathered)  # the all-gather's output size is the reduce-scatter's input
                 elif rank == 0:  # ping-pong: one send each way, halved below
                     dist.send(x, 1)
                     dist.recv(x, 1)
