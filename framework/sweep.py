@@ -100,11 +100,16 @@ def job_name(task_overrides: Sequence[str], keys: Sequence[str]) -> str:
 
 
 def display_name(task_overrides: Sequence[str], keys: Sequence[str]) -> str:
-    """A job's short name for the MLflow UI: its swept values with the last dotted part of each key
-    (``every_n_steps=5,parallelism=ddp``; the whole key where that part is not unique)."""
+    """A job's short name for the MLflow UI: its swept values first, then the keys they belong to
+    (``ddp, 5 (parallelism, every_n_steps)``), each key by its last dotted part (the whole key where
+    that part is not unique). MLflow's run list cuts names at about 20 characters, so the values,
+    which tell the jobs apart, lead."""
     last = [k.rsplit(".", 1)[-1] for k in keys]
     found = _values_of(task_overrides, keys)
-    return ",".join(f"{s if last.count(s) == 1 else k}={found[k]}" for k, s in zip(keys, last) if k in found) or "job"
+    shown = [(s if last.count(s) == 1 else k, found[k]) for k, s in zip(keys, last) if k in found]
+    if not shown:
+        return "job"
+    return ", ".join(v for _, v in shown) + " (" + ", ".join(k for k, _ in shown) + ")"
 
 
 def current() -> Sweep | None:
@@ -499,7 +504,8 @@ def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], object
         note = f"{finished} of {len(children)} jobs FINISHED" + (f", {failed} FAILED" if failed else "")
         tags = {"trainlab.jobs_finished": f"{finished}/{len(children)}",
                 "mlflow.note.content": f"Sweep over {', '.join(sweep.keys)}: {note}."
-                + (f" Best ({objective}): {best.name} = {best.objective:,.1f}." if best else "")}
+                + (f" Best ({objective}): {best.name} = {best.objective:,.1f}." if best else "")
+                + "\n\n" + jobs_markdown(children)}
         if best is not None:
             tags["sweep.best"] = " ".join(best.overrides)
         for k, v in tags.items():
@@ -507,6 +513,24 @@ def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], object
         client.set_terminated(sweep.parent_run_id, status="FINISHED")
     except Exception as err:
         print(f"trainlab: warning: could not finalise the sweep's parent run: {err}", file=sys.stderr)
+
+
+JOB_COLUMNS = (("summary/tokens_per_sec", "tokens/s", ",.0f"), ("summary/mfu", "MFU", ".3g"),
+               ("summary/step_time_ms", "step ms", ",.1f"), ("summary/peak_mem_GiB", "peak GiB", ".3g"))
+"""The figures of each job in the parent's description: (child metric, column head, format)."""
+
+
+def jobs_markdown(children: Sequence[Any]) -> str:
+    """The sweep's jobs as a Markdown table for the parent run's description (MLflow renders it on the
+    run's page): one row per child run (name, status, the :data:`JOB_COLUMNS` figures, a failure's
+    reason), in name order; a figure a job did not log is ``-``."""
+    head = ["job", "status", *(h for _, h, _ in JOB_COLUMNS), "reason"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in sorted(children, key=lambda r: r.info.run_name or ""):
+        figures = [format(c.data.metrics[k], f) if k in c.data.metrics else "-" for k, _, f in JOB_COLUMNS]
+        reason = (c.data.tags.get("error") or "").replace("|", "/").replace("\n", " ")
+        lines.append("| " + " | ".join([c.info.run_name or c.info.run_id, c.info.status, *figures, reason]) + " |")
+    return "\n".join(lines)
 
 
 def _metric(key: str, value: float) -> Any:

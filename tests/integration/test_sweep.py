@@ -54,8 +54,9 @@ def _check_finished_children(parent, children, key: str, values: list[str]) -> N
         by_value.setdefault(c.data.params[key], []).append(c)
         swept = swept_values(c.data.tags["trainlab.swept"])  # its swept values, as written on the command line
         assert float(swept[key]) == float(c.data.params[key])
-        short = key.rsplit(".", 1)[-1]  # the short run name: the swept values under the last part of each key
-        assert f"{short}={swept[key]}" in c.info.run_name.split(",")
+        short = key.rsplit(".", 1)[-1]  # the short run name: the swept values first, then the last part of each key
+        values, _, names = c.info.run_name.partition(" (")
+        assert swept[key] == values.split(", ")[names.rstrip(")").split(", ").index(short)]
     assert sorted(by_value, key=float) == values
     assert len({c.data.params["run_name"] for c in children}) == len(children)  # no shared folder (checkpoints/<exp>/<run_name>) or lock
     assert len({c.data.tags["trainlab.run_key"] for c in children}) == len(children)

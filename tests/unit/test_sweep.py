@@ -39,8 +39,8 @@ def test_two_different_sweeps_have_different_names_and_a_preset_sweep_is_named_b
     assert narrowed.keys == ["optim.lr", "trainer.micro_batch_size"]
     job = ["+foo=1", "optim.lr=0.003", "trainer.micro_batch_size=2"]
     assert job_name(job, narrowed.keys) == "optim.lr=0.003,trainer.micro_batch_size=2"
-    assert display_name(job, narrowed.keys) == "lr=0.003,micro_batch_size=2"
-    assert display_name(["a.x=1", "b.x=2"], ["a.x", "b.x"]) == "a.x=1,b.x=2"  # the last part is not unique
+    assert display_name(job, narrowed.keys) == "0.003, 2 (lr, micro_batch_size)"
+    assert display_name(["a.x=1", "b.x=2"], ["a.x", "b.x"]) == "1, 2 (a.x, b.x)"  # the last part is not unique
 
 
 def _run(tags: dict, params: dict, metrics: dict | None = None, run_id: str = "r" * 32, status: str = "FINISHED"):
