@@ -14,6 +14,7 @@ ranks x threads never exceeds the cores.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -126,16 +127,22 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
         rdzv = dict(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, run_id=nodes.rdzv_id, rdzv_backend="static",
                     rdzv_endpoint=nodes.endpoint, rdzv_configs={"rank": nodes.node_rank, "timeout": nodes.timeout_s})
         # (the ranks' process group meets in the agent's store at the endpoint: MASTER_ADDR/PORT = the endpoint)
-    config = LaunchConfig(
-        nproc_per_node=nproc,
-        **rdzv,
-        max_restarts=run.trainer.max_restarts if max_restarts is None else max_restarts,
-        monitor_interval=0.2,
+    # Options of newer torch releases (signals_to_handle, shutdown_timeout: torch >= 2.12) are left out where
+    # this torch's LaunchConfig lacks them (e.g. a GPU image's torch 2.11): the agent then keeps its defaults.
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    newer = {k: v for k, v in dict(
         # The agent forwards these to the ranks (SIGUSR1/SIGUSR2 too: Slurm's --signal warning, as usually
         # asked / as submitit asks it: framework.faults.preemption.PREEMPT_SIGNALS), then waits
         # stop_grace_s for them to finish the step and save (framework.callbacks.preemption) before SIGKILL.
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
         shutdown_timeout=run.trainer.stop_grace_s,
+    ).items() if k in known}
+    config = LaunchConfig(
+        nproc_per_node=nproc,
+        **rdzv,
+        max_restarts=run.trainer.max_restarts if max_restarts is None else max_restarts,
+        monitor_interval=0.2,
+        **newer,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(launch.run_dir / "elastic")),
     )
