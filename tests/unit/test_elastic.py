@@ -42,6 +42,21 @@ def test_a_shrink_to_three_quarters_keeps_the_global_batch(compose):
     assert (again.world_size, again.global_batch_size, again.grad_accum_steps) == (3, 12, 4)
 
 
+def test_a_shrink_that_scales_the_batch_keeps_the_accumulation_and_scales_the_lr(compose):
+    resolved = _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=12",
+                         "trainer.grad_accum_steps=null", "resilience.shrink_to=0.75", "resilience.shrink_batch=scale",
+                         "optim.lr=0.004")
+    shrunk = resolve_shrunk(resolved.run, resolved.world_size)
+    assert (shrunk.world_size, shrunk.grad_accum_steps, shrunk.global_batch_size, shrunk.micro_batch_size) == (3, 3, 9, 1)
+    assert shrunk.run.optim.lr == pytest.approx(0.003)
+    # a batch 8 that 3 ranks cannot keep is no obstacle when the batch shrinks with the ranks
+    odd = _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
+                    "trainer.grad_accum_steps=null", "resilience.shrink_to=0.75", "resilience.shrink_batch=scale")
+    assert resolve_shrunk(odd.run, 4).global_batch_size == 6
+    with pytest.raises(ConfigError, match="resilience.shrink_batch='half' is not allowed; allowed: keep, scale"):
+        _resolved(compose, "resilience.shrink_batch=half")
+
+
 def test_no_layout_that_keeps_the_global_batch_is_one_line_before_any_rank(compose):
     # 8 sequences of 1 cannot be split over 3 ranks, and min_world_size forbids 2
     with pytest.raises(ConfigError) as err:
