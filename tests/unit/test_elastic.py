@@ -101,3 +101,35 @@ def test_shrink_tags_name_the_launch_in_force(compose):
     assert tags == {"world_size": "2", "layout": "dp2-tp1-pp1", "elastic.shrinks": "2",
                     "elastic.history": "step 3: 4 -> 3 ranks, dp 4 -> 3, grad_accum_steps 3 -> 4; step 7: 3 -> 2 ranks,"
                                        " dp 3 -> 2, grad_accum_steps 4 -> 6"}
+
+
+def test_a_checkpoint_resumed_at_another_lr_goes_on_at_the_new_one():
+    """``resilience.shrink_batch=scale`` sets ``optim.lr`` x 3/4; the optimizer and scheduler states restored from
+    the checkpoint would otherwise bring the old LR back (Lightning loads them after ``configure_optimizers``)."""
+    import torch
+
+    from framework.module import rescale_lr_state, warmup_cosine
+
+    def make(lr):
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([{"params": [w]}, {"params": [torch.nn.Parameter(torch.ones(1))]}], lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1))
+        return w, opt, sched
+
+    w, opt, sched = make(4e-3)
+    for _ in range(4):
+        w.sum().backward()
+        opt.step()
+        sched.step()
+    ckpt = {"optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()]}
+    saved_lr = opt.param_groups[0]["lr"]
+    assert rescale_lr_state(ckpt, 3e-3) == pytest.approx(0.75)
+    _, opt2, sched2 = make(3e-3)
+    opt2.load_state_dict(ckpt["optimizer_states"][0])
+    sched2.load_state_dict(ckpt["lr_schedulers"][0])
+    assert [g["lr"] for g in opt2.param_groups] == pytest.approx([0.75 * saved_lr] * 2)
+    opt2.step()
+    sched2.step()
+    assert opt2.param_groups[1]["lr"] == pytest.approx(3e-3 * warmup_cosine(5, warmup_steps=2, max_steps=10, min_lr_ratio=0.1))
+    same = {"optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()]}
+    assert rescale_lr_state(same, 4e-3) == 1.0 and same["lr_schedulers"][0]["base_lrs"] == [4e-3, 4e-3]
