@@ -243,7 +243,15 @@ class LMModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Resume at this run's ``optim.lr`` (:func:`rescale_lr_state`; differs only after a batch-scaling shrink)."""
-        rescale_lr_state(checkpoint, self.resolved.run.optim.lr)
+        self._lr_rescaled = rescale_lr_state(checkpoint, self.resolved.run.optim.lr)
+
+    def on_train_start(self) -> None:
+        # A sharded strategy restores the optimizer inside load_checkpoint, before on_load_checkpoint: after an LR
+        # rescale, the first resumed step takes its LR from the (rescaled) scheduler, as every later step does.
+        if getattr(self, "_lr_rescaled", 1.0) != 1.0:
+            scheduler = self.lr_schedulers()
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
 
     def configure_optimizers(self) -> dict[str, Any]:
         o = self.resolved.run.optim
