@@ -16,7 +16,7 @@ then writes ``results.json``, ``results.md`` and ``loss.png`` next to this file.
 independent of the machine's load (fp32, fixed seeds); times are not (a shared 2-core machine):
 the report names them "measured under load".
 
-    python experiments/elastic_shrink/measure.py            # runs + report (~6 min on 2 cores)
+    python experiments/elastic_shrink/measure.py            # runs + report (~10 min on 2 shared cores)
     python experiments/elastic_shrink/measure.py --report   # the report again from the scratch folder
 """
 
