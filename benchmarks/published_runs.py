@@ -16,7 +16,7 @@ Sources (rows transcribed; check them against the papers before quoting):
   per row and assumed here: micro-batch 1, the plain 1F1B schedule, full recompute, DDP without a
   distributed optimizer, fp16/bf16 with fp32 main grads.
 - Llama 3 (Dubey et al. 2024), Table 4: 405B on H100 (400 Gb/s RoCE per GPU), TP 8, PP 16,
-  s = 8192, 16M tokens per batch; BF16 MFU (430 TFLOP/s <-> 43%: REFERENCES.md §2.1.5). The CP = 16
+  s = 8192, 16M tokens per batch; BF16 MFU (430 TFLOP/s <-> 43%: docs/references.md §8). The CP = 16
   row (131K context) is left out: the cost model has no context parallelism. Assumed: micro-batch
   1, 1F1B (the paper's uneven interleaving not modelled), FSDP without resharding after forward
   modelled as ZeRO stage 2, FlashAttention (= ``selective``: no s x s scores kept).
@@ -25,7 +25,7 @@ Sources (rows transcribed; check them against the papers before quoting):
   70B with full AC.
 
 MegaScale (NSDI'24) Table 2 is not reproduced: its per-row layout and batch were not available
-to transcribe here (REFERENCES.md quotes only the 256-GPU MFU).
+to transcribe here (docs/references.md quotes only its 175B MFU).
 """
 
 from __future__ import annotations

@@ -53,6 +53,33 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def rescale_lr_state(checkpoint: dict[str, Any], lr: float) -> float:
+    """Make a Lightning checkpoint resume at peak LR ``lr`` (``optim.lr`` of the run loading it); returns new/old.
+
+    The LR scheduler's ``base_lrs`` and the optimizer's param groups (``lr``, ``initial_lr``) are
+    restored from the checkpoint after ``configure_optimizers``, so without this a run resumed
+    with another ``optim.lr`` would go on at the saved one. Used by an elastic shrink with
+    ``resilience.shrink_batch=scale`` (the LR scaled with the global batch, Goyal et al. 2017
+    §2.1); a plain resume has the saved LR and is left unchanged (ratio 1). Edits ``checkpoint``
+    in place (keys ``lr_schedulers``, ``optimizer_states``; either may be absent).
+    """
+    ratio = 1.0
+    for sched in checkpoint.get("lr_schedulers") or []:
+        old = sched.get("base_lrs") or []
+        if old and old[0] > 0 and not math.isclose(old[0], lr, rel_tol=1e-12):
+            ratio = lr / old[0]
+            sched["base_lrs"] = [b * ratio for b in old]
+            if "_last_lr" in sched:
+                sched["_last_lr"] = [x * ratio for x in sched["_last_lr"]]
+    if ratio != 1.0:
+        for opt in checkpoint.get("optimizer_states") or []:
+            for group in opt.get("param_groups", []):
+                group["lr"] = group["lr"] * ratio
+                if "initial_lr" in group:
+                    group["initial_lr"] = group["initial_lr"] * ratio
+    return ratio
+
+
 class LMModule(pl.LightningModule):
     """Causal language modelling on windows of ``seq_len + 1`` tokens.
 
@@ -213,6 +240,18 @@ class LMModule(pl.LightningModule):
         # Clipping by the global norm needs the plugin's norm when parameters are split over ranks.
         if gradient_clip_val:
             self.plugin.clip_gradients(self, optimizer, float(gradient_clip_val))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resume at this run's ``optim.lr`` (:func:`rescale_lr_state`; differs only after a batch-scaling shrink)."""
+        self._lr_rescaled = rescale_lr_state(checkpoint, self.resolved.run.optim.lr)
+
+    def on_train_start(self) -> None:
+        # A sharded strategy restores the optimizer inside load_checkpoint, before on_load_checkpoint: after an LR
+        # rescale, the first resumed step takes its LR from the (rescaled) scheduler, as every later step does.
+        if getattr(self, "_lr_rescaled", 1.0) != 1.0:
+            scheduler = self.lr_schedulers()
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
 
     def configure_optimizers(self) -> dict[str, Any]:
         o = self.resolved.run.optim

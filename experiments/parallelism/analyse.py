@@ -5,7 +5,7 @@ Reads the child runs of one or more ``parallelism`` sweeps from their MLflow sto
 (ring bytes on the wire per rank per optimizer step, and model-state bytes per rank: measured,
 the plugin's cost model, and the field's formula).
 
-The field's formulas (REFERENCES.md §2.2, §2.4), per rank per optimizer step, N = dp ranks,
+The field's formulas (docs/references.md §3, §5), per rank per optimizer step, N = dp ranks,
 t = tp degree, Psi parameters, a = grad_accum_steps, b = micro-batch, s = seq_len, h = d_model,
 L = n_layer; ring bytes on the wire, fp32 (4 bytes per element):
 

@@ -278,6 +278,7 @@ class TrackingConfig:
 FAULT_KINDS = ("nan_grad", "inf_loss", "loss_spike", "rank_crash", "hang", "slow_rank", "ckpt_write_error",
                "ckpt_corrupt", "bad_batch")
 RESILIENCE_POLICIES = ("none", "skip_step", "rollback", "restart", "shrink", "abort")
+SHRINK_BATCH = ("keep", "scale")  # resilience.shrink_batch: what a shrink does to the global batch
 
 
 @dataclass
@@ -327,6 +328,7 @@ class ResilienceConfig:
     min_world_size: int = 1  # shrink: never fewer ranks than this
     shrink_to: Optional[float] = None  # shrink: target world size: null = one rank less; (0, 1) = that fraction of the ranks (0.75: 4 -> 3); >= 1 = that many ranks
     rewarmup_steps: int = 0  # shrink: linear LR re-warm-up over this many steps after shrinking; 0 = off
+    shrink_batch: str = "keep"  # shrink: keep = global batch kept (grad_accum_steps re-derived); scale = grad_accum_steps kept, global batch and optim.lr scaled by new/old ranks
     skip_steps: list[int] = field(default_factory=list)  # optimizer steps whose update is always dropped (known-bad data)
     rollback_skip_window: bool = False  # rollback: drop the offending step's update when it is replayed (PaLM-style)
     grad_spike_factor: float = 0.0  # grad L2 norm > factor x its running mean = a fault; 0 = off (NaN/Inf always are)
@@ -345,6 +347,8 @@ class ResilienceConfig:
         _require(self.max_restarts >= 0, f"resilience.max_restarts={self.max_restarts} must be >= 0")
         _require(self.min_world_size >= 1, f"resilience.min_world_size={self.min_world_size} must be >= 1")
         _require(self.rewarmup_steps >= 0, f"resilience.rewarmup_steps={self.rewarmup_steps} must be >= 0")
+        _require(self.shrink_batch in SHRINK_BATCH,
+                 f"resilience.shrink_batch={self.shrink_batch!r} is not allowed; allowed: {', '.join(SHRINK_BATCH)}")
         _require(self.shrink_to is None or 0 < self.shrink_to < 1 or (self.shrink_to >= 1 and float(self.shrink_to).is_integer()),
                  f"resilience.shrink_to={self.shrink_to} is not a target; allowed: null (one rank less), a fraction in"
                  " (0, 1) of the ranks, or a whole number of ranks >= 1")

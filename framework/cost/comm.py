@@ -4,7 +4,7 @@ A plugin states what it *should* communicate with ``comm_volume(stats, resolved)
 CommEstimate``; :class:`~framework.callbacks.breakdown.StepBreakdown` logs that next to what
 its collectives actually carried (``perf/comm_bytes_model`` vs ``perf/comm_bytes``).
 
-Two byte counts, both per rank per optimizer step (REFERENCES.md §2.2, nccl-tests
+Two byte counts, both per rank per optimizer step (docs/references.md §3, nccl-tests
 PERFORMANCE.md):
 
 - **payload**: the size S of the buffers handed to the collectives (what ``perf/comm_bytes``

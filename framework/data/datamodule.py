@@ -109,6 +109,7 @@ class TextDataModule(pl.LightningDataModule):
         self.max_steps = max_steps
         self.val_sequences = val_sequences
         self.start_step = 0  # first optimizer step the train loader yields (set on resume)
+        self.first_sample: Optional[int] = None  # global sample at start_step after a resume at another global batch
         self.cache_dir = cache_dir
         self._cache: Optional[TokenCache] = None
         self.train_set: Optional[WindowDataset | OnTheFlyWindowDataset] = None
@@ -186,6 +187,7 @@ class TextDataModule(pl.LightningDataModule):
             seed=self.cfg.seed,
             start_step=self.start_step,
             max_steps=self.max_steps,
+            first_sample=self.first_sample,
         )
         return StepTokenCounts(self._loader(self.train_set, sampler), micro_batches_per_step=self.grad_accum_steps,
                                sum_over_ranks=self._sum_over_data_parallel)
@@ -230,19 +232,35 @@ class TextDataModule(pl.LightningDataModule):
 
     # -------------------------------------------------------------------------- resume
 
+    def consumed_samples(self, step: int) -> int:
+        """Global samples consumed by the end of optimizer step ``step`` (``step * global_batch_size``
+        unless the run resumed at another global batch: then from the sample it resumed at)."""
+        if self.first_sample is None:
+            return step * self.global_batch_size
+        return self.first_sample + (step - self.start_step) * self.global_batch_size
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"consumed_samples", "global_batch_size"}`` at the trainer's current step."""
+        """``{"consumed_samples", "global_batch_size", "step"}`` at the trainer's current step."""
         trainer = getattr(self, "trainer", None)
         step = trainer.global_step if trainer is not None else self.start_step
-        return {"consumed_samples": step * self.global_batch_size, "global_batch_size": self.global_batch_size}
+        return {"consumed_samples": self.consumed_samples(step), "global_batch_size": self.global_batch_size, "step": step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the sample stream: ``start_step = consumed_samples // global_batch_size``.
 
+        A checkpoint written at another global batch (an elastic shrink with
+        ``resilience.shrink_batch=scale``; it records its ``step``) resumes at that step, reading
+        on from sample ``consumed_samples`` (``first_sample``), ``global_batch_size`` a step.
+
         Raises:
-            ValueError: ``consumed_samples`` is not a whole number of current global batches.
+            ValueError: ``consumed_samples`` is not a whole number of current global batches
+                (and the checkpoint records no step).
         """
         consumed = int(state_dict["consumed_samples"])
+        step = state_dict.get("step")
+        if step is not None and consumed != int(step) * self.global_batch_size:
+            self.start_step, self.first_sample = min(int(step), self.max_steps), consumed
+            return
         if consumed % self.global_batch_size != 0:
             raise ValueError(
                 f"checkpoint consumed {consumed} samples (global_batch_size was "

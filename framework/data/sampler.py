@@ -46,6 +46,7 @@ class StepBatchSampler(Sampler[list[int]]):
         seed: int,
         start_step: int = 0,
         max_steps: int,
+        first_sample: int | None = None,
     ) -> None:
         """
         Args:
@@ -57,6 +58,10 @@ class StepBatchSampler(Sampler[list[int]]):
             seed: base seed; epoch ``e`` uses ``seed + e``. Same on every rank.
             start_step: first optimizer step to yield (resume point), ``0 <= start_step <= max_steps``.
             max_steps: one past the last optimizer step.
+            first_sample: global sample index at which ``start_step`` begins; None = ``start_step *
+                global_batch_size`` (the run kept one global batch). Given after a resume at another
+                global batch (an elastic shrink with ``resilience.shrink_batch=scale``): the stream goes on
+                at the sample the checkpoint reached, ``global_batch_size`` samples a step from there.
 
         Raises:
             ValueError: a non-positive size, ``dp_rank`` out of range, ``micro_batch_size *
@@ -77,6 +82,8 @@ class StepBatchSampler(Sampler[list[int]]):
             )
         if not 0 <= start_step <= max_steps:
             raise ValueError(f"start_step={start_step} must be in [0, max_steps={max_steps}]")
+        if first_sample is not None and first_sample < 0:
+            raise ValueError(f"first_sample={first_sample} must be >= 0")
         self.num_windows = num_windows
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -85,6 +92,7 @@ class StepBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.start_step = start_step
         self.max_steps = max_steps
+        self.first_sample = first_sample
         self._perms: dict[int, np.ndarray] = {}  # epoch -> permutation (at most 2 kept)
 
     @property
@@ -99,8 +107,15 @@ class StepBatchSampler(Sampler[list[int]]):
         mbs, B = self.micro_batch_size, self.global_batch_size
         for k in range(self.start_step, self.max_steps):
             for j in range(self.grad_accum_steps):
-                first = k * B + j * mbs * self.dp_size + self.dp_rank * mbs
+                first = self.step_first_sample(k) + j * mbs * self.dp_size + self.dp_rank * mbs
                 yield self.windows(first, mbs)
+
+    def step_first_sample(self, step: int) -> int:
+        """Global sample index of the first sample of optimizer step ``step``: ``step * B``, or, after
+        a resume at another global batch (``first_sample`` given), ``first_sample + (step - start_step) * B``."""
+        if self.first_sample is None:
+            return step * self.global_batch_size
+        return self.first_sample + (step - self.start_step) * self.global_batch_size
 
     def windows(self, first: int, count: int) -> list[int]:
         """Window indices of global samples ``first .. first + count - 1``."""
@@ -112,7 +127,7 @@ class StepBatchSampler(Sampler[list[int]]):
 
     def step_windows(self, step: int) -> list[int]:
         """All ``global_batch_size`` window indices of optimizer step ``step`` (every rank), in order."""
-        return self.windows(step * self.global_batch_size, self.global_batch_size)
+        return self.windows(self.step_first_sample(step), self.global_batch_size)
 
     def _perm(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)

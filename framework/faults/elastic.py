@@ -16,6 +16,8 @@ global batch with a short LR re-warm-up.
   run stops with one line naming the global batch, the micro-batch and the dp degrees tried;
   for the first shrink this is checked by :func:`check_first_shrink`, which the driver calls
   right after :func:`framework.config.validate.validate`, before any rank starts.
+- Or a smaller batch (``resilience.shrink_batch=scale``): ``grad_accum_steps`` kept, the global
+  batch and the peak LR scaled by new/old ranks (the alternative the elastic study compares).
 - LR re-warm-up (:func:`rewarmup_factor`): the scheduled LR is scaled linearly from
   ``1/rewarmup_steps`` to 1 over the first ``resilience.rewarmup_steps`` steps after the step
   the shrunk launch resumed from.
@@ -56,7 +58,11 @@ def resolve_shrunk(run: Any, world_size: int) -> ResolvedRun:
     """``run`` resolved at the first world size of :func:`shrink_targets` that validates.
 
     ``global_batch_size`` and ``micro_batch_size`` are kept and ``grad_accum_steps`` re-derived
-    (data parallel only: ``dp_degree == world_size``). A multi-node run (``parallelism.nnodes > 1``)
+    (data parallel only: ``dp_degree == world_size``). With ``resilience.shrink_batch=scale``
+    ``micro_batch_size`` and ``grad_accum_steps`` are kept instead: the global batch shrinks to
+    ``micro_batch_size x grad_accum_steps x new ranks`` and ``optim.lr`` by new/old ranks (the
+    linear scaling rule, Goyal et al. 2017 §2.1, applied downwards); the data stream goes on at
+    the sample the checkpoint reached (:meth:`framework.data.datamodule.TextDataModule.load_state_dict`). A multi-node run (``parallelism.nnodes > 1``)
     shrinks to node 0 alone: ``world_size / nnodes`` ranks on one node (``resilience.shrink_to``
     and ``min_world_size`` do not apply). The listed faults are dropped from the copy
     (the schedule already lives in the launch object; ranks that no longer exist cannot be
@@ -70,16 +76,22 @@ def resolve_shrunk(run: Any, world_size: int) -> ResolvedRun:
     from framework.config.validate import derive_batch, validate
 
     t, r = run.trainer, run.resilience
-    gbs, mbs, _ = _batch(run, world_size, derive_batch)
+    gbs, mbs, acc = _batch(run, world_size, derive_batch)
     tried, other = [], []
     nnodes = run.parallelism.nnodes
     # several nodes: a lost node leaves node 0 alone (its driver relaunches only its own ranks), at its ranks per node
     targets = [world_size // nnodes] if nnodes > 1 else shrink_targets(world_size, r.shrink_to, r.min_world_size)
     for w in targets:
+        if r.shrink_batch == "scale":  # same micro-batches per rank: the global batch and the LR shrink with the ranks
+            trainer = dataclasses.replace(t, global_batch_size=mbs * acc * w, micro_batch_size=mbs, grad_accum_steps=acc)
+            optim = dataclasses.replace(run.optim, lr=run.optim.lr * w / world_size)
+        else:
+            trainer = dataclasses.replace(t, global_batch_size=gbs, micro_batch_size=mbs, grad_accum_steps=None)
+            optim = run.optim
         new = dataclasses.replace(
             run,
             parallelism=dataclasses.replace(run.parallelism, world_size=w, dp_degree=-1, nnodes=1, nproc_per_node=None),
-            trainer=dataclasses.replace(t, global_batch_size=gbs, micro_batch_size=mbs, grad_accum_steps=None),
+            trainer=trainer, optim=optim,
             fault=dataclasses.replace(run.fault, events=[], mtbf_steps=0.0),
         )
         try:

@@ -1,6 +1,6 @@
 """FLOPs per token, peak FLOP/s per device, MFU and HFU.
 
-Conventions (see /work/shared/REFERENCES.md, section 2.1):
+Conventions (docs/references.md §2):
 
 - ``flops_per_token = 6N + 12 * L * h * s`` (:mod:`framework.cost.flops`, re-exported here) (PaLM, Chowdhery et al. 2022, Appendix B; also
   nanoGPT's ``estimate_mfu``). 6N is the forward (2N) and backward (4N) matmuls over the
@@ -39,7 +39,7 @@ PEAK_FLOPS_BF16: dict[str, float] = {
     "H200": 989e12,  # same GH100 compute as H100 SXM; Megatron-LM gpu_peak_flops.py ("H200": 989)
     "B200": 2250e12,  # Megatron-LM gpu_peak_flops.py ("B200": 2250, dense)
 }
-"""Sources as collected in /work/shared/REFERENCES.md ("Hardware peaks")."""
+"""Sources: docs/references.md §1 (hardware figures)."""
 
 # (pattern on the CUDA device name, table key); the first match wins, so PCIe precedes SXM.
 # "H100 NVL" (a different clock and power budget) is left out on purpose: it is measured.

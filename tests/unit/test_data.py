@@ -384,7 +384,7 @@ def test_datamodule_state_dict_round_trip(stdlib_cache):
     elsewhere = DataConfig(name="text_files", paths=["/nonexistent/*.txt"])  # never looked up
     assert _dm(elsewhere, cache_dir=str(cache.dir)).vocab_size == cache.vocab_size
     dm = _dm(cfg)
-    assert dm.state_dict() == {"consumed_samples": 0, "global_batch_size": 8}
+    assert dm.state_dict() == {"consumed_samples": 0, "global_batch_size": 8, "step": 0}
     dm.load_state_dict({"consumed_samples": 24, "global_batch_size": 8})
     assert dm.start_step == 3 and dm.state_dict()["consumed_samples"] == 24
     assert len(list(dm.train_dataloader())) == (5 - 3) * 4
@@ -393,6 +393,32 @@ def test_datamodule_state_dict_round_trip(stdlib_cache):
         other.load_state_dict({"consumed_samples": 24, "global_batch_size": 8})
     with pytest.raises(FileNotFoundError):
         _dm(DataConfig(max_bytes=200_000, vocab_size=300, cache_dir=cfg.cache_dir)).setup()
+
+
+def test_a_resume_at_another_global_batch_reads_on_from_the_sample_reached(stdlib_cache):
+    """An elastic shrink with ``resilience.shrink_batch=scale``: the step-3 checkpoint of a run at global batch 8
+    (24 samples) resumed at global batch 6 (3 ranks x 2 micro-batches of 1) starts at step 3 with samples 24..29,
+    then 30..35: the union over ranks and micro-batches is the uninterrupted stream's next samples."""
+    cfg, _ = stdlib_cache
+    full = StepBatchSampler(1000, global_batch_size=8, micro_batch_size=8, dp_rank=0, dp_size=1, seed=cfg.seed, max_steps=9)
+    stream = full.windows(0, 60)
+    got: dict[int, list[int]] = {}
+    for r in range(3):
+        dm = _dm(cfg, global_batch_size=6, micro_batch_size=1, dp_rank=r, dp_size=3)
+        dm.load_state_dict({"consumed_samples": 24, "global_batch_size": 8, "step": 3})
+        assert (dm.start_step, dm.first_sample) == (3, 24)
+        assert dm.state_dict() == {"consumed_samples": 24, "global_batch_size": 6, "step": 3}
+        assert dm.consumed_samples(5) == 24 + 2 * 6
+        s = StepBatchSampler(1000, global_batch_size=6, micro_batch_size=1,
+                             dp_rank=r, dp_size=3, seed=cfg.seed, start_step=3, max_steps=5, first_sample=24)
+        for i, b in enumerate(s):
+            got.setdefault(3 + i // 2, []).extend(b)
+    probe = StepBatchSampler(1000, global_batch_size=6, micro_batch_size=1, dp_rank=0, dp_size=3, seed=cfg.seed,
+                             start_step=3, max_steps=5, first_sample=24)
+    assert probe.step_first_sample(4) == 30 and probe.step_windows(3) == stream[24:30]
+    assert {k: sorted(v) for k, v in got.items()} == {3: sorted(stream[24:30]), 4: sorted(stream[30:36])}
+    with pytest.raises(ValueError, match="first_sample=-1 must be >= 0"):
+        StepBatchSampler(10, global_batch_size=2, micro_batch_size=1, dp_rank=0, dp_size=1, seed=0, max_steps=3, first_sample=-1)
 
 
 def test_lightning_resume_continues_the_sample_stream(stdlib_cache, tmp_path):

@@ -42,6 +42,21 @@ def test_a_shrink_to_three_quarters_keeps_the_global_batch(compose):
     assert (again.world_size, again.global_batch_size, again.grad_accum_steps) == (3, 12, 4)
 
 
+def test_a_shrink_that_scales_the_batch_keeps_the_accumulation_and_scales_the_lr(compose):
+    resolved = _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=12",
+                         "trainer.grad_accum_steps=null", "resilience.shrink_to=0.75", "resilience.shrink_batch=scale",
+                         "optim.lr=0.004")
+    shrunk = resolve_shrunk(resolved.run, resolved.world_size)
+    assert (shrunk.world_size, shrunk.grad_accum_steps, shrunk.global_batch_size, shrunk.micro_batch_size) == (3, 3, 9, 1)
+    assert shrunk.run.optim.lr == pytest.approx(0.003)
+    # a batch 8 that 3 ranks cannot keep is no obstacle when the batch shrinks with the ranks
+    odd = _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
+                    "trainer.grad_accum_steps=null", "resilience.shrink_to=0.75", "resilience.shrink_batch=scale")
+    assert resolve_shrunk(odd.run, 4).global_batch_size == 6
+    with pytest.raises(ConfigError, match="resilience.shrink_batch='half' is not allowed; allowed: keep, scale"):
+        _resolved(compose, "resilience.shrink_batch=half")
+
+
 def test_no_layout_that_keeps_the_global_batch_is_one_line_before_any_rank(compose):
     # 8 sequences of 1 cannot be split over 3 ranks, and min_world_size forbids 2
     with pytest.raises(ConfigError) as err:
@@ -86,3 +101,35 @@ def test_shrink_tags_name_the_launch_in_force(compose):
     assert tags == {"world_size": "2", "layout": "dp2-tp1-pp1", "elastic.shrinks": "2",
                     "elastic.history": "step 3: 4 -> 3 ranks, dp 4 -> 3, grad_accum_steps 3 -> 4; step 7: 3 -> 2 ranks,"
                                        " dp 3 -> 2, grad_accum_steps 4 -> 6"}
+
+
+def test_a_checkpoint_resumed_at_another_lr_goes_on_at_the_new_one():
+    """``resilience.shrink_batch=scale`` sets ``optim.lr`` x 3/4; the optimizer and scheduler states restored from
+    the checkpoint would otherwise bring the old LR back (Lightning loads them after ``configure_optimizers``)."""
+    import torch
+
+    from framework.module import rescale_lr_state, warmup_cosine
+
+    def make(lr):
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([{"params": [w]}, {"params": [torch.nn.Parameter(torch.ones(1))]}], lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1))
+        return w, opt, sched
+
+    w, opt, sched = make(4e-3)
+    for _ in range(4):
+        w.sum().backward()
+        opt.step()
+        sched.step()
+    ckpt = {"optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()]}
+    saved_lr = opt.param_groups[0]["lr"]
+    assert rescale_lr_state(ckpt, 3e-3) == pytest.approx(0.75)
+    _, opt2, sched2 = make(3e-3)
+    opt2.load_state_dict(ckpt["optimizer_states"][0])
+    sched2.load_state_dict(ckpt["lr_schedulers"][0])
+    assert [g["lr"] for g in opt2.param_groups] == pytest.approx([0.75 * saved_lr] * 2)
+    opt2.step()
+    sched2.step()
+    assert opt2.param_groups[1]["lr"] == pytest.approx(3e-3 * warmup_cosine(5, warmup_steps=2, max_steps=10, min_lr_ratio=0.1))
+    same = {"optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()]}
+    assert rescale_lr_state(same, 4e-3) == 1.0 and same["lr_schedulers"][0]["base_lrs"] == [4e-3, 4e-3]
