@@ -85,6 +85,7 @@ def load_inputs(cfg):
         pp_degrees=tuple(p.pp_degrees) if p.pp_degrees else None, virtual_stages=tuple(p.virtual_stages),
         schedules=tuple(p.schedules), zero_stages=tuple(p.zero_stages), recompute=tuple(p.recompute),
         sequence_parallel=tuple(bool(x) for x in p.sequence_parallel), precision=str(p.precision),
+        state_accounting=str(p.state_accounting),
     )
     params = StepTimeParams(tp_overlap=p.tp_overlap, pp_handoff_exposed=p.pp_handoff_exposed, dp_overlap=p.dp_overlap,
                             bucket_bytes=p.bucket_bytes, param_gather_overlap=p.param_gather_overlap,
