@@ -258,7 +258,11 @@ def load_or_measure_local_cpu(cache_dir: str, *, ranks: int = 2, measure: bool =
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    rec = measure_local_cpu(sys.argv[1] if len(sys.argv) > 1 else ".cache/cost")
+    ap = argparse.ArgumentParser(prog="python -m framework.cost.hardware",
+                                 description="Measure this machine's GEMM rate and gloo collectives (2 ranks) for cluster=local_cpu "
+                                             "and cache them (wrap in flock: it starts 2 processes).")
+    ap.add_argument("cache_dir", nargs="?", default=".cache/cost", help="where local_cpu.json is written (default .cache/cost)")
+    rec = measure_local_cpu(ap.parse_args().cache_dir)
     print(json.dumps({k: v for k, v in rec.items() if k != "raw"}, indent=2))
