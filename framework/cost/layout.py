@@ -82,6 +82,12 @@ class PlanLayout:
         size = {"tp": self.tp, "dp": self.dp, "pp": self.pp}[axis]
         return size > 1 and stride * size > gpus_per_node
 
+    def group_ranks_per_node(self, axis: str, gpus_per_node: int) -> int:
+        """Members of one ``axis`` group inside one node: ``min(size, gpus_per_node // stride)`` (1 when the stride is a node or more)."""
+        stride = {"tp": 1, "dp": self.tp, "pp": self.tp * self.dp}[axis]
+        size = {"tp": self.tp, "dp": self.dp, "pp": self.pp}[axis]
+        return 1 if stride >= gpus_per_node else max(1, min(size, gpus_per_node // stride))
+
     def describe(self) -> str:
         """Short label, e.g. ``tp8 pp8(v2 Interleaved1F1B) dp16 zero1 b1 rc=selective sp`` (ZeRO stage 0 reads ``none``)."""
         pp = f"pp{self.pp}" + (f"(v{self.v} {self.schedule})" if self.pp > 1 and self.v > 1 else (f"({self.schedule})" if self.pp > 1 else ""))

@@ -12,7 +12,7 @@ def test_help_prints_usage_and_the_plan_keys(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m framework.plan")
-    for key in ("micro_batch_sizes:", "tp_degrees:", "state_accounting:", "cluster=a100_80gb"):
+    for key in ("micro_batch_sizes:", "tp_degrees:", "state_accounting:", "cluster=a100_40gb", "h100_96gb"):
         assert key in out
 
 
