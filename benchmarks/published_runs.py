@@ -236,14 +236,82 @@ def terms_report(rows: list[Row], params: StepTimeParams) -> list[str]:
     return out
 
 
+def ranking_report(rows: list[Row], params: StepTimeParams = StepTimeParams()) -> tuple[list[str], dict]:
+    """Two checks of the model's ordering.
+
+    1. Within a source, rows of one model with one metric (several layouts, GPU counts or recompute
+       policies of one model): every pair ordered by throughput as published (a step time counts
+       inverted) is ordered the same by the prediction (ties in the published figure within 1% skipped).
+    2. The authors' layout under the options they had: for every row with model parallelism (tp or
+       pp > 1), the planner searches that GPU count and batch with the row's micro-batch, schedule,
+       ZeRO stage, recompute, SP and precision fixed and TP (within a node) x PP free, and the row's
+       (tp, pp) must be among the three fastest (tp, pp) pairs.
+
+    Returns the printed lines and ``{"pairs": (concordant, total), "top3": (hits, total)}``.
+    """
+    from framework.plan.search import SearchSpace, search
+
+    out = ["ordering within a source and model (published vs predicted throughput):"]
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        groups.setdefault((r.source, r.model, r.metric), []).append(r)
+    conc = total = 0
+    for (src, model, metric), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        sign = -1 if metric == "step_s" else 1
+        vals = [(r, sign * r.published, sign * predict(r, params)[0]) for r in rs]
+        for i in range(len(vals)):
+            for j in range(i + 1, len(vals)):
+                (a, pa, qa), (b, pb, qb) = vals[i], vals[j]
+                if abs(pa - pb) <= 0.01 * max(abs(pa), abs(pb)):
+                    continue
+                total += 1
+                ok = (pa > pb) == (qa > qb)
+                conc += ok
+                out.append(f"  {'ok  ' if ok else 'MISS'} {src}: {a.name} {'>' if pa > pb else '<'} {b.name} "
+                           f"(published {abs(pa):.3g} vs {abs(pb):.3g}; predicted {abs(qa):.3g} vs {abs(qb):.3g})")
+    out.append(f"  {conc} of {total} pairs ordered as published")
+    out.append("the authors' (tp, pp) among the planner's three fastest (tp, pp) under the options they had:")
+    hits = n = 0
+    for r in rows:
+        lay = r.layout
+        if lay.tp == 1 and lay.pp == 1:
+            continue
+        c = load_cluster(r.cluster)
+        L = r.shape.n_layer
+        pps = sorted({q for q in range(1, L + 1) if L % q == 0} | {2**i for i in range(1, 12) if 2**i <= L // 2} | {lay.pp})
+        space = SearchSpace(micro_batch_sizes=(lay.micro_batch_size,), pp_degrees=tuple(pps), virtual_stages=(lay.virtual_stages,),
+                            schedules=(lay.schedule,), zero_stages=(lay.zero_stage,), recompute=(lay.recompute,),
+                            sequence_parallel=(lay.sequence_parallel,), precision=lay.precision)
+        p = replace(params, **dict(r.params))
+        res = search(r.shape, c, world=lay.world_size, global_batch_size=lay.global_batch_size, space=space, params=p)
+        ranked: list[tuple[int, int]] = []
+        for e in res.fitting + sorted([x for x in [res.closest_miss] if x], key=lambda e: e.time.total):
+            key = (e.layout.tp, e.layout.pp)
+            if key not in ranked:
+                ranked.append(key)
+        pos = ranked.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in ranked else None
+        n += 1
+        hits += pos is not None and pos <= 3
+        out.append(f"  {'ok  ' if pos and pos <= 3 else 'MISS'} {r.source} {r.name}: authors tp{lay.tp} pp{lay.pp} is #{pos} "
+                   f"of {len(ranked)}; planner's top 3: " + ", ".join(f"tp{t} pp{q}" for t, q in ranked[:3]))
+    out.append(f"  {hits} of {n} authors' layouts in the top 3")
+    return out, {"pairs": (conc, total), "top3": (hits, n)}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/published_runs.py", description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="refit the fitted numbers on the fit sources and use them")
     ap.add_argument("--terms", action="store_true", help="median/worst per set with the model terms added one at a time")
+    ap.add_argument("--rankings", action="store_true", help="orderings within a source, and the authors' layout in the planner's top 3")
     args = ap.parse_args(argv)
     sources, rows = load_rows()
     if args.terms:
         print("\n".join(terms_report(rows, StepTimeParams())))
+        return 0
+    if args.rankings:
+        print("\n".join(ranking_report(rows)[0]))
         return 0
     params, fractions = StepTimeParams(), None
     if args.fit:
