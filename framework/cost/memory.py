@@ -177,18 +177,18 @@ def model_states_per_rank(psi_local: float, *, dp: int, zero_stage: int, precisi
     master copy): 16Ψ, ``8Ψ + 8Ψ/N``, ``4Ψ + 12Ψ/N``, ``16Ψ/N``.
 
     ``accounting="deepspeed"`` (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py``, ``stage3.py``,
-    ``runtime/bf16_optimizer.py``), in every stage >= 1 an fp32 master copy of the rank's partition
-    (K = 4 + 8 = 12 even when the model is fp32) next to the model's own weights:
-
-    - gradients in the weights' dtype: stage 1 full ``wΨ`` while micro-batches accumulate
-      (``grad_accum_steps > 1``), else only this rank's partition ``wΨ/N`` outlives backward; stage 2
-      the partition ``wΨ/N`` (``grads_in_partition``); stage 3 ``wΨ/N``;
-    - mixed precision (w < 4) adds the fp32 copy of the partition's gradients the optimizer step
-      makes (``flat_grad_partition.to(fp32)``): ``+4Ψ/N`` in stages 1-3 (stage 3 makes it per
-      ``sub_group_size`` = 1e9 elements; counted whole);
-    - stage 0: fp32 is torch's AdamW on the model (``4Ψ + 4Ψ + 8Ψ``); bf16 is DeepSpeed's
-      ``BF16_Optimizer``: bf16 weights and gradients, a full fp32 gradient accumulation buffer
-      (``+4Ψ``) and fp32 master + moments of the rank's partition (``12Ψ/N``).
+    ``runtime/bf16_optimizer.py``): in every stage >= 1 an fp32 master copy of the rank's partition
+    next to the model's own weights, so K = 4 + 8 = 12 even when the model is fp32; gradients in the
+    weights' dtype: stage 1 full ``wΨ`` while micro-batches accumulate (``grad_accum_steps > 1``),
+    else only this rank's partition ``wΨ/N`` outlives backward; stage 2 the partition ``wΨ/N``
+    (``grads_in_partition``); stage 3 ``wΨ/N``. Stage 0: fp32 is torch's AdamW on the model
+    (``4Ψ + 4Ψ + 8Ψ``); bf16 is DeepSpeed's ``BF16_Optimizer``: bf16 weights and gradients, a full
+    fp32 gradient accumulation buffer (``+4Ψ``) and fp32 master + moments of the partition
+    (``12Ψ/N``; read from the source, not measured here). Measured on 2 CPU ranks with
+    ``bf16-mixed`` (the model states between steps, ``mem/model_states_bytes``): ZeRO-1 (a = 2)
+    ``10.0Ψ``, ZeRO-2 ``9.1Ψ``, ZeRO-3 ``8.0Ψ`` against ``10Ψ``, ``9Ψ``, ``8Ψ`` here. Not counted:
+    the transient fp32 copy of the gradient partition the optimizer step makes in mixed precision
+    (``flat_grad_partition.to(fp32)``, ``4Ψ/N``, freed within the step).
 
     Neither counts the reduce bucket (DeepSpeed ``reduce_bucket_size``), AdamW's step counters or padding.
 
@@ -211,12 +211,11 @@ def model_states_per_rank(psi_local: float, *, dp: int, zero_stage: int, precisi
         weights = p.weight_bytes * psi_local / (dp if zero_stage >= 3 else 1)
         return StateBytes(weights=weights, grads=grads, optimizer=opt)
     w = p.weight_bytes
-    mixed = w < 4
     if zero_stage == 0:
-        if not mixed:
+        if w >= 4:
             return StateBytes(weights=4.0 * psi_local, grads=4.0 * psi_local, optimizer=8.0 * psi_local)
         return StateBytes(weights=w * psi_local, grads=(w + 4.0) * psi_local, optimizer=12.0 * psi_local / dp)
     weights = w * psi_local / (dp if zero_stage >= 3 else 1)
     full_grads = zero_stage == 1 and grad_accum_steps > 1
-    grads = w * psi_local / (1 if full_grads else dp) + (4.0 * psi_local / dp if mixed else 0.0)
+    grads = w * psi_local / (1 if full_grads else dp)
     return StateBytes(weights=weights, grads=grads, optimizer=12.0 * psi_local / dp)
