@@ -30,7 +30,7 @@ class PlanLayout:
         recompute: activation recompute ``none`` | ``selective`` | ``full``.
         sequence_parallel: Megatron SP on the TP group (tp > 1).
         precision: ``bf16`` | ``bf16_main_grad`` | ``fp32`` (:data:`~framework.cost.memory.PRECISIONS`).
-        state_accounting: how model states are counted, ``paper`` (ZeRO §3.1/§5) or ``deepspeed``
+        state_accounting: how model states are counted, ``paper`` (ZeRO §3.1/§5) or ``master_copy``
             (what DeepSpeed allocates; :func:`~framework.cost.memory.model_states_per_rank`).
     """
 

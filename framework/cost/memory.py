@@ -3,7 +3,7 @@
 One formula, :func:`model_states_per_rank`: weights, gradients and optimizer state of one rank for
 a ZeRO stage (:data:`ZERO_STAGES`: 0 = plain DDP all-reduce, 1, 2, 3; FSDP full shard = stage 3), a
 precision (:data:`PRECISIONS`) and an accounting (:data:`ACCOUNTINGS`): ``paper`` (ZeRO §3.1 and
-§5, Fig. 1) or ``deepspeed`` (what DeepSpeed's ZeRO optimizers allocate: an fp32 master copy in
+§5, Fig. 1) or ``master_copy`` (what DeepSpeed's ZeRO optimizers allocate: an fp32 master copy in
 every precision, the fp32 copy of the gradient partition in mixed precision). The planner prices
 with it (TP shards the block matrices, PP gives a rank ``ceil(L/p)`` layers: :func:`stage_params`),
 and the plugins' exact figures for a live run (:func:`replicated_adamw_model_states_bytes`,
@@ -54,14 +54,14 @@ def replicated_adamw_model_states_bytes(stats: ModelStats) -> int:
 
 def zero_model_states_bytes(stats: ModelStats, *, zero_stage: int, dp_degree: int, grad_accum_steps: int) -> int:
     """DeepSpeed ZeRO model-state bytes of one rank (``plugins/deepspeed/cost.py`` table):
-    :func:`model_states_per_rank` with ``accounting="deepspeed"`` in the parameters' precision
+    :func:`model_states_per_rank` with ``accounting="master_copy"`` in the parameters' precision
     (:func:`precision_of`). AdamW's step counters and partition padding are left out.
 
     Raises:
         ValueError: ``zero_stage`` not in 0-3, or parameters neither 4 nor 2 bytes.
     """
     st = model_states_per_rank(stats.num_params, dp=dp_degree, zero_stage=zero_stage, precision=precision_of(stats),
-                               accounting="deepspeed", grad_accum_steps=grad_accum_steps)
+                               accounting="master_copy", grad_accum_steps=grad_accum_steps)
     return int(st.total)
 
 
@@ -160,9 +160,9 @@ def stage_params(shape, *, tp: int, pp: int, stage: int) -> float:
     return n
 
 
-ACCOUNTINGS = ("paper", "deepspeed")
+ACCOUNTINGS = ("paper", "master_copy")
 """How model states are counted (:func:`model_states_per_rank`): ``paper`` is ZeRO §3.1 / §5 Fig. 1
-(Rajbhandari et al. 2020); ``deepspeed`` what DeepSpeed 0.19's ZeRO optimizers allocate."""
+(Rajbhandari et al. 2020); ``master_copy`` what DeepSpeed 0.19's ZeRO optimizers allocate."""
 
 
 def model_states_per_rank(psi_local: float, *, dp: int, zero_stage: int, precision: str, accounting: str = "paper",
@@ -176,7 +176,7 @@ def model_states_per_rank(psi_local: float, *, dp: int, zero_stage: int, precisi
     ``2Ψ + 2Ψ + 12Ψ/N``, stage 2 ``2Ψ + 14Ψ/N``, stage 3 ``16Ψ/N``; fp32 (K = 8, AdamW moments, no
     master copy): 16Ψ, ``8Ψ + 8Ψ/N``, ``4Ψ + 12Ψ/N``, ``16Ψ/N``.
 
-    ``accounting="deepspeed"`` (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py``, ``stage3.py``,
+    ``accounting="master_copy"`` (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py``, ``stage3.py``,
     ``runtime/bf16_optimizer.py``): in every stage >= 1 an fp32 master copy of the rank's partition
     next to the model's own weights, so K = 4 + 8 = 12 even when the model is fp32; gradients in the
     weights' dtype: stage 1 full ``wΨ`` while micro-batches accumulate (``grad_accum_steps > 1``),

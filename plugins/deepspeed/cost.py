@@ -20,7 +20,7 @@ stage   formula (bytes)              what a rank holds
 ======= ============================ ==============================================
 
 With ``trainer.precision=bf16-mixed`` DeepSpeed casts the model to bf16 (w = 2 bytes) and the
-figures follow what it allocates (``accounting="deepspeed"`` of
+figures follow what it allocates (``accounting="master_copy"`` of
 :func:`framework.cost.memory.model_states_per_rank`, the same function the planner prices with):
 stage 1 ``2Ψ + 2Ψ + 12Ψ/N`` (a > 1; ``2Ψ + 14Ψ/N`` when a = 1), stage 2 ``2Ψ + 14Ψ/N``, stage 3
 ``16Ψ/N`` (the fp32 master is 4 bytes whatever the model's dtype: K = 12); stage 0

@@ -41,7 +41,7 @@ def test_deepspeed_plugin_equals_the_planner(bytes_per_param, precision, stage, 
     """The DeepSpeed plugin's figure == the planner's memory for the same layout in DeepSpeed's accounting."""
     dp = 4
     lay = PlanLayout(dp=dp, tp=1, pp=1, micro_batch_size=1, global_batch_size=dp * accum, zero_stage=stage,
-                     precision=precision, state_accounting="deepspeed")
+                     precision=precision, state_accounting="master_copy")
     planner, _ = memory_per_rank(SHAPE, lay)
     plugin = zero_model_states_bytes(_stats(bytes_per_param), DeepSpeedConfig(zero_stage=stage),
                                      SimpleNamespace(layout=SimpleNamespace(dp=dp), grad_accum_steps=accum))
@@ -67,7 +67,7 @@ def test_the_issue_figures_by_accounting():
     (an fp32 master copy even of fp32 weights); ZeRO-1 with accumulation keeps full gradients in DeepSpeed."""
     psi, n = 1e9, 8
     paper = {z: model_states_per_rank(psi, dp=n, zero_stage=z, precision="fp32").total for z in (1, 2, 3)}
-    ds = {z: model_states_per_rank(psi, dp=n, zero_stage=z, precision="fp32", accounting="deepspeed",
+    ds = {z: model_states_per_rank(psi, dp=n, zero_stage=z, precision="fp32", accounting="master_copy",
                                    grad_accum_steps=4).total for z in (1, 2, 3)}
     assert paper == pytest.approx({1: 9.0e9, 2: 5.5e9, 3: 2.0e9})
     assert ds == pytest.approx({1: 9.5e9, 2: 6.0e9, 3: 2.5e9})
@@ -79,17 +79,17 @@ def test_mixed_precision_as_deepspeed_allocates_it():
     ZeRO-2 is the paper's 2Ψ + 14Ψ/N; ZeRO-1 keeps full bf16 gradients while accumulating."""
     psi, n = 1e9, 8
     paper = model_states_per_rank(psi, dp=n, zero_stage=2, precision="bf16")
-    ds = model_states_per_rank(psi, dp=n, zero_stage=2, precision="bf16", accounting="deepspeed")
+    ds = model_states_per_rank(psi, dp=n, zero_stage=2, precision="bf16", accounting="master_copy")
     assert paper.total == pytest.approx(2 * psi + 14 * psi / n) and ds.total == pytest.approx(paper.total)
-    z1 = model_states_per_rank(psi, dp=n, zero_stage=1, precision="bf16", accounting="deepspeed", grad_accum_steps=2)
+    z1 = model_states_per_rank(psi, dp=n, zero_stage=1, precision="bf16", accounting="master_copy", grad_accum_steps=2)
     assert z1.total == pytest.approx(2 * psi + 2 * psi + 12 * psi / n)
-    z1_single = model_states_per_rank(psi, dp=n, zero_stage=1, precision="bf16", accounting="deepspeed")
+    z1_single = model_states_per_rank(psi, dp=n, zero_stage=1, precision="bf16", accounting="master_copy")
     assert z1_single.total == pytest.approx(2 * psi + 14 * psi / n)
 
 
 def test_bad_accounting_and_precision_are_one_line():
-    with pytest.raises(ValueError, match="accounting='zero'.*allowed: paper, deepspeed"):
+    with pytest.raises(ValueError, match="accounting='zero'.*allowed: paper, master_copy"):
         model_states_per_rank(1e6, dp=2, zero_stage=1, precision="bf16", accounting="zero")
     with pytest.raises(ValueError, match="param_bytes=8"):
         precision_of(ModelStats(num_params=10, num_param_tensors=1, param_bytes=8, grad_bytes=8))
-    assert ACCOUNTINGS == ("paper", "deepspeed")
+    assert ACCOUNTINGS == ("paper", "master_copy")

@@ -30,7 +30,7 @@ def test_every_entry_point_prints_help(module):
     (["plan.virtual_stages=[0]"], "plan.virtual_stages: 0 is not allowed"),
     (["plan.pp_degrees=[0]"], "plan.pp_degrees: 0 is not allowed"),
     (["plan.precision=bf61"], "plan.precision='bf61' is not allowed; allowed: fp32, bf16, bf16_main_grad"),
-    (["plan.state_accounting=ds"], "plan.state_accounting='ds' is not allowed; allowed: paper, deepspeed"),
+    (["plan.state_accounting=ds"], "plan.state_accounting='ds' is not allowed; allowed: paper, master_copy"),
     (["plan.nodes=1", "plan.tp_degrees=[3]"], "plan.tp_degrees: 3 neither divides cluster.gpus_per_node=8 nor is a multiple of it"),
     (["plan.nodes=1", "plan.pp_degrees=[5]"], "plan.pp_degrees: 5 does not divide the world size 8"),
     (["plan.nodes=0"], "plan.nodes=0 is not allowed; must be an int >= 1"),
