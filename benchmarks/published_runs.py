@@ -5,7 +5,8 @@
     PYTHONPATH=$PWD python benchmarks/published_runs.py --terms   # each model term on/off: median/worst per set, before -> after
 
 The runs, their sources (paper and table), the settings assumed where a source does not publish
-them, and the split into a ``fit`` and a ``heldout`` set BY SOURCE are in
+them, and the split into a ``fit`` and a ``heldout`` set BY SOURCE (one source = one publication,
+its ``document``) are in
 ``benchmarks/published_runs.yaml``. The cost model (:mod:`framework.cost`) predicts each row's
 step time and this script prints the published figure beside the prediction in the source's own
 metric, the error per row, whether the run is predicted to fit the GPU's memory (it ran, so it
@@ -41,7 +42,7 @@ from framework.cost.steptime import StepTimeParams, step_time
 DATA = Path(__file__).with_name("published_runs.yaml")
 FIT_GROUPS = {"a100": ("a100_80gb", "a100_40gb"), "h100": ("h100_sxm", "h100_96gb", "h200")}
 """GPU types sharing one achievable fraction (same compute die): the fitted value is written to each file."""
-METRICS = ("hfu_tflops", "tflops_8n", "mfu", "step_s", "tokens_per_gpu")
+METRICS = ("hfu_tflops", "tflops_8n", "model_tflops", "mfu", "step_s", "tokens_per_gpu")
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,17 @@ def load_rows(path: Path = DATA) -> tuple[dict, list[Row]]:
     """The sources and the rows of ``published_runs.yaml``.
 
     Raises:
-        ValueError: a row naming an unknown source, model or metric, or whose GPU count is not tp·pp·dp.
+        ValueError: a row naming an unknown source, model or metric, or whose GPU count is not tp·pp·dp;
+            two sources with one ``document`` (one publication is one source, whatever its tables).
     """
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     sources, models = raw["sources"], raw["models"]
+    docs: dict[str, str] = {}
+    for name, src in sources.items():
+        if src["document"] in docs:
+            raise ValueError(f"{path.name}: sources {docs[src['document']]!r} and {name!r} are one document "
+                             f"({src['document']}): one publication is one source")
+        docs[src["document"]] = name
     rows = []
     for r in raw["runs"]:
         where = f"{path.name}: run {r.get('name')!r}"
@@ -127,6 +135,8 @@ def predict(row: Row, params: StepTimeParams = StepTimeParams(), fractions: Opti
         return f / step / lay.world_size / 1e12, e
     if row.metric == "tflops_8n":
         return 8 * sh.num_params() * lay.global_batch_size * sh.seq_len / step / lay.world_size / 1e12, e
+    if row.metric == "model_tflops":
+        return e.mfu * c.peak_flops / 1e12, e
     if row.metric == "step_s":
         return step, e
     if row.metric == "tokens_per_gpu":

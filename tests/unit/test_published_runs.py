@@ -28,11 +28,42 @@ def table():
 def test_at_least_24_rows_from_8_sources_split_by_source(table):
     sources, rows = table
     assert len(rows) >= 24 and len({r.source for r in rows}) >= 8
+    assert len({s["document"] for s in sources.values()}) == len(sources)  # independent: one publication each
     assert all(s["set"] in ("fit", "heldout") and s["citation"] for s in sources.values())
     assert {r.set for r in rows} == {"fit", "heldout"}
     for r in rows:  # the split is by source: a source's rows are all in its set
         assert r.set == sources[r.source]["set"]
         assert r.layout.world_size * 1 == r.layout.dp * r.layout.tp * r.layout.pp
+
+
+def test_one_publication_is_one_source(tmp_path):
+    """Two source keys naming one document (e.g. two tables of one README) are refused."""
+    import yaml
+
+    from benchmarks.published_runs import DATA
+
+    raw = yaml.safe_load(DATA.read_text(encoding="utf-8"))
+    raw["sources"]["mosaicml_again"] = dict(raw["sources"]["mosaicml"], set="heldout")
+    bad = tmp_path / "runs.yaml"
+    bad.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    with pytest.raises(ValueError, match="one document"):
+        load_rows(bad)
+
+
+def test_model_tflops_is_megatrons_flop_count(table):
+    """``model_tflops`` (Megatron-Core's per-GPU teraFLOP/s) counts Megatron-LM's model FLOPs per token,
+    72·L·h²·(1 + s/6h + V/12Lh) for a GPT with an untied head (Narayanan et al. 2021 eq. 3 without
+    recompute; the input embedding's lookup is no FLOPs), within the biases' and norms' 6N (< 0.1%)."""
+    from benchmarks.published_runs import predict
+
+    _, rows = table
+    mc = [r for r in rows if r.metric == "model_tflops"]
+    assert mc
+    for r in mc:
+        pred, e = predict(r)
+        L, h, s, V = r.shape.n_layer, r.shape.d_model, r.shape.seq_len, r.shape.vocab_size
+        per_token = pred * 1e12 * r.layout.world_size / e.tokens_per_sec
+        assert per_token == pytest.approx(72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)), rel=1e-3)
 
 
 def test_the_cluster_files_carry_the_fit_on_the_fit_set_only(table):
