@@ -60,6 +60,7 @@ class Row:
     published: float
     assumed: str = ""
     params: tuple = ()  # (name, value) StepTimeParams overrides of the source (the framework it ran)
+    memory_gib: Optional[float] = None  # peak memory per GPU the source reports (GiB), where it does
 
 
 def load_rows(path: Path = DATA) -> tuple[dict, list[Row]]:
@@ -93,7 +94,7 @@ def load_rows(path: Path = DATA) -> tuple[dict, list[Row]]:
                          precision=r.get("precision", "bf16"))
         rows.append(Row(r["source"], sources[r["source"]]["set"], r["name"], r["model"], shape, r["gpu"], lay,
                         r["metric"], float(r["published"]), r.get("assumed", ""),
-                        tuple(sorted((sources[r["source"]].get("params") or {}).items()))))
+                        tuple(sorted((sources[r["source"]].get("params") or {}).items())), r.get("memory_gib")))
     return sources, rows
 
 
@@ -192,7 +193,7 @@ def fit(rows: list[Row], params: StepTimeParams) -> tuple[dict, StepTimeParams]:
 def table(rows: list[Row], params: StepTimeParams, fractions: Optional[dict] = None) -> list[str]:
     """The printed table: one line per row, then median and worst |error| per set."""
     out = [f"{'set':<8} {'source':<19} {'run':<24} {'layout':<46} {'metric':<14} {'published':>10} {'predicted':>10} "
-           f"{'error':>7} {'mem GiB':>8}"]
+           f"{'error':>7} {'mem GiB':>8} {'mem pub':>8}"]
     by_set: dict[str, list[float]] = {}
     for r in sorted(rows, key=lambda r: (r.set != "fit", r.source)):
         pred, e = predict(r, params, fractions)
@@ -200,7 +201,8 @@ def table(rows: list[Row], params: StepTimeParams, fractions: Optional[dict] = N
         by_set.setdefault(r.set, []).append(err)
         fmt = "{:.1%}" if r.metric == "mfu" else ("{:.2f}" if r.metric == "step_s" else "{:.0f}")
         out.append(f"{r.set:<8} {r.source:<19} {r.name:<24} {r.layout.describe():<46} {r.metric:<14} "
-                   f"{fmt.format(r.published):>10} {fmt.format(pred):>10} {err:>+7.1%} {e.memory_bytes / 2**30:>8.1f}"
+                   f"{fmt.format(r.published):>10} {fmt.format(pred):>10} {err:>+7.1%} {e.memory_bytes / 2**30:>8.1f} "
+                   + (f"{r.memory_gib:>8.1f}" if r.memory_gib else f"{'':>8}")
                    + ("" if e.fits else f"  DOES NOT FIT ({e.memory_limit / 2**30:.1f} GiB usable)"))
     for s, errs in by_set.items():
         med, worst = summary(errs)
