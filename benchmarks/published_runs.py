@@ -1,39 +1,31 @@
-"""Reproduce published per-GPU throughput / MFU from model shape, layout, batch and hardware alone.
+"""Predict published training runs from their shape, layout, batch and hardware alone, fit set vs held out.
 
-    PYTHONPATH=$PWD python benchmarks/published_runs.py                 # the cluster files' calibration
-    PYTHONPATH=$PWD python benchmarks/published_runs.py --calibrate     # fit achievable_fraction per GPU type
+    PYTHONPATH=$PWD python benchmarks/published_runs.py           # the table with the cost model as configured
+    PYTHONPATH=$PWD python benchmarks/published_runs.py --fit     # refit the fitted numbers on the fit sources, then the table
+    PYTHONPATH=$PWD python benchmarks/published_runs.py --terms   # each model term on/off: median/worst per set, before -> after
 
-Each row gives the published layout (TP, PP, DP, global batch, sequence length) and hardware;
-the cost model (:mod:`framework.cost`) predicts the step time and this script prints the
-published figure beside the prediction in the source's own metric, with the error per row and
-the median and worst error.
-
-Sources (rows transcribed; check them against the papers before quoting):
-
-- Narayanan et al. SC'21 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
-  Megatron-LM"), Table 1: A100 80GB (DGX A100, 8 x 200 Gb/s HDR per node), achieved TFLOP/s per
-  GPU by eq. 3 (hardware FLOPs: full recompute, 4 passes), s = 2048, V = 51200. Not published
-  per row and assumed here: micro-batch 1, the plain 1F1B schedule, full recompute, DDP without a
-  distributed optimizer, fp16/bf16 with fp32 main grads.
-- Llama 3 (Dubey et al. 2024), Table 4: 405B on H100 (400 Gb/s RoCE per GPU), TP 8, PP 16,
-  s = 8192, 16M tokens per batch; BF16 MFU (430 TFLOP/s <-> 43%: docs/references.md §8). The CP = 16
-  row (131K context) is left out: the cost model has no context parallelism. Assumed: micro-batch
-  1, 1F1B (the paper's uneven interleaving not modelled), FSDP without resharding after forward
-  modelled as ZeRO stage 2, FlashAttention (= ``selective``: no s x s scores kept).
-- torchtitan ``docs/performance.md`` (the Llama 3 section): 64 A100 80GB, FSDP2 on all 64
-  (ZeRO stage 3), local batch 1, s = 8192; WPS (tokens/s per GPU) and MFU; 8B with selective op AC,
-  70B with full AC.
-
-MegaScale (NSDI'24) Table 2 is not reproduced: its per-row layout and batch were not available
-to transcribe here (docs/references.md quotes only its 175B MFU).
+The runs, their sources (paper and table), the settings assumed where a source does not publish
+them, and the split into a ``fit`` and a ``heldout`` set BY SOURCE (one source = one publication,
+its ``document``) are in
+``benchmarks/published_runs.yaml``. The cost model (:mod:`framework.cost`) predicts each row's
+step time and this script prints the published figure beside the prediction in the source's own
+metric, the error per row, whether the run is predicted to fit the GPU's memory (it ran, so it
+must), and the median and worst |error| on each set. ``--fit`` fits every fitted number (the
+achievable fraction of the dense peak per GPU type, :data:`FIT_GROUPS`, and the memory-bound
+elementwise traffic per layer, ``StepTimeParams.elementwise_bytes_per_h``) on the fit rows
+only (grid search, median |log error|).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import statistics
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -43,110 +35,302 @@ from framework.cost.flops import megatron_flops_per_step
 from framework.cost.hardware import cluster_from_dict
 from framework.cost.layout import PlanLayout
 from framework.cost.shape import ModelShape
+from framework.cost.collectives import ZERO3_COLLECTIVES, layout_collectives
+from framework.cost.memory import stage_layers
+from framework.cost.steptime import StepTimeParams, step_time
 
-
-def gpt(L: int, h: int, a: int, s: int = 2048) -> ModelShape:
-    """Narayanan et al.'s GPT shapes: V = 51200, s = 2048, learned positions, 4h MLP."""
-    return ModelShape(n_layer=L, d_model=h, n_head=a, vocab_size=51200, seq_len=s, max_seq_len=s)
-
-
-def llama(L: int, h: int, a: int, ff: int, s: int = 8192) -> ModelShape:
-    """Llama 3 shapes: 8 KV heads, SwiGLU, V = 128256, untied, RoPE, no biases, no dropout."""
-    return ModelShape(n_layer=L, d_model=h, n_head=a, n_kv_head=8, d_ff=ff, mlp="swiglu", vocab_size=128256, seq_len=s,
-                      bias=False, tied_embeddings=False, learned_positions=False, dropout=False)
+DATA = Path(__file__).with_name("published_runs.yaml")
+FIT_GROUPS = {"a100": ("a100_80gb", "a100_40gb"), "h100": ("h100_sxm", "h100_96gb", "h200")}
+"""GPU types sharing one achievable fraction (same compute die): the fitted value is written to each file."""
+METRICS = ("hfu_tflops", "tflops_8n", "model_tflops", "mfu", "step_s", "tokens_per_gpu")
 
 
 @dataclass(frozen=True)
 class Row:
+    """One published run: source, set (fit | heldout), shape, cluster file, layout, metric and figure."""
+
     source: str
+    set: str
     name: str
+    model: str
     shape: ModelShape
     cluster: str
     layout: PlanLayout
-    metric: str  # "hfu_tflops" (Narayanan eq. 3 per GPU), "mfu", "tokens_per_gpu"
+    metric: str
     published: float
+    assumed: str = ""
+    params: tuple = ()  # (name, value) StepTimeParams overrides of the source (the framework it ran)
+    memory_gib: Optional[float] = None  # peak memory per GPU the source reports (GiB), where it does
 
 
-def N(name, L, h, a, t, p, gpus, B, tflops):
-    d = gpus // (t * p)
-    return Row("Narayanan SC'21 T1", name, gpt(L, h, a), "a100_80gb",
-               PlanLayout(dp=d, tp=t, pp=p, micro_batch_size=1, global_batch_size=B, recompute="full",
-                          sequence_parallel=False, precision="bf16_main_grad"), "hfu_tflops", tflops)
+def load_rows(path: Path = DATA) -> tuple[dict, list[Row]]:
+    """The sources and the rows of ``published_runs.yaml``.
+
+    Raises:
+        ValueError: a row naming an unknown source, model or metric, or whose GPU count is not tp·pp·dp;
+            two sources with one ``document`` (one publication is one source, whatever its tables).
+    """
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    sources, models = raw["sources"], raw["models"]
+    docs: dict[str, str] = {}
+    for name, src in sources.items():
+        if src["document"] in docs:
+            raise ValueError(f"{path.name}: sources {docs[src['document']]!r} and {name!r} are one document "
+                             f"({src['document']}): one publication is one source")
+        docs[src["document"]] = name
+    rows = []
+    for r in raw["runs"]:
+        where = f"{path.name}: run {r.get('name')!r}"
+        if r["source"] not in sources or r["model"] not in models or r["metric"] not in METRICS:
+            raise ValueError(f"{where}: unknown source, model or metric ({r['source']}, {r['model']}, {r['metric']})")
+        shape = ModelShape(**models[r["model"]], seq_len=r["seq_len"], max_seq_len=r["seq_len"])
+        tp, pp = r["tp"], r["pp"]
+        if r["gpus"] % (tp * pp):
+            raise ValueError(f"{where}: gpus={r['gpus']} is not a multiple of tp*pp={tp * pp}")
+        lay = PlanLayout(dp=r["gpus"] // (tp * pp), tp=tp, pp=pp, micro_batch_size=r.get("micro_batch", 1),
+                         global_batch_size=r["global_batch"], schedule=r.get("schedule", "1F1B"),
+                         virtual_stages=r.get("virtual_stages", 1), zero_stage=r.get("zero_stage", 0),
+                         recompute=r.get("recompute", "none"), sequence_parallel=r.get("sequence_parallel", False),
+                         precision=r.get("precision", "bf16"))
+        rows.append(Row(r["source"], sources[r["source"]]["set"], r["name"], r["model"], shape, r["gpu"], lay,
+                        r["metric"], float(r["published"]), r.get("assumed", ""),
+                        tuple(sorted((sources[r["source"]].get("params") or {}).items())), r.get("memory_gib")))
+    return sources, rows
 
 
-ROWS = [
-    N("18.4B", 40, 6144, 48, 8, 1, 256, 1024, 135),
-    N("39.1B", 48, 8192, 64, 8, 2, 512, 1536, 138),
-    N("76.1B", 60, 10240, 80, 8, 4, 1024, 1792, 140),
-    N("145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 148),
-    N("310.1B", 96, 16384, 128, 8, 16, 1920, 2160, 155),
-    N("529.6B", 105, 20480, 128, 8, 35, 2520, 2520, 163),
-    N("1008B", 128, 25600, 160, 8, 64, 3072, 3072, 163),
-    Row("Llama 3 T4", "405B 8192 GPUs", llama(126, 16384, 128, 53248), "h100_sxm",
-        PlanLayout(dp=64, tp=8, pp=16, micro_batch_size=1, global_batch_size=2048, zero_stage=2,
-                   recompute="selective", sequence_parallel=True), "mfu", 0.43),
-    Row("Llama 3 T4", "405B 16384 GPUs", llama(126, 16384, 128, 53248), "h100_sxm",
-        PlanLayout(dp=128, tp=8, pp=16, micro_batch_size=1, global_batch_size=2048, zero_stage=2,
-                   recompute="selective", sequence_parallel=True), "mfu", 0.41),
-    Row("torchtitan perf", "Llama3 8B FSDP 64xA100", llama(32, 4096, 32, 14336), "a100_80gb",
-        PlanLayout(dp=64, tp=1, pp=1, micro_batch_size=1, global_batch_size=64, zero_stage=3,
-                   recompute="selective"), "mfu", 0.582),
-    Row("torchtitan perf", "Llama3 70B FSDP 64xA100", llama(80, 8192, 64, 28672), "a100_80gb",
-        PlanLayout(dp=64, tp=1, pp=1, micro_batch_size=1, global_batch_size=64, zero_stage=3,
-                   recompute="full"), "mfu", 0.517),
-]
-
-
-def load_cluster(name: str, fraction: float | None = None):
-    raw = yaml.safe_load((CONF_DIR / "cluster" / f"{name}.yaml").read_text())
+@functools.lru_cache(maxsize=None)
+def load_cluster(name: str, fraction: Optional[float] = None):
+    """``conf/cluster/<name>.yaml`` (``fraction`` replaces its achievable fraction)."""
+    raw = yaml.safe_load((CONF_DIR / "cluster" / f"{name}.yaml").read_text(encoding="utf-8"))
     if fraction is not None:
         raw["achievable_fraction"] = fraction
     return cluster_from_dict(raw, where=name)
 
 
-def predict(row: Row, fraction: float | None = None) -> tuple[float, object]:
-    """The row's metric as the cost model predicts it, and the estimate."""
-    c = load_cluster(row.cluster, fraction)
-    e = estimate(row.shape, row.layout, c)
+def group_of(cluster: str) -> str:
+    """The :data:`FIT_GROUPS` key of a cluster file."""
+    return next(g for g, names in FIT_GROUPS.items() if cluster in names)
+
+
+def predict(row: Row, params: StepTimeParams = StepTimeParams(), fractions: Optional[dict] = None,
+            off: tuple[str, ...] = ()):
+    """``(predicted metric, Estimate)`` for ``row`` (``fractions``: achievable fraction per :data:`FIT_GROUPS`
+    key; ``off``: model terms switched off for the term-by-term report, :data:`TERMS`)."""
+    c = load_cluster(row.cluster, (fractions or {}).get(group_of(row.cluster)))
+    params = replace(params, **dict(row.params))
+    e = estimate(row.shape, row.layout, c, params)
+    if off:
+        colls = layout_collectives(row.shape, row.layout, c.gpus_per_node)
+        layers = stage_layers(row.shape.n_layer, row.layout.pp)
+        if "per_layer" in off:
+            colls = [replace(x, payload_bytes=x.payload_bytes * layers, calls=x.calls / layers)
+                     if x.name in ZERO3_COLLECTIVES else x for x in colls]
+        if "k_rings" in off:
+            colls = [replace(x, ranks_per_node=1) for x in colls]
+        e = replace(e, time=step_time(row.shape, row.layout, c, params, colls))
+    lay, sh = row.layout, row.shape
+    step = e.time.total
     if row.metric == "hfu_tflops":
-        sh = row.shape
-        f = megatron_flops_per_step(batch=row.layout.global_batch_size, seq_len=sh.seq_len, n_layer=sh.n_layer,
+        f = megatron_flops_per_step(batch=lay.global_batch_size, seq_len=sh.seq_len, n_layer=sh.n_layer,
                                     d_model=sh.d_model, vocab=sh.vocab_size, recompute=True)
-        return f / e.time.total / row.layout.world_size / 1e12, e
+        return f / step / lay.world_size / 1e12, e
+    if row.metric == "tflops_8n":
+        return 8 * sh.num_params() * lay.global_batch_size * sh.seq_len / step / lay.world_size / 1e12, e
+    if row.metric == "model_tflops":
+        return e.mfu * c.peak_flops / 1e12, e
+    if row.metric == "step_s":
+        return step, e
     if row.metric == "tokens_per_gpu":
-        return e.tokens_per_sec / row.layout.world_size, e
+        return e.tokens_per_sec / lay.world_size, e
     return e.mfu, e
 
 
-def calibrate() -> dict[str, float]:
-    """Per GPU type, the achievable fraction (grid 0.30-1.00, step 0.01) minimising the median |log error|."""
-    out = {}
-    for cl in sorted({r.cluster for r in ROWS}):
-        rows = [r for r in ROWS if r.cluster == cl]
-        best = min((statistics.median(abs(predict(r, f / 100)[0] / r.published - 1) for r in rows), f / 100)
-                   for f in range(30, 101))
-        out[cl] = best[1]
+def error(row: Row, pred: float) -> float:
+    """Signed relative error of the prediction, in the sense of throughput (a step time's error is inverted:
+    +10% = predicted 10% faster than published)."""
+    return row.published / pred - 1 if row.metric == "step_s" else pred / row.published - 1
+
+
+def errors(rows: list[Row], params: StepTimeParams, fractions: Optional[dict] = None, off: tuple[str, ...] = ()) -> list[float]:
+    """Signed errors of ``rows`` (:func:`error`)."""
+    return [error(r, predict(r, params, fractions, off)[0]) for r in rows]
+
+
+def summary(errs: list[float]) -> tuple[float, float]:
+    """``(median |error|, worst |error|)``."""
+    a = [abs(x) for x in errs]
+    return statistics.median(a), max(a)
+
+
+def objective(rows: list[Row], params: StepTimeParams, fractions: Optional[dict] = None) -> float:
+    """Mean over sources of each source's median |log error| (every source weighs the same, however many rows)."""
+    by_source: dict[str, list[float]] = {}
+    for r, x in zip(rows, errors(rows, params, fractions)):
+        by_source.setdefault(r.source, []).append(abs(math.log1p(x)))
+    return statistics.mean(statistics.median(v) for v in by_source.values())
+
+
+def fit(rows: list[Row], params: StepTimeParams) -> tuple[dict, StepTimeParams]:
+    """Fit on ``rows`` (the fit set): the achievable fraction per GPU type (grid 0.40-1.00 by 0.01) for each
+    ``StepTimeParams.elementwise_bytes_per_h`` of a grid (0-256), keeping the pair that minimises the
+    mean over sources of the per-source median |log error| (:func:`objective`)."""
+    best = None
+    for ew in (0.0, 16.0, 32.0, 48.0, 64.0, 80.0, 96.0, 128.0, 160.0, 192.0, 256.0):
+        p = replace(params, elementwise_bytes_per_h=ew)
+        fractions = {}
+        for g in FIT_GROUPS:
+            rs = [r for r in rows if group_of(r.cluster) == g]
+            if not rs:
+                continue
+            fractions[g] = min(range(40, 101), key=lambda f: objective(rs, p, {g: f / 100}))
+            fractions[g] /= 100
+        score = objective(rows, p, fractions)
+        if best is None or score < best[0]:
+            best = (score, fractions, p)
+    return best[1], best[2]
+
+
+def table(rows: list[Row], params: StepTimeParams, fractions: Optional[dict] = None) -> list[str]:
+    """The printed table: one line per row, then median and worst |error| per set."""
+    out = [f"{'set':<8} {'source':<19} {'run':<24} {'layout':<46} {'metric':<14} {'published':>10} {'predicted':>10} "
+           f"{'error':>7} {'mem GiB':>8} {'mem pub':>8}"]
+    by_set: dict[str, list[float]] = {}
+    for r in sorted(rows, key=lambda r: (r.set != "fit", r.source)):
+        pred, e = predict(r, params, fractions)
+        err = error(r, pred)
+        by_set.setdefault(r.set, []).append(err)
+        fmt = "{:.1%}" if r.metric == "mfu" else ("{:.2f}" if r.metric == "step_s" else "{:.0f}")
+        out.append(f"{r.set:<8} {r.source:<19} {r.name:<24} {r.layout.describe():<46} {r.metric:<14} "
+                   f"{fmt.format(r.published):>10} {fmt.format(pred):>10} {err:>+7.1%} {e.memory_bytes / 2**30:>8.1f} "
+                   + (f"{r.memory_gib:>8.1f}" if r.memory_gib else f"{'':>8}")
+                   + ("" if e.fits else f"  DOES NOT FIT ({e.memory_limit / 2**30:.1f} GiB usable)"))
+    for s, errs in by_set.items():
+        med, worst = summary(errs)
+        n_src = len({r.source for r in rows if r.set == s})
+        out.append(f"{s}: {len(errs)} rows from {n_src} sources: median |error| {med:.1%}, worst {worst:.1%}")
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calibrate", action="store_true", help="fit achievable_fraction per GPU type and use it")
-    args = ap.parse_args()
-    fractions = calibrate() if args.calibrate else {}
-    if fractions:
-        print("calibrated achievable_fraction: " + ", ".join(f"{k}={v:.2f}" for k, v in fractions.items()))
-    errs = []
-    print(f"{'source':<18} {'run':<26} {'layout':<44} {'metric':<11} {'published':>10} {'predicted':>10} {'error':>7}")
-    for r in ROWS:
-        pred, e = predict(r, fractions.get(r.cluster))
-        err = pred / r.published - 1
-        errs.append(abs(err))
-        fmt = "{:.1%}" if r.metric == "mfu" else "{:.1f}"
-        print(f"{r.source:<18} {r.name:<26} {r.layout.describe():<44} {r.metric:<11} {fmt.format(r.published):>10} "
-              f"{fmt.format(pred):>10} {err:>+7.1%}" + ("" if e.fits else "  (model: does not fit memory)"))
-    print(f"rows {len(ROWS)}, sources {len({r.source for r in ROWS})}: median |error| {statistics.median(errs):.1%}, "
-          f"worst {max(errs):.1%}")
+TERMS = {
+    "per_layer": "ZeRO-3/FSDP gathers per layer (latency per layer; prefetch hides a layer behind the previous one)",
+    "k_rings": "a group with k ranks per node rings over k NICs (bus bandwidth min(k x NIC, NVLink))",
+    "elementwise": "memory-bound elementwise traffic per layer (elementwise_bytes_per_h) with the fractions refitted",
+}
+"""The model terms :func:`terms_report` adds one at a time (cumulative), with what each is about."""
+
+BEFORE_FRACTIONS = {"a100": 0.62, "h100": 0.77}
+"""The achievable fractions of the cluster files before this table (A100: Narayanan T1 + torchtitan; H100: Llama 3's 8192-GPU row)."""
+
+
+def terms_report(rows: list[Row], params: StepTimeParams) -> list[str]:
+    """Median / worst |error| per set with the model terms added one at a time (:data:`TERMS`), starting from
+    the model before them (fractions :data:`BEFORE_FRACTIONS`, no elementwise term), and for each term the rows
+    it moves most (before -> after error)."""
+    base = replace(params, elementwise_bytes_per_h=0.0)
+    fitted_fr, fitted_p = fit([r for r in rows if r.set == "fit"], params)
+    steps = [("before", base, BEFORE_FRACTIONS, ("per_layer", "k_rings")),
+             ("+ per_layer", base, BEFORE_FRACTIONS, ("k_rings",)),
+             ("+ k_rings", base, BEFORE_FRACTIONS, ()),
+             ("+ elementwise, refit", fitted_p, fitted_fr, ())]
+    out, prev = [], None
+    for label, p, fr, off in steps:
+        errs = errors(rows, p, fr, off)
+        line = f"{label:<22}"
+        for s in ("fit", "heldout"):
+            med, worst = summary([e for r, e in zip(rows, errs) if r.set == s])
+            line += f"  {s}: median {med:5.1%} worst {worst:5.1%}"
+        out.append(line)
+        if prev is not None:
+            moved = sorted(zip(rows, prev, errs), key=lambda t: -abs(abs(t[2]) - abs(t[1])))[:4]
+            out.append("    moved most: " + "; ".join(f"{r.name} ({r.set}) {a:+.0%} -> {b:+.0%}" for r, a, b in moved))
+        prev = errs
+    out.append(f"fitted (fit set only): achievable_fraction {fitted_fr}, elementwise_bytes_per_h {fitted_p.elementwise_bytes_per_h:g}")
+    return out
+
+
+def ranking_report(rows: list[Row], params: StepTimeParams = StepTimeParams()) -> tuple[list[str], dict]:
+    """Two checks of the model's ordering.
+
+    1. Within a source, rows of one model with one metric (several layouts, GPU counts or recompute
+       policies of one model): every pair ordered by throughput as published (a step time counts
+       inverted) is ordered the same by the prediction (ties in the published figure within 1% skipped).
+    2. The authors' layout under the options they had: for every row with model parallelism (tp or
+       pp > 1), the planner searches that GPU count and batch with the row's micro-batch, schedule,
+       ZeRO stage, recompute, SP and precision fixed and TP (within a node) x PP free, and the row's
+       (tp, pp) must be among the three fastest (tp, pp) pairs.
+
+    Returns the printed lines and ``{"pairs": (concordant, total), "top3": (hits, total)}``.
+    """
+    from framework.plan.search import SearchSpace, search
+
+    out = ["ordering within a source and model (published vs predicted throughput):"]
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        groups.setdefault((r.source, r.model, r.metric), []).append(r)
+    conc = total = 0
+    for (src, model, metric), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        sign = -1 if metric == "step_s" else 1
+        vals = [(r, sign * r.published, sign * predict(r, params)[0]) for r in rs]
+        for i in range(len(vals)):
+            for j in range(i + 1, len(vals)):
+                (a, pa, qa), (b, pb, qb) = vals[i], vals[j]
+                if abs(pa - pb) <= 0.01 * max(abs(pa), abs(pb)):
+                    continue
+                total += 1
+                ok = (pa > pb) == (qa > qb)
+                conc += ok
+                out.append(f"  {'ok  ' if ok else 'MISS'} {src}: {a.name} {'>' if pa > pb else '<'} {b.name} "
+                           f"(published {abs(pa):.3g} vs {abs(pb):.3g}; predicted {abs(qa):.3g} vs {abs(qb):.3g})")
+    out.append(f"  {conc} of {total} pairs ordered as published")
+    out.append("the authors' (tp, pp) among the planner's three fastest (tp, pp) under the options they had:")
+    hits = n = 0
+    for r in rows:
+        lay = r.layout
+        if lay.tp == 1 and lay.pp == 1:
+            continue
+        c = load_cluster(r.cluster)
+        L = r.shape.n_layer
+        pps = sorted({q for q in range(1, L + 1) if L % q == 0} | {2**i for i in range(1, 12) if 2**i <= L // 2} | {lay.pp})
+        space = SearchSpace(micro_batch_sizes=(lay.micro_batch_size,), pp_degrees=tuple(pps), virtual_stages=(lay.virtual_stages,),
+                            schedules=(lay.schedule,), zero_stages=(lay.zero_stage,), recompute=(lay.recompute,),
+                            sequence_parallel=(lay.sequence_parallel,), precision=lay.precision)
+        p = replace(params, **dict(r.params))
+        res = search(r.shape, c, world=lay.world_size, global_batch_size=lay.global_batch_size, space=space, params=p)
+        ranked: list[tuple[int, int]] = []
+        for e in res.fitting + sorted([x for x in [res.closest_miss] if x], key=lambda e: e.time.total):
+            key = (e.layout.tp, e.layout.pp)
+            if key not in ranked:
+                ranked.append(key)
+        pos = ranked.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in ranked else None
+        n += 1
+        hits += pos is not None and pos <= 3
+        out.append(f"  {'ok  ' if pos and pos <= 3 else 'MISS'} {r.source} {r.name}: authors tp{lay.tp} pp{lay.pp} is #{pos} "
+                   f"of {len(ranked)}; planner's top 3: " + ", ".join(f"tp{t} pp{q}" for t, q in ranked[:3]))
+    out.append(f"  {hits} of {n} authors' layouts in the top 3")
+    return out, {"pairs": (conc, total), "top3": (hits, n)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python benchmarks/published_runs.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--fit", action="store_true", help="refit the fitted numbers on the fit sources and use them")
+    ap.add_argument("--terms", action="store_true", help="median/worst per set with the model terms added one at a time")
+    ap.add_argument("--rankings", action="store_true", help="orderings within a source, and the authors' layout in the planner's top 3")
+    args = ap.parse_args(argv)
+    sources, rows = load_rows()
+    if args.terms:
+        print("\n".join(terms_report(rows, StepTimeParams())))
+        return 0
+    if args.rankings:
+        print("\n".join(ranking_report(rows)[0]))
+        return 0
+    params, fractions = StepTimeParams(), None
+    if args.fit:
+        fractions, params = fit([r for r in rows if r.set == "fit"], params)
+        print("fitted on the fit set: achievable_fraction " + ", ".join(f"{k}={v:.2f}" for k, v in fractions.items())
+              + f"; elementwise_bytes_per_h={params.elementwise_bytes_per_h:g}")
+    print("\n".join(table(rows, params, fractions)))
     return 0
 
 

@@ -26,7 +26,9 @@ output, its dropout mask and output); without dropout the masks and the dropout 
 ``4h·e`` and ``a·s·e``. ``e = 2`` with dropout is Table 2.
 
 Not in Table 2 and added here: under full recompute, the backward of one layer rematerialises
-that layer's activations (one layer, one micro-batch, no-recompute size); the last stage holds
+that layer's activations (one layer, one micro-batch, the selective size: the recomputed attention
+core runs fused, FlashAttention-style, and keeps no ``s x s`` scores; a run that kept them at b = 8,
+s = 8192 would need tens of GB for that one layer, more than the published full-recompute runs had); the last stage holds
 the fp32 logits ``4·s·b·V/t`` of one micro-batch (the output layer's input and the
 cross-entropy); the first stage the embedding output ``e·s·b·h`` (+ dropout mask ``s·b·h``)
 per micro-batch in flight (§4.3).
@@ -87,8 +89,9 @@ def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int,
                                            recompute=recompute, **kw)
     inflight = microbatches_in_flight(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
     layers_per_stage = -(-shape.n_layer // pp)  # the busiest stage: ceil(L/p)
-    working = (activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel, **kw)
-               if recompute == "full" else 0.0)
+    working = (activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel,
+                                          recompute="selective", **kw)
+               if recompute == "full" else 0.0)  # the recomputed layer, its attention core fused (no s x s scores)
     sp_div = tp if sequence_parallel else 1
     embedding = (act_bytes + (1 if dropout else 0)) * s * b * h / sp_div
     logits = 4.0 * s * b * shape.vocab_size / tp

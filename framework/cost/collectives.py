@@ -11,8 +11,9 @@ bytes on the wire by :func:`~framework.cost.comm.ring_wire_bytes` (nccl-tests PE
 - **DP**, by ZeRO stage: 0 one all-reduce of the gradients per step (ZeRO §7.1); 1
   (Megatron distributed optimizer) a reduce-scatter of the gradients and an all-gather of the
   updated weights per step; 2 the reduce-scatter on every micro-batch (the gradients are kept
-  sharded); 3 per micro-batch an all-gather for forward, one for backward and a reduce-scatter
-  (ZeRO §7.2: 1.5x DP), named :data:`ZERO3_COLLECTIVES`.
+  sharded); 3 per micro-batch and per layer (FSDP's unit: one transformer block) an all-gather for
+  forward, one for backward and a reduce-scatter (ZeRO §7.2: 1.5x DP), named :data:`ZERO3_COLLECTIVES`:
+  ``m·L_stage`` calls of one layer's bytes each, so every layer pays the collective's latency.
 - **PP** (Narayanan et al. 2021 §3.2, §2.2.2): per micro-batch ``b·s·h`` activations to the
   next stage and the same gradient back, ``/t`` with SP (the scatter/gather optimisation),
   times ``v`` with interleaving; plus the tied-embedding gradient all-reduce between the first
@@ -45,6 +46,9 @@ class Collective:
         payload_bytes: bytes per call.
         calls: calls per optimizer step.
         per_microbatch: the calls repeat with every micro-batch (``calls = m·calls_per_mb``).
+        ranks_per_node: members of the group inside one node (``k``); a group spanning nodes with
+            ``k > 1`` runs ``k`` rings in parallel, each crossing a node boundary on its own NIC
+            (:func:`~framework.cost.steptime.collective_link`).
     """
 
     name: str
@@ -55,6 +59,7 @@ class Collective:
     payload_bytes: float
     calls: float
     per_microbatch: bool
+    ranks_per_node: int = 1
 
     @property
     def wire_bytes_per_call(self) -> float:
@@ -88,33 +93,35 @@ def layout_collectives(shape, lay, gpus_per_node: int) -> list[Collective]:
     out: list[Collective] = []
     if t > 1:
         tp_inter = lay.group_inter_node("tp", gpus_per_node)
+        k = lay.group_ranks_per_node("tp", gpus_per_node)
         act = b * s * h * act_bytes
         fwd_calls = 2 * layers * (2 if lay.recompute == "full" else 1)
         bwd_calls = 2 * layers
         if lay.sequence_parallel:
             for name, calls in (("tp_fwd", fwd_calls), ("tp_bwd", bwd_calls)):
-                out.append(Collective(name + "_ag", "allgather", "tp", t, tp_inter, act, calls * m, True))
-                out.append(Collective(name + "_rs", "reduce_scatter", "tp", t, tp_inter, act, calls * m, True))
+                out.append(Collective(name + "_ag", "allgather", "tp", t, tp_inter, act, calls * m, True, k))
+                out.append(Collective(name + "_rs", "reduce_scatter", "tp", t, tp_inter, act, calls * m, True, k))
         else:
-            out.append(Collective("tp_fwd", "allreduce", "tp", t, tp_inter, act, fwd_calls * m, True))
-            out.append(Collective("tp_bwd", "allreduce", "tp", t, tp_inter, act, bwd_calls * m, True))
+            out.append(Collective("tp_fwd", "allreduce", "tp", t, tp_inter, act, fwd_calls * m, True, k))
+            out.append(Collective("tp_bwd", "allreduce", "tp", t, tp_inter, act, bwd_calls * m, True, k))
     psi = stage_params(shape, tp=t, pp=p, stage=0)
     if d > 1:
         dpi = lay.group_inter_node("dp", gpus_per_node)
+        k = lay.group_ranks_per_node("dp", gpus_per_node)
         g, w = psi * prec.grad_bytes, psi * prec.weight_bytes
         if lay.zero_stage == 0:
-            out.append(Collective("dp_grad", "allreduce", "dp", d, dpi, g, 1, False))
+            out.append(Collective("dp_grad", "allreduce", "dp", d, dpi, g, 1, False, k))
         elif lay.zero_stage == 1:
-            out.append(Collective("dp_grad", "reduce_scatter", "dp", d, dpi, g, 1, False))
-            out.append(Collective("dp_param", "allgather", "dp", d, dpi, w, 1, False))
+            out.append(Collective("dp_grad", "reduce_scatter", "dp", d, dpi, g, 1, False, k))
+            out.append(Collective("dp_param", "allgather", "dp", d, dpi, w, 1, False, k))
         elif lay.zero_stage == 2:
-            out.append(Collective("dp_grad", "reduce_scatter", "dp", d, dpi, g, m, True))
-            out.append(Collective("dp_param", "allgather", "dp", d, dpi, w, 1, False))
+            out.append(Collective("dp_grad", "reduce_scatter", "dp", d, dpi, g, m, True, k))
+            out.append(Collective("dp_param", "allgather", "dp", d, dpi, w, 1, False, k))
         else:
             fwd, bwd, grad = ZERO3_COLLECTIVES
-            out.append(Collective(fwd, "allgather", "dp", d, dpi, w, m, True))
-            out.append(Collective(bwd, "allgather", "dp", d, dpi, w, m, True))
-            out.append(Collective(grad, "reduce_scatter", "dp", d, dpi, g, m, True))
+            out.append(Collective(fwd, "allgather", "dp", d, dpi, w / layers, m * layers, True, k))
+            out.append(Collective(bwd, "allgather", "dp", d, dpi, w / layers, m * layers, True, k))
+            out.append(Collective(grad, "reduce_scatter", "dp", d, dpi, g / layers, m * layers, True, k))
     if p > 1:
         ppi = lay.group_inter_node("pp", gpus_per_node)
         act = b * s * h * act_bytes / (t if lay.sequence_parallel else 1)

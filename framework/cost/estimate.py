@@ -69,7 +69,8 @@ def memory_per_rank(shape, lay) -> tuple[StateBytes, dict]:
     """Model states and activations of the busiest rank (the first pipeline stage's states: the
     embedding; the larger of first/last stage's activations)."""
     psi = max(stage_params(shape, tp=lay.tp, pp=lay.pp, stage=0), stage_params(shape, tp=lay.tp, pp=lay.pp, stage=lay.pp - 1))
-    states = model_states_per_rank(psi, dp=lay.dp, zero_stage=lay.zero_stage, precision=lay.precision)
+    states = model_states_per_rank(psi, dp=lay.dp, zero_stage=lay.zero_stage, precision=lay.precision,
+                                   accounting=lay.state_accounting, grad_accum_steps=lay.n_microbatches)
     acts = activation_bytes_per_rank(shape, micro_batch_size=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                                      n_microbatches=lay.n_microbatches, sequence_parallel=lay.sequence_parallel,
                                      recompute=lay.recompute, schedule=lay.schedule, virtual_stages=lay.v,

@@ -4,7 +4,9 @@ measured.
 A cluster file names, per GPU: the dense BF16 peak and the fraction of it dense transformer
 GEMMs achieve, HBM size and bandwidth, NVLink bandwidth per direction inside a node and the NIC
 bandwidth between nodes (with a per-step latency alpha for each), power and a price per
-GPU-hour (every assumption labelled as one in the file). ``local_cpu`` says ``measured`` for
+GPU-hour (every assumption labelled as one in the file); optionally ``elementwise_bytes_per_h``, the
+memory-bound traffic per layer per token per unit of hidden size (:class:`~framework.cost.steptime.StepTimeParams`;
+0 when absent: the local CPU's measured GEMM rate absorbs it). ``local_cpu`` says ``measured`` for
 what :func:`measure_local_cpu` fills in: the fp32 GEMM rate of one rank
 (:func:`framework.metrics.flops.peak_flops`) and, per collective kind, gloo's alpha and bus
 bandwidth from a 2-rank microbenchmark (all-reduce, all-gather, reduce-scatter, send/recv over 4 KiB-32 MiB,
@@ -69,6 +71,7 @@ class Cluster:
     power_w: float
     price_per_gpu_hour: float
     gpu: str = ""
+    elementwise_bytes_per_h: float = 0.0
 
     @property
     def achievable_flops(self) -> float:
@@ -135,6 +138,7 @@ def cluster_from_dict(raw: Mapping[str, Any], *, where: str = "cluster", cache_d
         nvlink=Link(vals["nvlink_alpha_s"], vals["nvlink_bandwidth"], kinds),
         nic=Link(vals["nic_alpha_s"], vals["nic_bandwidth"], kinds),
         power_w=vals["power_w"], price_per_gpu_hour=vals["price_per_gpu_hour"],
+        elementwise_bytes_per_h=_num(raw, "elementwise_bytes_per_h", where) if raw.get("elementwise_bytes_per_h") is not None else 0.0,
     )
 
 
@@ -258,7 +262,11 @@ def load_or_measure_local_cpu(cache_dir: str, *, ranks: int = 2, measure: bool =
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    rec = measure_local_cpu(sys.argv[1] if len(sys.argv) > 1 else ".cache/cost")
+    ap = argparse.ArgumentParser(prog="python -m framework.cost.hardware",
+                                 description="Measure this machine's GEMM rate and gloo collectives (2 ranks) for cluster=local_cpu "
+                                             "and cache them (wrap in flock: it starts 2 processes).")
+    ap.add_argument("cache_dir", nargs="?", default=".cache/cost", help="where local_cpu.json is written (default .cache/cost)")
+    rec = measure_local_cpu(ap.parse_args().cache_dir)
     print(json.dumps({k: v for k, v in rec.items() if k != "raw"}, indent=2))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from framework.cost.bubble import SCHEDULES
-from framework.cost.memory import PRECISIONS, ZERO_STAGES, is_zero_stage, zero_label
+from framework.cost.memory import ACCOUNTINGS, PRECISIONS, ZERO_STAGES, is_zero_stage, zero_label
 from framework.cost.activations import RECOMPUTE
 
 
@@ -30,6 +30,8 @@ class PlanLayout:
         recompute: activation recompute ``none`` | ``selective`` | ``full``.
         sequence_parallel: Megatron SP on the TP group (tp > 1).
         precision: ``bf16`` | ``bf16_main_grad`` | ``fp32`` (:data:`~framework.cost.memory.PRECISIONS`).
+        state_accounting: how model states are counted, ``paper`` (ZeRO §3.1/§5) or ``master_copy``
+            (what DeepSpeed allocates; :func:`~framework.cost.memory.model_states_per_rank`).
     """
 
     dp: int
@@ -43,6 +45,7 @@ class PlanLayout:
     recompute: str = "none"
     sequence_parallel: bool = False
     precision: str = "bf16"
+    state_accounting: str = "paper"
 
     def __post_init__(self) -> None:
         for k in ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages"):
@@ -51,7 +54,7 @@ class PlanLayout:
         if not is_zero_stage(self.zero_stage):
             raise ValueError(f"zero_stage={self.zero_stage!r} is not allowed; allowed: {', '.join(map(str, ZERO_STAGES))}")
         for k, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-                           ("precision", tuple(PRECISIONS))):
+                           ("precision", tuple(PRECISIONS)), ("state_accounting", ACCOUNTINGS)):
             if getattr(self, k) not in allowed:
                 raise ValueError(f"{k}={getattr(self, k)!r} is not allowed; allowed: {', '.join(allowed)}")
         if self.global_batch_size % (self.micro_batch_size * self.dp):
@@ -78,6 +81,12 @@ class PlanLayout:
         stride = {"tp": 1, "dp": self.tp, "pp": self.tp * self.dp}[axis]
         size = {"tp": self.tp, "dp": self.dp, "pp": self.pp}[axis]
         return size > 1 and stride * size > gpus_per_node
+
+    def group_ranks_per_node(self, axis: str, gpus_per_node: int) -> int:
+        """Members of one ``axis`` group inside one node: ``min(size, gpus_per_node // stride)`` (1 when the stride is a node or more)."""
+        stride = {"tp": 1, "dp": self.tp, "pp": self.tp * self.dp}[axis]
+        size = {"tp": self.tp, "dp": self.dp, "pp": self.pp}[axis]
+        return 1 if stride >= gpus_per_node else max(1, min(size, gpus_per_node // stride))
 
     def describe(self) -> str:
         """Short label, e.g. ``tp8 pp8(v2 Interleaved1F1B) dp16 zero1 b1 rc=selective sp`` (ZeRO stage 0 reads ``none``)."""

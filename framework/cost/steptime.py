@@ -68,6 +68,13 @@ class StepTimeParams:
             same depth (``benchmarks/cost_model_validation.py``, "framework overhead").
         replicated_head: the output projection (``h x V``) runs whole on every TP rank (trainlab's TP
             plugin) instead of split over the vocabulary (Megatron's vocab-parallel head, the default).
+        elementwise_bytes_per_h: memory-bound (non-GEMM) traffic of one layer per token per unit of hidden
+            size, forward + backward (bytes: norms, activation functions, softmax over FlashAttention's
+            tiles, dropout, residual adds, casts), at HBM bandwidth, a third in forward; split over TP.
+            What makes a small hidden size slower per FLOP: its ratio to the GEMMs' ``24·h²`` FLOPs per
+            token per layer falls as ``1/h`` (and grows with ``peak_flops / hbm_bandwidth``: H100 > A100).
+            CALIBRATED with the achievable fractions on the fit set of ``benchmarks/published_runs.py``;
+            None = the cluster file's ``elementwise_bytes_per_h`` (0 when it has none).
     """
 
     tp_overlap: float = 0.0
@@ -82,6 +89,7 @@ class StepTimeParams:
     microbatch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     replicated_head: bool = False
+    elementwise_bytes_per_h: Optional[float] = None
 
 
 def latency_steps(kind: str, n: int, algorithm: str = "ring") -> float:
@@ -93,6 +101,21 @@ def latency_steps(kind: str, n: int, algorithm: str = "ring") -> float:
     if kind in ("allgather", "reduce_scatter"):
         return float(n - 1)
     return 1.0
+
+
+def collective_link(c: Collective, cluster):
+    """The :class:`~framework.cost.hardware.Link` a collective runs on: NVLink inside a node; between
+    nodes the NIC, whose bus bandwidth a group with ``k = c.ranks_per_node`` members per node
+    multiplies by ``k`` (NCCL runs ``k`` rings in parallel, each leaving the node on another GPU's NIC,
+    so a node's ``k`` NICs carry the ring's inter-node hops: bus bandwidth ``min(k·nic, nvlink)``,
+    nccl-tests PERFORMANCE.md). A p2p hand-off uses one NIC."""
+    link = cluster.link(c.inter_node)
+    k = getattr(c, "ranks_per_node", 1)
+    if not c.inter_node or k <= 1 or c.kind == "p2p" or link.by_kind:
+        return link
+    from framework.cost.hardware import Link
+
+    return Link(alpha_s=link.alpha_s, bandwidth=min(k * link.bandwidth, cluster.nvlink.bandwidth))
 
 
 def collective_time(c: Collective, link, *, algorithm: str = "ring", payload_bytes: Optional[float] = None) -> float:
@@ -153,6 +176,14 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     imbalance = stage_layers(shape.n_layer, p) * p / shape.n_layer  # the busiest stage's share of the layers, x p
     t_f = model_fpt / 3 * tokens_mb * imbalance / (lay.tp * p) / rate  # one micro-batch's forward on this rank
     t_b = (2 * model_fpt / 3 + (hw_fpt - model_fpt)) * tokens_mb * imbalance / (lay.tp * p) / rate
+    ew = params.elementwise_bytes_per_h
+    ew = getattr(cluster, "elementwise_bytes_per_h", 0.0) if ew is None else ew
+    if ew:  # memory-bound work per layer (StepTimeParams.elementwise_bytes_per_h)
+        passes = 4 / 3 if lay.recompute == "full" else 1.0  # full recompute runs the forward third twice
+        t_ew = (ew * shape.d_model * tokens_mb * stage_layers(shape.n_layer, p) / lay.tp
+                / cluster.hbm_bandwidth)
+        t_f += t_ew / 3
+        t_b += t_ew * (2 / 3 + passes - 1)
     if params.replicated_head and lay.tp > 1:  # the head's 2hV (forward) and 4hV (backward) FLOPs per token, not divided by t
         head = 2 * shape.d_model * shape.vocab_size * tokens_mb * (1 - 1 / lay.tp) / rate
         t_f += head
@@ -161,7 +192,7 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     slot = t_f + t_b
 
     def t(c: Collective) -> float:
-        return collective_time(c, cluster.link(c.inter_node), algorithm=params.allreduce_algorithm)
+        return collective_time(c, collective_link(c, cluster), algorithm=params.allreduce_algorithm)
 
     comm_total: dict[str, float] = {}
     for c in colls:
@@ -170,7 +201,7 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     z3 = [c for c in colls if c.name in ZERO3_COLLECTIVES]
     z3_mb = sum(t(c) * c.calls for c in z3) / m
     z3_fwd = ZERO3_COLLECTIVES[0]  # the forward gather: its first unit is exposed
-    z3_first = (sum(t(c) for c in z3 if c.name == z3_fwd) / stage_layers(shape.n_layer, p)) if z3 else 0.0
+    z3_first = sum(t(c) for c in z3 if c.name == z3_fwd)  # one call = one layer's gather (the first is never hidden)
     z3_exposed_mb = (max(0.0, z3_mb - params.zero3_prefetch * slot) + z3_first) if z3 else 0.0
     hop = sum(t(c) for c in colls if c.name in ("pp_fwd", "pp_bwd")) * v  # one slot's hand-offs (each chunk's)
     hop = params.pp_handoff_exposed * hop + (params.handoff_s if p > 1 else 0.0)
@@ -183,7 +214,7 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     dp_exposed = 0.0
     if t_grad > 0:
         last = min(params.bucket_bytes, max(c.payload_bytes for c in dp_grad))
-        tail = max(collective_time(c, cluster.link(c.inter_node), algorithm=params.allreduce_algorithm, payload_bytes=last)
+        tail = max(collective_time(c, collective_link(c, cluster), algorithm=params.allreduce_algorithm, payload_bytes=last)
                    for c in dp_grad)
         dp_exposed = max(t_grad - params.dp_overlap * t_b, tail)
     z2 = [c for c in colls if c.name == "dp_grad" and c.per_microbatch]  # ZeRO-2: per micro-batch, overlapped with its backward

@@ -38,6 +38,7 @@ class SearchSpace:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: tuple[bool, ...] = (False, True)
     precision: str = "bf16"
+    state_accounting: str = "paper"
 
 
 @dataclass
@@ -89,7 +90,8 @@ def enumerate_layouts(shape, world: int, global_batch_size: int, gpus_per_node: 
             for (sched, v), z, rc, sp in itertools.product(scheds, stages, space.recompute, sps):
                 out.append(PlanLayout(dp=d, tp=t, pp=p, micro_batch_size=b, global_batch_size=global_batch_size,
                                       schedule=sched, virtual_stages=v, zero_stage=z, recompute=rc,
-                                      sequence_parallel=sp, precision=space.precision))
+                                      sequence_parallel=sp, precision=space.precision,
+                                      state_accounting=space.state_accounting))
     return out
 
 

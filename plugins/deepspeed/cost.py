@@ -3,7 +3,7 @@
 Notation (ZeRO, Rajbhandari et al. 2020): Ψ parameters, N = dp_degree ranks, K optimizer
 bytes per parameter, a = grad_accum_steps micro-batches per optimizer step.
 
-**Model states per rank** (§5, Fig. 1; fp32 training). DeepSpeed keeps an fp32 master copy of
+**Model states per rank** (§5, Fig. 1; the table is fp32 training: 4-byte parameters). DeepSpeed keeps an fp32 master copy of
 each rank's partition next to the model's own parameters even when those are fp32, so its
 optimizer state is K = 12 bytes/param (master weights 4 + AdamW ``exp_avg`` 4 +
 ``exp_avg_sq`` 4), partitioned from stage 1 on; parameters and gradients are 4 bytes each:
@@ -18,6 +18,17 @@ stage   formula (bytes)              what a rank holds
 2       4Ψ + 4Ψ/N + 12Ψ/N            gradients reduced into the partition every micro-batch
 3       4Ψ/N + 4Ψ/N + 12Ψ/N          parameters partitioned too (gathered only to run)
 ======= ============================ ==============================================
+
+With ``trainer.precision=bf16-mixed`` DeepSpeed casts the model to bf16 (w = 2 bytes) and the
+figures follow what it allocates (``accounting="master_copy"`` of
+:func:`framework.cost.memory.model_states_per_rank`, the same function the planner prices with):
+stage 1 ``2Ψ + 2Ψ + 12Ψ/N`` (a > 1; ``2Ψ + 14Ψ/N`` when a = 1), stage 2 ``2Ψ + 14Ψ/N``, stage 3
+``16Ψ/N`` (the fp32 master is 4 bytes whatever the model's dtype: K = 12); stage 0
+(``BF16_Optimizer``) ``2Ψ + (2 + 4)Ψ + 12Ψ/N``. Measured with ``bf16-mixed`` on 2 CPU ranks
+(``tests/integration/test_deepspeed_bf16.py``): within 2% of these. The transient fp32 copy of the
+gradient partition inside the optimizer step (``4Ψ/N``) is not a model state and not counted.
+The paper's accounting is ``accounting="paper"`` (it differs in fp32, K = 8, and in stage 1 with
+accumulation).
 
 Measured (:func:`framework.metrics.memory.model_states_bytes`, the largest sample within a
 logged step) as the distinct storages of the parameters, their gradients, and the ZeRO
