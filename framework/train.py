@@ -63,16 +63,17 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
         return None
     locks = [sweep.hold_lock(d, "run") for d in (run_dir, Path(resolved.checkpoint_dir))]
     try:
-        status = _train(resolved, cache, model, run_dir, nodes)
+        status, reason, run_id = _train(resolved, cache, model, run_dir, nodes)
     finally:
         for f in locks:
             f.close()
-    return sweep.record_job(run_dir, *status) if cli.in_sweep() else None
+    return sweep.record_job(run_dir, status, reason, run_id=run_id) if cli.in_sweep() else None
 
 
-def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: Any = None) -> tuple[str, str]:
+def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: Any = None) -> tuple[str, str, str | None]:
     """Resume selection, the MLflow run, the ranks under the resilience policy, the final status;
-    returns ``(status, one-line reason of a failure)`` (FINISHED when there was nothing left to train).
+    returns ``(status, one-line reason of a failure, MLflow run id or None)`` (FINISHED when there was
+    nothing left to train).
     ``nodes``: node 0 of a multi-node run (:class:`~framework.nodes.NodeSpec`), or None on one node."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -87,7 +88,7 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
     run = resolved.run
     resume = _choose_resume(resolved, run_dir)
     if resume is None:
-        return "FINISHED", ""
+        return "FINISHED", "", None
     if nodes is not None:  # node 0: the endpoint is ours to listen on; the other nodes look for the marker
         from framework.nodes import check_endpoint, mark_shared_folder
 
@@ -110,6 +111,9 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
             record_preemption(tracker, outcome)
             finish_driver_run(tracker, "KILLED", run_dir=run_dir, started_at=started_at, error=None, resumed=bool(resume.path))
         print(f"trainlab: preempted: {outcome.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
+        from framework.sweep import close_sweep
+
+        close_sweep("KILLED", f"preempted ({sig.name}) before the ranks started; the same command continues the sweep")
         os._exit(EXIT_PREEMPTED)
 
     early = EarlySignals(preempted_before_ranks)
@@ -128,9 +132,13 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=err.sigval.name,
                                        before_ranks=early.fired is not None, t_signal=early.t_signal)
     except Exception as err:
-        error = str(err).strip()
-        _record_failure(run_dir, run.run_name, err)
-        return "FAILED", error.splitlines()[0] if error else type(err).__name__
+        from framework.faults.supervisor import failure_reason
+
+        reason = failure_reason(err)  # the root cause (first rank to fail), then the whole report
+        detail = str(err).strip()
+        error = reason if not detail or detail == reason else f"{reason}\n{detail}"
+        _record_failure(run_dir, run.run_name, error)
+        return "FAILED", reason, tracker.run_id if tracker else None
     finally:
         if tracker is not None:
             record_preemption(tracker, preempted)
@@ -144,7 +152,7 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         print(f"trainlab: preempted: {preempted.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_PREEMPTED)
     _print_summary(run_dir, tracker, run.tracking.uri, run.experiment_name)
-    return "FINISHED", ""
+    return "FINISHED", "", tracker.run_id if tracker else None
 
 
 def _choose_resume(resolved: ResolvedRun, run_dir: Path) -> Any:
@@ -197,7 +205,7 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
 
     from framework.checkpoint.resume import select_resume
     from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS
-    from framework.faults.supervisor import max_restarts_for
+    from framework.faults.supervisor import failure_reason, max_restarts_for
     from framework.launch import LaunchSpec
     from framework.launcher import launch_ranks
     from framework.nodes import check_endpoint, wait_for_shared_folder
@@ -232,11 +240,11 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
         except Exception as err:
             if run.resilience.policy == "restart" and restarts < max_restarts_for(run):
                 restarts += 1
-                print(f"{me}: the ranks failed ({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__});"
+                print(f"{me}: the ranks failed ({failure_reason(err)});"
                       f" restart {restarts}/{max_restarts_for(run)}: joining node 0 again", file=sys.stderr, flush=True)
                 continue
             alone = " (resilience=shrink: node 0 goes on alone)" if run.resilience.policy == "shrink" else ""
-            print(f"{me}: error: training failed{alone}: {err}", file=sys.stderr, flush=True)
+            print(f"{me}: error: training failed{alone}: {failure_reason(err)}\n{err}", file=sys.stderr, flush=True)
             raise SystemExit(1)
     print(f"{me}: ranks finished; node 0's driver records the run", flush=True)
 
@@ -301,12 +309,13 @@ def _warn(msg: str) -> None:
     print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
 
 
-def _record_failure(run_dir: Path, run_name: str, err: Exception) -> None:
-    """Report a failed training: stderr and ``run_dir/error.txt``; exit 1 unless in a sweep
-    (there the run ends FAILED, the next job starts, and :func:`framework.cli.main` exits 1 at the end)."""
-    print(f"trainlab: error: training failed: {err}", file=sys.stderr, flush=True)
+def _record_failure(run_dir: Path, run_name: str, error: str) -> None:
+    """Report a failed training (``error``: its one-line root cause, then the details): stderr and
+    ``run_dir/error.txt``; exit 1 unless in a sweep (there the run ends FAILED, the next job starts,
+    and :func:`framework.cli.main` exits 1 at the end)."""
+    print(f"trainlab: error: training failed: {error}", file=sys.stderr, flush=True)
     # Kept with the run: in a sweep the driver's stderr scrolls past (or is captured and lost).
-    (run_dir / "error.txt").write_text(str(err).strip() + "\n")
+    (run_dir / "error.txt").write_text(error + "\n")
     if not cli.in_sweep():  # in a sweep the run ends FAILED and the next job starts (e.g. a fault x policy grid)
         raise SystemExit(1)
     from framework import sweep
