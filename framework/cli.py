@@ -89,8 +89,9 @@ def sweep_subdir_for_node(experiment_name: str, run_name: str, checkpoint_dir: s
     """A sweep job's Hydra sub-folder: the run name on node 0, node k's folder on the others
     (:func:`framework.nodes.hydra_sweep_subdir`)."""
     from framework.nodes import hydra_sweep_subdir
+    from framework.sweep import job_checkpoint_dir
 
-    return hydra_sweep_subdir(experiment_name, run_name, checkpoint_dir, node_rank)
+    return hydra_sweep_subdir(experiment_name, run_name, job_checkpoint_dir(checkpoint_dir, run_name), node_rank)
 
 
 OmegaConf.register_new_resolver("tl_sweep_subdir", sweep_subdir_for_node, replace=True)

@@ -35,6 +35,7 @@ an Optuna search optimises (:mod:`framework.search`); None makes a FAIL trial wi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -124,6 +125,16 @@ def sweep_run_name(override_dirname: str, task_overrides: Sequence[str] | None) 
     return f"{sweep.name}/{job_name(list(task_overrides), sweep.keys)}"
 
 
+def job_checkpoint_dir(checkpoint_dir: str | None, run_name: str) -> str | None:
+    """A sweep job's ``checkpoint.dir``: an explicit one that the sweep does not sweep is a root under
+    which each job has its own folder, ``<checkpoint.dir>/<run_name>`` (``<sweep>/<job>``), so the jobs
+    neither share nor resume each other's checkpoints; otherwise (null, swept, or not in a sweep) as given."""
+    sweep = current()
+    if sweep is None or not checkpoint_dir or "checkpoint.dir" in sweep.keys:
+        return checkpoint_dir
+    return str(Path(checkpoint_dir) / run_name)
+
+
 # --- checks before any job ------------------------------------------------------------------
 
 def _sweep_values(override: Any) -> list[Any]:
@@ -197,6 +208,64 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
                     errors.append(str(err))
             else:
                 fail(f"swept value {key}={value!r} ({type(value).__name__}): {errors[0]}")
+    every_job_refused = check_jobs(fixed, swept)
+    if every_job_refused:
+        fail(every_job_refused)
+
+
+MAX_CHECKED_JOBS = 256
+"""Up to this many jobs of a sweep are validated before the first starts (:func:`check_jobs`)."""
+
+
+def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
+    """Validate the jobs of a sweep as a single run is validated (:func:`framework.config.validate.validate`
+    and the first shrink), before any job starts; returns the one-line refusal when every job is refused
+    (a bad value in a key the sweep does not sweep, or a sweep none of whose points holds), else "" (at
+    the first job that holds). A sweep some of whose jobs are refused (a grid's invalid layouts) runs:
+    those are its FAILED jobs. Skipped for a search over an interval, or more than :data:`MAX_CHECKED_JOBS` jobs."""
+    import itertools
+
+    from hydra import compose
+
+    from framework.config import CONF_DIR
+    from framework.config.schema import ConfigError
+    from framework.config.validate import load_run_config, validate
+    from framework.faults.elastic import check_first_shrink
+
+    if any(o.is_interval_sweep() for o in swept.values()):
+        return ""
+    values = {k: [str(v) if (CONF_DIR / k.lstrip("+~")).is_dir() else v for v in _sweep_values(o)] for k, o in swept.items()}
+    if math.prod(len(v) for v in values.values()) > MAX_CHECKED_JOBS:
+        return ""
+    groups = [k for k in values if (CONF_DIR / k.lstrip("+~")).is_dir() or "/" in k]
+    refused: list[tuple[str, str]] = []
+    total = 0
+    for group_choice in itertools.product(*(values[g] for g in groups)):
+        picked = [f"{g}={v}" for g, v in zip(groups, group_choice)]
+        try:
+            base = compose(config_name="config", overrides=[*fixed, *picked, "run_name=check"])
+        except Exception as err:
+            refused.append((",".join(picked), _one_line(err)))
+            total += 1
+            continue
+        keys = [k for k in values if k not in groups]
+        for choice in itertools.product(*(values[k] for k in keys)):
+            total += 1
+            cfg = base.copy()
+            OmegaConf.set_struct(cfg, False)
+            for k, v in zip(keys, choice):
+                OmegaConf.update(cfg, k.lstrip("+~"), v, merge=False)
+            try:
+                check_first_shrink(validate(load_run_config(cfg)))
+                return ""
+            except ConfigError as err:
+                refused.append((",".join(picked + [f"{k}={v}" for k, v in zip(keys, choice)]), str(err)))
+    if not total:
+        return ""
+    reasons = {r for _, r in refused}
+    if len(reasons) == 1:
+        return f"every job of this sweep is refused: {reasons.pop()}"
+    return f"every job of this sweep is refused (the first, {refused[0][0]}: {refused[0][1]})"
 
 
 _ABSENT = object()

@@ -22,7 +22,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from framework import cli
 from framework.config.resolved import ResolvedRun
@@ -42,6 +42,12 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
     """
     from framework import sweep
 
+    if cli.in_sweep():  # an explicit checkpoint.dir is the root of the jobs' own folders
+        own = sweep.job_checkpoint_dir(cfg.checkpoint.dir, str(cfg.run_name))
+        if own != cfg.checkpoint.dir:
+            cfg = cfg.copy()
+            with open_dict(cfg):
+                cfg.checkpoint.dir = own
     try:
         resolved, cache, model = _resolve(cfg)
     except ConfigError as err:
@@ -191,10 +197,24 @@ def _open_tracking(resolved: ResolvedRun, model: Any, cache: Any, *, resumed: bo
         cli.fail(str(err))
     if not resumed:
         log_token_cache_input(tracker, cache, run.data)
+    else:
+        _record_allowed_changes(tracker, resolved)
     current = sweep.current()
     if current is not None:
         sweep.attach_child(tracker, current, list(HydraConfig.get().overrides.task))
     return tracker
+
+
+def _record_allowed_changes(tracker: Any, resolved: ResolvedRun) -> None:
+    """Tag ``resume.changed`` (``optim.lr 0.003 -> 0.001; ...``): what this resumed run changed from its
+    checkpoint's configuration under ``resume_allow_changed`` (nothing when it changed nothing)."""
+    from framework.checkpoint.resume import check_resume_config
+
+    changes = check_resume_config(resolved.run.resume, resolved.checkpoint_dir, resolved.run)
+    if changes:
+        text = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+        tracker.set_tags({"resume.changed": text})
+        print(f"trainlab: resuming with allowed changes: {text}", flush=True)
 
 
 def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Path) -> None:
@@ -294,15 +314,17 @@ def _check_resume_request(resolved: ResolvedRun) -> None:
     """Refuse a ``resume`` value this run's plugin cannot honour (:func:`framework.checkpoint.resume.check_resume_request`).
 
     Raises:
-        ConfigError: not an intact checkpoint folder, a kind the plugin cannot load, or
-            ``resume=never`` while ``checkpoint.dir`` holds checkpoints.
+        ConfigError: not an intact checkpoint folder, a kind the plugin cannot load,
+            ``resume=never`` while ``checkpoint.dir`` holds checkpoints, or a checkpoint written under
+            another configuration (:func:`framework.checkpoint.resume.check_resume_config`).
     """
-    from framework.checkpoint.resume import check_resume_request
+    from framework.checkpoint.resume import check_resume_config, check_resume_request
     from framework.registry import get_plugin_class
 
     caps = get_plugin_class(resolved.plugin_name).capabilities
     check_resume_request(resolved.run.resume, resolved.checkpoint_dir, resolved.plugin_name, writes=caps.checkpoint_format,
                          loads_full_state=caps.loads_full_state, writers=cli.presets_writing)
+    check_resume_config(resolved.run.resume, resolved.checkpoint_dir, resolved.run)
 
 
 def _warn(msg: str) -> None:

@@ -82,6 +82,11 @@ def test_rows_are_labelled_by_swept_values_and_sorted_numerically():
     ("trainer.micro_batch_size=interval(1,4)", "swept value trainer.micro_batch_size=1.0 (float)"),
     ("parallelism=zero1,ddp parallelism.zero_stage=1,2", "swept key parallelism.zero_stage is not an option of plugin(s) ddp"),
     ("parallelism=choice(ddp,tp) parallelism.zero_stage=choice(1,2)", "swept key parallelism.zero_stage is not a config key of plugin(s) ddp, tp"),
+    # a bad value in a key the sweep does not sweep refuses every job: refused before the first (issue 23, item 9)
+    ("optim.lr=1e-3,3e-3 trainer.micro_batch_size=3", "every job of this sweep is refused: trainer.global_batch_size=16 is"
+     " not divisible by micro_batch_size 3"),
+    ("trainer.micro_batch_size=3,5", "every job of this sweep is refused (the first, trainer.micro_batch_size=3:"),
+    ("parallelism=tp,pp parallelism.world_size=1", "every job of this sweep is refused (the first, parallelism=tp:"),
 ])
 def test_bad_sweeps_are_refused_in_one_line(capsys, sweep, message):
     from hydra import compose, initialize_config_dir
