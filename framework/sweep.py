@@ -633,8 +633,9 @@ class SweepCallback(Callback):
             try:
                 exp_id = _client(uri).get_run(sweep.parent_run_id).info.experiment_id
                 print(f"trainlab: the sweep in MLflow: parent run {sweep.parent_run_id};"
-                      f" with `mlflow ui --backend-store-uri {uri}` open {ui_link(uri, exp_id, sweep.parent_run_id)}",
-                      flush=True)
+                      f" with `mlflow ui --backend-store-uri {uri}` open {ui_link(uri, exp_id, sweep.parent_run_id)};"
+                      f" compare its experiment's runs: python -m framework.compare --experiment {config.experiment_name}"
+                      + (f" --tracking-uri {uri}" if uri != "sqlite:///mlruns.db" else ""), flush=True)
             except Exception:  # the link is a convenience
                 pass
         os.environ.pop(SWEEP_ENV, None)
