@@ -582,6 +582,11 @@ class SweepCallback(Callback):
         from framework.config.schema import ConfigError
 
         task = list(config.hydra.overrides.task)
+        tasks = (config.hydra.get("launcher") or {}).get("tasks_per_node")
+        if tasks is not None and str(tasks) != "1":
+            fail(f"hydra.launcher.tasks_per_node={tasks}: trainlab runs one driver task per node, which starts that"
+                 " node's ranks itself; allowed: 1 (set the ranks with parallelism.world_size, parallelism.nnodes"
+                 " and parallelism.nproc_per_node)")
         try:
             self.direction = objective_direction(self.objective, self.direction, config.hydra.sweeper.get("direction"))
         except ConfigError as err:

@@ -137,3 +137,15 @@ def test_the_report_says_when_mfu_denominators_differ():
     assert mfu_peak_note(split) is None
     split[1].data.params["mfu.peak_flops_per_device"] = "2e10"
     assert "4e+10 .. 8e+10" in mfu_peak_note(split)
+
+
+def test_more_than_one_task_per_node_is_refused_before_submitting(tmp_path):
+    """submitit would start a second driver per node, which stops at the run lock (issue 23, item 6)."""
+    proc = subprocess.run([sys.executable, "-m", "framework.train", "-m", "hydra/launcher=submitit_local",
+                           "hydra.launcher.tasks_per_node=2", "optim.lr=1e-3,3e-3", "tracking=none"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "trainlab: error: hydra.launcher.tasks_per_node=2: trainlab runs one driver task per node, which starts that"
+        " node's ranks itself; allowed: 1 (set the ranks with parallelism.world_size, parallelism.nnodes and"
+        " parallelism.nproc_per_node)"], proc.stderr
+    assert not list(tmp_path.rglob(".submitit")) and not list(tmp_path.rglob("*.pkl"))
