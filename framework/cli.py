@@ -27,6 +27,20 @@ from framework import slurm
 from framework.config import CONF_DIR, fail, near_keys, path_safe
 from framework.config.schema import ConfigError
 
+
+
+def _find_trainlab_hydra_plugins() -> None:
+    """Put this checkout's ``hydra_plugins/`` (trainlab's Optuna sweeper) on the ``hydra_plugins``
+    namespace package's path, before Hydra scans its plugins: an editable install made before the
+    folder existed maps only ``framework`` and ``plugins``, and a command may start from any folder."""
+    import hydra_plugins
+
+    here = str(Path(__file__).resolve().parents[1] / "hydra_plugins")
+    if Path(here).is_dir() and here not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(here)
+
+
+_find_trainlab_hydra_plugins()
 slurm.register_launchers()  # hydra/launcher=submitit_slurm|submitit_local with trainlab's resources mapped in
 
 
