@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Optional
 
@@ -218,9 +219,16 @@ def _exception_text(failure: Any) -> str:
     return str(message or "")
 
 
-def _last_line(text: str) -> str:
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure|Abort)\w*)(:|$)")
+
+
+def _last_line(text: str, limit: int = 300) -> str:
+    """The last line of a traceback that names an exception (``RuntimeError: ...``), past the C++ frames
+    (``At:`` / ``file(line): func``) that torch appends to some; cut to ``limit`` characters."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
+    named = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+    line = named[-1] if named else (lines[-1] if lines else "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def failure_reason(err: BaseException) -> str:

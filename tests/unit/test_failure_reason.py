@@ -44,6 +44,15 @@ def test_the_first_rank_to_raise_is_named_with_the_last_line_of_its_exception(tm
         "rank 1 (pid 1001) exited with code 1: torch.OutOfMemoryError: CUDA out of memory")
 
 
+def test_the_exception_line_is_found_past_the_cpp_frames_torch_appends(tmp_path):
+    gloo = ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:3995: Connection reset by peer.\n\n"
+            "At:\n  /x/default_hooks.py(31): <lambda>\n\n\nAt:\n  /x/plugins/ddp.py(57): done")
+    f = _raised(tmp_path, 1, 1_700_000_000, gloo)
+    assert failure_reason(ChildFailedError("worker", {1: f})) == (
+        "rank 1 (pid 1001) exited with code 1: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error"
+        " [127.0.0.1]:3995: Connection reset by peer.")
+
+
 def test_a_silent_exit_and_other_errors():
     silent = ProcessFailure(local_rank=0, pid=7, exitcode=43, error_file="<N/A>")
     assert failure_reason(ChildFailedError("worker", {2: silent})) == "rank 2 (pid 7) exited with code 43 (no exception recorded)"
