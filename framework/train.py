@@ -265,8 +265,38 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
                 continue
             alone = " (resilience=shrink: node 0 goes on alone)" if run.resilience.policy == "shrink" else ""
             print(f"{me}: error: training failed{alone}: {failure_reason(err)}\n{err}", file=sys.stderr, flush=True)
+            _end_lost_node0_run(resolved, nodes, failure_reason(err))
             raise SystemExit(1)
     print(f"{me}: ranks finished; node 0's driver records the run", flush=True)
+
+
+def _end_lost_node0_run(resolved: ResolvedRun, nodes: Any, reason: str) -> None:
+    """Node k > 0 whose ranks failed while node 0's endpoint no longer answers: node 0 (which owns the
+    run's MLflow run) is gone, so this node ends that run FAILED with the reason (tag ``error``), when
+    the tracking store is the same (a shared URI) and the run is still RUNNING. Never raises."""
+    import socket
+
+    run = resolved.run
+    try:
+        with socket.create_connection((nodes.host, nodes.port), timeout=2):
+            return  # node 0 is alive: its driver records the run
+    except OSError:
+        pass
+    if not run.tracking.enabled:
+        return
+    try:
+        from framework.tracking import DriverRun
+
+        tracker = DriverRun(run.tracking.uri, run.experiment_name)
+        run_id = tracker.find(f"{run.experiment_name}/{run.run_name}")
+        if run_id is None or tracker.client.get_run(run_id).info.status != "RUNNING":
+            return
+        why = f"node 0 lost (rendezvous.endpoint={nodes.endpoint} no longer answers); node {nodes.node_rank}: {reason}"
+        tracker.client.set_tag(run_id, "error", why)
+        tracker.client.set_terminated(run_id, status="FAILED")
+        print(f"trainlab: node {nodes.node_rank}: ended the run's MLflow run {run_id} FAILED: {why}", file=sys.stderr, flush=True)
+    except Exception as err:  # the exit status already says the training failed
+        _warn(f"could not end the run's MLflow run: {err}")
 
 
 def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
