@@ -2,9 +2,10 @@
 optimizer step in progress, with a checkpoint of that step, so no finished step is lost.
 
 In each rank the signal only sets a flag (:func:`install_handlers`; nothing else is safe inside
-a signal handler). At the end of every optimizer step the ranks all-reduce the flag (MAX: one
-int per step, one collective), so all of them agree on the same step even when the signal
-reaches them at different moments or reaches only some of them; on a set flag every rank saves
+a signal handler). At the end of every optimizer step the ranks all-reduce the flag with its time
+and step (:func:`agree_on_signal`: one collective of three numbers per step), so all of them agree
+on the same step, time and step at the signal even when the signal reaches them at different
+moments or reaches only some of them; on a set flag every rank saves
 that step through the run's checkpoint callback (also under ``checkpoint=none``: a preempted
 run must resume), rank 0 appends a ``preempted`` record to the run's event log
 (:mod:`framework.faults.events`: signal, step at the signal, step saved, the signal's time),
