@@ -262,6 +262,12 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
                 restarts += 1
                 print(f"{me}: the ranks failed ({failure_reason(err)});"
                       f" restart {restarts}/{max_restarts_for(run)}: joining node 0 again", file=sys.stderr, flush=True)
+                try:  # node 0 lost: one line after rendezvous.timeout_s (not the agent's store timeout and C++ trace)
+                    check_endpoint(nodes)
+                except ConfigError as lost:
+                    print(f"{me}: error: {lost}", file=sys.stderr, flush=True)
+                    _end_lost_node0_run(resolved, nodes, f"{failure_reason(err)}; then {lost}")
+                    raise SystemExit(1)
                 continue
             alone = " (resilience=shrink: node 0 goes on alone)" if run.resilience.policy == "shrink" else ""
             print(f"{me}: error: training failed{alone}: {failure_reason(err)}\n{err}", file=sys.stderr, flush=True)
