@@ -4,7 +4,8 @@
 (:mod:`framework.train`). Before Hydra starts, :func:`precheck` composes and validates a single
 run's config so that every bad input is one ``trainlab: error:`` line with exit code 2 (no
 output folder is made). Exit codes: 0 done, 1 training failed (in a sweep: at least one job
-failed, after every job has run), 2 bad input, 75 preempted (SIGTERM/SIGUSR1/SIGUSR2; the same command
+failed, after every job has run; in an Optuna search: over its failure budget or no trial
+COMPLETE; or the sweeper, launcher or Hydra raised), 2 bad input, 75 preempted (SIGTERM/SIGUSR1/SIGUSR2; the same command
 resumes: :mod:`framework.faults.preemption`), 130 interrupted.
 
 Importing this module registers the ``tl_run_name`` resolver that ``conf/config.yaml`` names
@@ -26,7 +27,43 @@ from framework import slurm
 from framework.config import CONF_DIR, fail, near_keys, path_safe
 from framework.config.schema import ConfigError
 
+
+
+def _find_trainlab_hydra_plugins() -> None:
+    """Put this checkout's ``hydra_plugins/`` (trainlab's Optuna sweeper) on the ``hydra_plugins``
+    namespace package's path, before Hydra scans its plugins: an editable install made before the
+    folder existed maps only ``framework`` and ``plugins``, and a command may start from any folder."""
+    import hydra_plugins
+
+    here = str(Path(__file__).resolve().parents[1] / "hydra_plugins")
+    if Path(here).is_dir() and here not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(here)
+
+
+_find_trainlab_hydra_plugins()
 slurm.register_launchers()  # hydra/launcher=submitit_slurm|submitit_local with trainlab's resources mapped in
+
+
+def register_optuna_sweeper() -> bool:
+    """Store ``hydra/sweeper=optuna`` as trainlab's search (:mod:`framework.search`, behind
+    ``hydra_plugins.trainlab_search.TrainlabOptunaSweeper``) over hydra-optuna-sweeper's option,
+    after Hydra's plugin scan (which executes the library's config module, storing its own). Every
+    key of the library's sweeper keeps its meaning except ``max_failure_rate`` (a share of
+    ``n_trials``, not of a batch). Returns False when hydra-optuna-sweeper is not installed."""
+    try:
+        from hydra.core.config_store import ConfigStore
+        from hydra.core.plugins import Plugins
+        from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
+    except ImportError:
+        return False
+    Plugins.instance()  # the scan (a no-op once made)
+    node = OmegaConf.structured(OptunaSweeperConf)
+    node._target_ = "hydra_plugins.trainlab_search.TrainlabOptunaSweeper"
+    ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=node, provider="trainlab")
+    return True
+
+
+register_optuna_sweeper()
 
 
 
@@ -66,8 +103,9 @@ def sweep_subdir_for_node(experiment_name: str, run_name: str, checkpoint_dir: s
     """A sweep job's Hydra sub-folder: the run name on node 0, node k's folder on the others
     (:func:`framework.nodes.hydra_sweep_subdir`)."""
     from framework.nodes import hydra_sweep_subdir
+    from framework.sweep import job_checkpoint_dir
 
-    return hydra_sweep_subdir(experiment_name, run_name, checkpoint_dir, node_rank)
+    return hydra_sweep_subdir(experiment_name, run_name, job_checkpoint_dir(checkpoint_dir, run_name), node_rank)
 
 
 OmegaConf.register_new_resolver("tl_sweep_subdir", sweep_subdir_for_node, replace=True)
@@ -179,6 +217,31 @@ def precheck(argv: list[str]) -> Any:
     return resolved
 
 
+def _close_open_sweep(code: int, cause: BaseException | None) -> None:
+    """End the parent run of a sweep that did not reach its end (a sweeper, launcher or Hydra
+    exception, Ctrl-C, a preemption, bad input): KILLED for 130/75, else FAILED, with the one-line
+    reason and its jobs' counts (:func:`framework.sweep.close_sweep`); nothing when no sweep is open."""
+    from framework.sweep import close_sweep, current
+
+    if current() is None:
+        return
+    from framework.faults.preemption import EXIT_PREEMPTED
+
+    if code == 130:
+        status, reason = "KILLED", "interrupted (exit 130)"
+    elif code == EXIT_PREEMPTED:
+        status, reason = "KILLED", f"preempted (exit {EXIT_PREEMPTED}); the same command continues the sweep"
+    else:
+        status = "FAILED"
+        if cause is not None and not isinstance(cause, SystemExit):
+            lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+            reason = f"{type(cause).__name__}: {lines[0] if lines else ''}".rstrip(": ") + f" (exit {code})"
+        else:
+            reason = f"exit {code}"
+    print(f"trainlab: the sweep ended {status}: {reason}", file=sys.stderr, flush=True)
+    close_sweep(status, reason)
+
+
 def main(app: Callable[[], None]) -> None:
     """Console entry point: run the Hydra ``app`` once per call (``-m``: once per sweep point).
 
@@ -200,9 +263,11 @@ def main(app: Callable[[], None]) -> None:
             start_rank_server(resolved)  # its imports overlap the driver's set-up
         app()
         code = 0
-        from framework.sweep import FAILED_JOBS
+        from framework.sweep import FAILED_JOBS, SEARCH
 
-        if FAILED_JOBS:
+        if SEARCH:  # an Optuna search: its failure budget decides (framework/search.py)
+            code = 1 if SEARCH.get("error") else 0
+        elif FAILED_JOBS:
             print(f"trainlab: {len(FAILED_JOBS)} sweep job(s) FAILED: {', '.join(FAILED_JOBS)}"
                   " (each run's error.txt and MLflow tag 'error' say why)", file=sys.stderr)
             code = 1
@@ -215,11 +280,15 @@ def main(app: Callable[[], None]) -> None:
         else:  # sys.exit("message"): printed to stderr, status 1, as Python does
             print(done.code, file=sys.stderr)
             code = 1
-    if code not in (0, 1):  # a sweep that ended early: its parent run ends KILLED/FAILED, its lock is released
-        from framework.faults.preemption import EXIT_PREEMPTED
-        from framework.sweep import close_sweep
+        cause = done.__context__  # Hydra reports a sweeper's or launcher's exception, then exits 1 inside its handler
+    except Exception as err:  # HYDRA_FULL_ERROR=1: Hydra re-raises instead
+        import traceback
 
-        close_sweep("KILLED" if code in (130, EXIT_PREEMPTED) else "FAILED")
+        traceback.print_exc()
+        code, cause = 1, err
+    else:
+        cause = None
+    _close_open_sweep(code, cause)
     from framework.distributed import exit_process
     from framework.launcher import stop_rank_server
 

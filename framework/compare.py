@@ -46,6 +46,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -400,8 +401,18 @@ def write_tables(rows: Sequence[Mapping[str, Any]], cols: Sequence[Column], tabl
 
 def log_to_run(client: Any, run_id: str, paths: Iterable[Path], figs: Sequence[tuple[Path, Any]],
                rows: Sequence[Mapping[str, Any]], cols: Sequence[Column]) -> None:
-    """The report on ``run_id``: ``log_table`` (``compare.json``), ``log_figure`` per plot (``compare/<name>``) and the files."""
-    client.log_table(run_id, data={c[2]: [r.get(c[0]) for r in rows] for c in cols}, artifact_file="compare.json")
+    """The report on ``run_id``: ``log_table`` (``compare.json``), ``log_figure`` per plot (``compare/<name>``) and the files.
+    A report logged again (a sweep run again) replaces ``compare.json``; MLflow's ``log_table`` would append its rows."""
+    data = {c[2]: [r.get(c[0]) for r in rows] for c in cols}
+    if any(f.path == "compare.json" for f in client.list_artifacts(run_id)):
+        import pandas as pd
+
+        with tempfile.TemporaryDirectory() as tmp:  # the same file log_table writes (orient="split"), over the old one
+            path = Path(tmp) / "compare.json"
+            pd.DataFrame(data).to_json(path, orient="split", index=False, date_format="iso")
+            client.log_artifact(run_id, str(path))
+    else:
+        client.log_table(run_id, data=data, artifact_file="compare.json")
     for path, fig in figs:
         client.log_figure(run_id, fig, f"compare/{path.name}")
     for p in paths:

@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import uuid
+from typing import Any
 
 from framework.distributed import threads_per_rank
 from framework.launch import LaunchSpec
@@ -99,6 +100,34 @@ LAUNCH_FILE = "launch.json"
 """The launch object's file in the run folder; every rank reads it (:meth:`LaunchSpec.read`)."""
 
 
+def release_finished_ranks_on_close() -> None:
+    """Let ranks that already returned exit at once when the elastic agent shuts its ranks down.
+
+    With ``trainer.preload_ranks`` the ranks are functions run by torch's ``MultiprocessContext``:
+    a rank that returned puts its value in a queue and then waits for the agent to say it read it
+    (``_worker_finished_event``), which the agent sets only while it polls. When the agent itself
+    got the preempting signal (a scheduler's signal to every process of the job: Slurm's
+    ``scancel --signal=USR2``), it stops polling and closes the ranks with ``trainer.stop_grace_s``
+    of grace: the ranks finished the step and saved in well under a second, then waited out the
+    grace until SIGKILL (measured: exit 20.3 s after the signal with ``stop_grace_s=20``, the
+    ranks' save done in the first second). Setting the event as the close begins releases them;
+    ranks still in their step finish, save and exit when they return. (torch 2.13,
+    ``torch/distributed/elastic/multiprocessing/api.py``.)
+    """
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    close = MultiprocessContext._close
+    if getattr(close, "releases_finished_ranks", False):
+        return
+
+    def _close(self: Any, death_sig: Any, timeout: int = 30) -> None:
+        self._worker_finished_event.set()
+        close(self, death_sig, timeout)
+
+    _close.releases_finished_ranks = True  # type: ignore[attr-defined]
+    MultiprocessContext._close = _close
+
+
 def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
     """Write ``launch`` to ``run_dir/launch.json`` and run every rank of this node to completion.
 
@@ -148,6 +177,8 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
     )
     if run.trainer.preload_ranks:  # ranks fork from the server that imported torch, Lightning and the worker once
         from framework.worker import run_rank
+
+        release_finished_ranks_on_close()
 
         start_rank_server(launch.resolved)  # started already by the driver (a no-op then)
         config.start_method = "forkserver"

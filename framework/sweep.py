@@ -21,17 +21,21 @@ sweep through Hydra's callback API:
   training fails, is a FAILED child with its one-line reason (:func:`record_job`).
 - ``on_multirun_end``: the jobs' outcomes (metrics ``sweep/jobs``, ``sweep/jobs_finished``,
   ``sweep/jobs_failed`` and the run description on the parent), the best job by
-  ``objective`` (an Optuna search's best trial with its overrides), and the compare report
-  (:mod:`framework.compare`) logged to the parent.
+  ``objective`` in its direction (:func:`objective_direction`; an Optuna search's best trial),
+  and the compare report (:mod:`framework.compare`) logged to the parent, which then ends
+  FINISHED (FAILED when a search is over its failure budget: :data:`SEARCH`). A sweep that ends
+  any other way has its parent ended by :func:`framework.cli.main` (:func:`close_sweep`).
 
-The driver returns each job's objective (``objective``, default ``perf/tokens_per_sec_mean``;
-None for a failed job or one over ``max_peak_mem_gib``), which is what the Optuna sweeper
-maximises; None makes a failed trial and the search goes on.
+The driver returns each job's objective (:func:`objective_of`: ``objective``, default
+``perf/tokens_per_sec_mean``, any figure the run logged; None for a failed job, one whose training
+went non-finite, one without a finite objective or one over ``max_peak_mem_gib``), which is what
+an Optuna search optimises (:mod:`framework.search`); None makes a FAIL trial with its reason.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -126,6 +130,16 @@ def sweep_run_name(override_dirname: str, task_overrides: Sequence[str] | None) 
     return f"{sweep.name}/{job_name(list(task_overrides), sweep.keys)}"
 
 
+def job_checkpoint_dir(checkpoint_dir: str | None, run_name: str) -> str | None:
+    """A sweep job's ``checkpoint.dir``: an explicit one that the sweep does not sweep is a root under
+    which each job has its own folder, ``<checkpoint.dir>/<run_name>`` (``<sweep>/<job>``), so the jobs
+    neither share nor resume each other's checkpoints; otherwise (null, swept, or not in a sweep) as given."""
+    sweep = current()
+    if sweep is None or not checkpoint_dir or "checkpoint.dir" in sweep.keys:
+        return checkpoint_dir
+    return str(Path(checkpoint_dir) / run_name)
+
+
 # --- checks before any job ------------------------------------------------------------------
 
 def _sweep_values(override: Any) -> list[Any]:
@@ -199,6 +213,64 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
                     errors.append(str(err))
             else:
                 fail(f"swept value {key}={value!r} ({type(value).__name__}): {errors[0]}")
+    every_job_refused = check_jobs(fixed, swept)
+    if every_job_refused:
+        fail(every_job_refused)
+
+
+MAX_CHECKED_JOBS = 256
+"""Up to this many jobs of a sweep are validated before the first starts (:func:`check_jobs`)."""
+
+
+def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
+    """Validate the jobs of a sweep as a single run is validated (:func:`framework.config.validate.validate`
+    and the first shrink), before any job starts; returns the one-line refusal when every job is refused
+    (a bad value in a key the sweep does not sweep, or a sweep none of whose points holds), else "" (at
+    the first job that holds). A sweep some of whose jobs are refused (a grid's invalid layouts) runs:
+    those are its FAILED jobs. Skipped for a search over an interval, or more than :data:`MAX_CHECKED_JOBS` jobs."""
+    import itertools
+
+    from hydra import compose
+
+    from framework.config import CONF_DIR
+    from framework.config.schema import ConfigError
+    from framework.config.validate import load_run_config, validate
+    from framework.faults.elastic import check_first_shrink
+
+    if any(o.is_interval_sweep() for o in swept.values()):
+        return ""
+    values = {k: [str(v) if (CONF_DIR / k.lstrip("+~")).is_dir() else v for v in _sweep_values(o)] for k, o in swept.items()}
+    if math.prod(len(v) for v in values.values()) > MAX_CHECKED_JOBS:
+        return ""
+    groups = [k for k in values if (CONF_DIR / k.lstrip("+~")).is_dir() or "/" in k]
+    refused: list[tuple[str, str]] = []
+    total = 0
+    for group_choice in itertools.product(*(values[g] for g in groups)):
+        picked = [f"{g}={v}" for g, v in zip(groups, group_choice)]
+        try:
+            base = compose(config_name="config", overrides=[*fixed, *picked, "run_name=check"])
+        except Exception as err:
+            refused.append((",".join(picked), _one_line(err)))
+            total += 1
+            continue
+        keys = [k for k in values if k not in groups]
+        for choice in itertools.product(*(values[k] for k in keys)):
+            total += 1
+            cfg = base.copy()
+            OmegaConf.set_struct(cfg, False)
+            for k, v in zip(keys, choice):
+                OmegaConf.update(cfg, k.lstrip("+~"), v, merge=False)
+            try:
+                check_first_shrink(validate(load_run_config(cfg)))
+                return ""
+            except ConfigError as err:
+                refused.append((",".join(picked + [f"{k}={v}" for k, v in zip(keys, choice)]), str(err)))
+    if not total:
+        return ""
+    reasons = {r for _, r in refused}
+    if len(reasons) == 1:
+        return f"every job of this sweep is refused: {reasons.pop()}"
+    return f"every job of this sweep is refused (the first, {refused[0][0]}: {refused[0][1]})"
 
 
 _ABSENT = object()
@@ -318,10 +390,80 @@ def _settings() -> dict[str, Any]:
     return dict(cb.get("trainlab_sweep") or {})
 
 
-def record_job(run_dir: Path, status: str, reason: str = "") -> float | None:
+def job_metrics(run_dir: Path) -> dict[str, float]:
+    """Every figure a job's run folder holds, by MLflow key: the last value of each key in
+    ``metrics.jsonl`` (step metrics and the end-of-run ones such as ``val/loss_final``), then
+    ``summary.json`` (rank 0's run-level means), then the ``summary/*`` figures
+    (:func:`framework.run_summary.summary_metrics`); a later source wins for the same key."""
+    from framework.run_summary import summary_metrics
+    from framework.tracking import read_jsonl_metrics
+
+    records = read_jsonl_metrics(run_dir / "metrics.jsonl")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    found: dict[str, float] = {}
+    for rec in records:
+        found.update({k: v for k, v in rec.items() if isinstance(v, (int, float))})
+    found.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+    found.update(summary_metrics(summary, records))
+    return found
+
+
+TRAINING_HEALTH_KEYS = ("train/loss", "train/loss_final", "val/loss", "val/loss_final", "train/grad_norm")
+"""Figures whose non-finite value (in any logged step) means the job's training did not stay finite."""
+
+
+def nonfinite_training(run_dir: Path) -> str:
+    """The first non-finite training figure of a job (``"train/loss = nan at step 12"``), "" when its
+    training stayed finite. A step whose update the fault guard dropped (``faults.jsonl``: ``detected``
+    with action ``skip_step``/``rollback``, or ``skipped``) logged the values it judged; it does not count."""
+    import math
+
+    from framework.faults.events import LOG_NAME
+    from framework.tracking import read_jsonl_metrics
+
+    dropped = set()
+    for rec in read_jsonl_metrics(run_dir / LOG_NAME):
+        if rec.get("ev") == "skipped" or (rec.get("ev") == "detected" and rec.get("action") in ("skip_step", "rollback")):
+            dropped.add(rec.get("step"))
+    for rec in read_jsonl_metrics(run_dir / "metrics.jsonl"):
+        if rec.get("step") in dropped:
+            continue
+        for key in TRAINING_HEALTH_KEYS:
+            value = rec.get(key)
+            if isinstance(value, (int, float)) and not math.isfinite(value):
+                return f"{key} = {value} at step {rec.get('step')}"
+    return ""
+
+
+def objective_of(run_dir: Path, objective_key: str) -> tuple[float | None, str]:
+    """``(objective, "")`` for a job that trained, or ``(None, reason)``: the training went non-finite
+    (:func:`nonfinite_training`), the run has no ``objective_key`` (naming the keys it has that
+    resemble it), or the value is not finite."""
+    import math
+
+    unhealthy = nonfinite_training(run_dir)
+    if unhealthy:
+        return None, f"training went non-finite: {unhealthy}"
+    metrics = job_metrics(run_dir)
+    value = metrics.get(objective_key)
+    if value is None:
+        if objective_key in ("perf/tokens_per_sec_mean", "perf/mfu_mean", "perf/step_time_s_mean") or \
+                objective_key.startswith("perf/") and objective_key.endswith("_mean"):
+            return None, f"no {objective_key}: no timed step (trainer.max_steps <= trainer.warmup_steps_excluded)"
+        near = near_keys(objective_key, sorted(metrics))
+        return None, f"the run logged no {objective_key}" + (f" (it has {', '.join(near)})" if near else "")
+    if not math.isfinite(float(value)):
+        return None, f"{objective_key} = {value} (not finite)"
+    return float(value), ""
+
+
+def record_job(run_dir: Path, status: str, reason: str = "", run_id: str | None = None) -> float | None:
     """Record the outcome of this process's current job (the driver calls it once per job);
-    returns the job's objective (what the Optuna sweeper maximises), None for a failed job or one
-    whose peak memory is over ``max_peak_mem_gib`` (then a failed trial, with that reason)."""
+    returns the job's objective (what an Optuna search optimises; :func:`objective_of`): None for a
+    failed job, one whose training went non-finite, one without a finite objective, or one whose peak
+    memory is over ``max_peak_mem_gib`` (a FAIL trial; the reason goes to the child run ``run_id``
+    as tag ``sweep.fail_reason`` and to the sweep's table)."""
     from hydra.core.hydra_config import HydraConfig
 
     from framework.tracking import read_jsonl_metrics
@@ -337,11 +479,8 @@ def record_job(run_dir: Path, status: str, reason: str = "") -> float | None:
     peak = max(peaks) if peaks else None
     objective = None
     if status == "FINISHED":
-        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-        objective = summary.get(objective_key)
-        if objective is None:  # trained, but too few steps after trainer.warmup_steps_excluded to time
-            reason = f"no {objective_key} (steps <= trainer.warmup_steps_excluded?)"
-        elif limit is not None and peak is not None and peak > float(limit) * GIB:
+        objective, reason = objective_of(run_dir, objective_key)
+        if objective is not None and limit is not None and peak is not None and peak > float(limit) * GIB:
             reason = f"peak memory {peak / GIB:.3f} GiB > max_peak_mem_gib {float(limit):g}"
             objective = None
     outcome = JobOutcome(name, swept, status, reason, objective, peak)
@@ -350,7 +489,27 @@ def record_job(run_dir: Path, status: str, reason: str = "") -> float | None:
     (run_dir / OUTCOME_FILE).write_text(json.dumps({**asdict(outcome), "pid": os.getpid(), "t": time.time()}))
     if reason and sweep is not None:
         print(f"trainlab: sweep job {name}: {status}: {reason}", file=sys.stderr, flush=True)
+        if run_id and sweep.tracking_uri:
+            try:
+                _client(sweep.tracking_uri).set_tag(run_id, FAIL_REASON_TAG, reason)
+            except Exception as err:  # tracking must not stop the sweep
+                print(f"trainlab: warning: could not tag the job's run: {err}", file=sys.stderr)
     return objective
+
+
+FAIL_REASON_TAG = "sweep.fail_reason"
+"""Tag of a sweep's child run that scored no objective (a FAIL trial in a search): the one-line reason."""
+
+
+def read_outcome(run_dir: Path) -> JobOutcome | None:
+    """The :class:`JobOutcome` a job wrote in its run folder (:data:`OUTCOME_FILE`), None without one."""
+    try:
+        rec = json.loads((Path(run_dir) / OUTCOME_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    rec.pop("pid", None)
+    rec.pop("t", None)
+    return JobOutcome(**rec)
 
 
 def record_refused_job(cfg: DictConfig, run_dir: Path, reason: str) -> None:
@@ -378,7 +537,7 @@ def record_refused_job(cfg: DictConfig, run_dir: Path, reason: str) -> None:
             k, _, v = line.partition("=")
             params[k.lstrip("+~")] = v
         tracker.log_params(params)
-        tracker.set_tags({"error": reason})
+        tracker.set_tags({"error": reason, FAIL_REASON_TAG: reason})
         tracker.end("FAILED")
     except Exception as err:  # tracking must not stop the sweep
         print(f"trainlab: warning: could not record the refused job in MLflow: {err}", file=sys.stderr)
@@ -400,8 +559,12 @@ class SweepCallback(Callback):
     """Hydra callback of every trainlab sweep (see the module docstring).
 
     Args:
-        objective: the job metric (``summary.json`` key) a search maximises and the end-of-sweep
-            report ranks by (default ``perf/tokens_per_sec_mean``, tokens/s).
+        objective: the job metric a search optimises and the end-of-sweep report ranks by: any
+            figure the run logs (``metrics.jsonl`` key, e.g. ``val/loss_final``, an end-of-run
+            ``summary.json`` mean such as ``perf/tokens_per_sec_mean``, or a ``summary/*`` figure;
+            :func:`job_metrics`).
+        direction: ``maximize`` or ``minimize``; None: the Optuna sweeper's ``hydra.sweeper.direction``,
+            else from the objective's name (:func:`objective_direction`).
         max_peak_mem_gib: a job whose ``mem/peak_bytes`` (max over ranks and steps) is over this
             many GiB scores no objective (a failed trial); None = no limit.
         report: run the compare report at the end of a sweep and log it to the parent run.
@@ -410,18 +573,29 @@ class SweepCallback(Callback):
     (``hydra.callbacks.trainlab_sweep``) when it records its outcome (:func:`record_job`).
     """
 
-    def __init__(self, objective: str = "perf/tokens_per_sec_mean", max_peak_mem_gib: float | None = None,
-                 report: bool = True) -> None:
+    def __init__(self, objective: str = "perf/tokens_per_sec_mean", direction: str | None = None,
+                 max_peak_mem_gib: float | None = None, report: bool = True) -> None:
         self.objective = objective
+        self.direction = direction
         self.max_peak_mem_gib = max_peak_mem_gib
         self.report = report
         self.sweep: Sweep | None = None
         self.started = 0.0  # when this sweep started (Unix seconds)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from framework.config import fail
         from framework.config.schema import ConfigError
 
         task = list(config.hydra.overrides.task)
+        tasks = (config.hydra.get("launcher") or {}).get("tasks_per_node")
+        if tasks is not None and str(tasks) != "1":
+            fail(f"hydra.launcher.tasks_per_node={tasks}: trainlab runs one driver task per node, which starts that"
+                 " node's ranks itself; allowed: 1 (set the ranks with parallelism.world_size, parallelism.nnodes"
+                 " and parallelism.nproc_per_node)")
+        try:
+            self.direction = objective_direction(self.objective, self.direction, config.hydra.sweeper.get("direction"))
+        except ConfigError as err:
+            fail(str(err))
         check_sweep(config, task)
         exclude = list(config.hydra.job.config.override_dirname.exclude_keys)
         params = _sweeper_params(config)
@@ -429,6 +603,7 @@ class SweepCallback(Callback):
         sweep.command = " ".join(["python -m framework.train", *sys.argv[1:]])
         _hold_lock(Path("outputs") / str(config.experiment_name) / sweep.name, "sweep")
         OUTCOMES.clear()
+        SEARCH.clear()
         self.started = time.time()
         if config.tracking.enabled:
             try:
@@ -440,12 +615,11 @@ class SweepCallback(Callback):
         self.sweep = sweep
         os.environ[SWEEP_ENV] = sweep.to_json()
         keys = ", ".join(f"{k}={v}" for k, v in sweep.values.items())
-        print(f"trainlab: sweep {sweep.name!r} over {keys}"
+        print(f"trainlab: sweep {sweep.name!r} over {keys}; objective {self.objective} ({self.direction})"
               + (f"; parent MLflow run {sweep.parent_run_id}" if sweep.parent_run_id else ""), flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = self.sweep
-        os.environ.pop(SWEEP_ENV, None)
         if sweep is None:
             return
         # jobs a launcher ran in other processes (submitit: Slurm jobs) reported through their run folders
@@ -453,23 +627,36 @@ class SweepCallback(Callback):
         OUTCOMES.extend(remote)
         FAILED_JOBS.extend(o.name for o in remote if o.status != "FINISHED")
         print("\n" + outcome_table(OUTCOMES, self.objective), flush=True)
-        best = best_outcome(OUTCOMES)
+        best = best_outcome(OUTCOMES, self.direction or "maximize")
         if best is not None:
-            print(f"trainlab: best job {best.name}: {self.objective} = {best.objective:,.1f}"
+            print(f"trainlab: best job {best.name}: {self.objective} = {best.objective:,.4g} ({self.direction})"
                   f" (overrides: {' '.join(best.overrides)})", flush=True)
+        failure = SEARCH.get("error", "")
+        if failure:
+            print(f"trainlab: error: the search failed: {failure}", file=sys.stderr, flush=True)
         if sweep.parent_run_id:
             uri = str(config.tracking.uri)
-            finish_parent(uri, sweep, OUTCOMES, self.objective, best)
             if self.report:
                 _report(uri, sweep)
+            finish_parent(uri, sweep, OUTCOMES, self.objective, best, self.direction or "maximize",
+                          status="FAILED" if failure else "FINISHED", reason=failure)
             try:
                 exp_id = _client(uri).get_run(sweep.parent_run_id).info.experiment_id
                 print(f"trainlab: the sweep in MLflow: parent run {sweep.parent_run_id};"
-                      f" with `mlflow ui --backend-store-uri {uri}` open {ui_link(uri, exp_id, sweep.parent_run_id)}",
-                      flush=True)
+                      f" with `mlflow ui --backend-store-uri {uri}` open {ui_link(uri, exp_id, sweep.parent_run_id)};"
+                      f" compare its experiment's runs: python -m framework.compare --experiment {config.experiment_name}"
+                      + (f" --tracking-uri {uri}" if uri != "sqlite:///mlruns.db" else ""), flush=True)
             except Exception:  # the link is a convenience
                 pass
+        os.environ.pop(SWEEP_ENV, None)
         close_sweep()
+
+
+SEARCH: dict[str, Any] = {}
+"""What this process's search (:mod:`framework.search`) concluded: ``trials``, ``complete``, ``failed``
+and, when it did not complete within its failure budget or no trial completed, ``error`` (one line):
+the sweep's end then fails the parent run with it and :func:`framework.cli.main` exits 1. A search
+within its budget exits 0 though some trials failed."""
 
 
 def outcome_table(outcomes: Sequence[JobOutcome], objective: str) -> str:
@@ -478,39 +665,94 @@ def outcome_table(outcomes: Sequence[JobOutcome], objective: str) -> str:
 
     rows = [{"job": o.name, "status": o.status, objective: o.objective,
              "peak_mem_GiB": None if o.peak_mem_bytes is None else o.peak_mem_bytes / GIB} for o in outcomes]
-    cols = [("job", "", "", "s"), ("status", "", "", "s"), (objective, "", "", ",.1f"), ("peak_mem_GiB", "", "", ".3f")]
+    cols = [("job", "", "", "s"), ("status", "", "", "s"), (objective, "", "", ",.4g"), ("peak_mem_GiB", "", "", ".3f")]
     lines = format_table(rows, cols, text_columns=2).splitlines()
     lines = [lines[0] + "  reason"] + [ln + (f"  {o.reason}" if o.reason else "") for ln, o in zip(lines[1:], outcomes)]
     finished = sum(o.status == "FINISHED" for o in outcomes)
     return f"sweep: {finished} of {len(outcomes)} job(s) FINISHED\n" + "\n".join(lines)
 
 
-def best_outcome(outcomes: Sequence[JobOutcome]) -> JobOutcome | None:
-    """The finished job with the highest objective (None when none scored)."""
+def best_outcome(outcomes: Sequence[JobOutcome], direction: str = "maximize") -> JobOutcome | None:
+    """The job with the best objective in ``direction`` (``maximize``/``minimize``); None when none scored."""
     scored = [o for o in outcomes if o.objective is not None]
-    return max(scored, key=lambda o: o.objective) if scored else None
+    if not scored:
+        return None
+    return (min if direction == "minimize" else max)(scored, key=lambda o: o.objective)
 
 
-def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], objective: str, best: JobOutcome | None) -> None:
-    """Counts and description on the parent run, then FINISHED. Counts are over the parent's
-    children in MLflow (a resumed sweep counts the jobs of earlier invocations too). Never raises."""
+DIRECTIONS = ("maximize", "minimize")
+_MINIMISED = ("loss", "time", "comm", "_s", "_ms", "bytes", "mem", "GiB", "wait", "bubble", "restarts", "recomputed")
+
+
+def objective_direction(objective: str, explicit: str | None = None, sweeper: Any = None) -> str:
+    """Whether the sweep's ``objective`` is maximised or minimised: ``explicit``
+    (``hydra.callbacks.trainlab_sweep.direction``) when set, else the Optuna sweeper's
+    ``hydra.sweeper.direction`` (``sweeper``; what the search optimises), else from the metric's name:
+    a loss, a time (``_s``, ``_ms``), bytes, memory, a wait or bubble share, restarts or recomputed
+    steps are minimised, everything else (tokens/s, MFU, goodput) maximised.
+
+    Raises:
+        ConfigError: a direction other than maximize/minimize, a multi-objective sweeper direction,
+            or an explicit direction that disagrees with the sweeper's (one line).
+    """
+    from framework.config.schema import ConfigError
+
+    if sweeper is not None and not isinstance(sweeper, str):  # a list: a multi-objective search
+        values = [str(getattr(d, "name", d)) for d in sweeper]
+        if len(values) != 1:
+            raise ConfigError(f"hydra.sweeper.direction={values}: trainlab's sweeps have one objective"
+                              f" (hydra.callbacks.trainlab_sweep.objective={objective}); give one direction")
+        sweeper = values[0]
+    for key, value in (("hydra.callbacks.trainlab_sweep.direction", explicit), ("hydra.sweeper.direction", sweeper)):
+        if value is not None and str(value) not in DIRECTIONS:
+            raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(DIRECTIONS)}")
+    if explicit and sweeper and explicit != sweeper:
+        raise ConfigError(f"hydra.callbacks.trainlab_sweep.direction={explicit} but hydra.sweeper.direction={sweeper}:"
+                          " the search and the sweep's summary must rank one way (set one, or both alike)")
+    if explicit or sweeper:
+        return str(explicit or sweeper)
+    name = objective.rsplit("/", 1)[-1]
+    return "minimize" if any(part in name for part in _MINIMISED) and "per_sec" not in name else "maximize"
+
+
+def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], objective: str, best: JobOutcome | None,
+                  direction: str = "maximize", status: str = "FINISHED", reason: str = "") -> None:
+    """End the parent run with ``status`` (FINISHED, FAILED or KILLED): metrics ``sweep/jobs``,
+    ``sweep/jobs_finished``, ``sweep/jobs_failed``, tag ``trainlab.jobs_finished``, the description
+    (counts, the best job in ``direction``, or ``reason`` when the sweep ended early or failed: also
+    tag ``sweep.error``) and tag ``sweep.best``. Counts are over the parent's children in MLflow (a
+    resumed sweep counts the jobs of earlier invocations too), or this process's ``outcomes`` when
+    it has more (jobs refused before MLflow). Never raises."""
     try:
         client = _client(uri)
         children = sweep_children(client, sweep.parent_run_id)
         finished = sum(r.info.status == "FINISHED" for r in children)
         failed = sum(r.info.status == "FAILED" for r in children)
+        jobs = len(children)
+        if len(outcomes) > jobs:
+            jobs, finished = len(outcomes), sum(o.status == "FINISHED" for o in outcomes)
+            failed = sum(o.status == "FAILED" for o in outcomes)
         client.log_batch(sweep.parent_run_id, metrics=[
-            _metric("sweep/jobs", len(children)), _metric("sweep/jobs_finished", finished), _metric("sweep/jobs_failed", failed)])
-        note = f"{finished} of {len(children)} jobs FINISHED" + (f", {failed} FAILED" if failed else "")
-        tags = {"trainlab.jobs_finished": f"{finished}/{len(children)}",
-                "mlflow.note.content": f"Sweep over {', '.join(sweep.keys)}: {note}."
-                + (f" Best ({objective}): {best.name} = {best.objective:,.1f}." if best else "")
-                + "\n\n" + jobs_markdown(children)}
+            _metric("sweep/jobs", jobs), _metric("sweep/jobs_finished", finished), _metric("sweep/jobs_failed", failed)])
+        note = f"{finished} of {jobs} jobs FINISHED" + (f", {failed} FAILED" if failed else "")
+        text = f"Sweep over {', '.join(sweep.keys)}: {note}."
+        if SEARCH.get("trials"):
+            text += (f" Search: {SEARCH['trials']} trials, {SEARCH['complete']} COMPLETE, {SEARCH['failed']} FAIL"
+                     f" (up to {SEARCH['budget']} may FAIL).")
+        if best is not None:
+            text += f" Best ({objective}, {direction}): {best.name} = {best.objective:,.4g}."
+        if reason:
+            text += f" The sweep ended {status}: {reason}"
+        if children:
+            text += "\n\n" + jobs_markdown(children)
+        tags = {"trainlab.jobs_finished": f"{finished}/{jobs}", "mlflow.note.content": text}
         if best is not None:
             tags["sweep.best"] = " ".join(best.overrides)
+        if reason:
+            tags["sweep.error"] = reason
         for k, v in tags.items():
             client.set_tag(sweep.parent_run_id, k, v)
-        client.set_terminated(sweep.parent_run_id, status="FINISHED")
+        client.set_terminated(sweep.parent_run_id, status=status)
     except Exception as err:
         print(f"trainlab: warning: could not finalise the sweep's parent run: {err}", file=sys.stderr)
 
@@ -551,16 +793,14 @@ def _report(uri: str, sweep: Sweep) -> None:
         print(f"trainlab: warning: the sweep's compare report failed: {err}", file=sys.stderr)
 
 
-def close_sweep(status: str | None = None) -> None:
+def close_sweep(status: str | None = None, reason: str = "") -> None:
     """Release the sweep's lock; with ``status`` (the sweep ended early: KILLED or FAILED) also end
-    its parent run with it. Called at the end of a sweep and by :func:`framework.cli.main` on an early exit."""
+    its parent run with it, the one-line ``reason`` and the counts of its jobs (:func:`finish_parent`).
+    Called at the end of a sweep and by :func:`framework.cli.main` on every early exit."""
     sweep = current()
     os.environ.pop(SWEEP_ENV, None)
     if status and sweep is not None and sweep.parent_run_id:
-        try:
-            _client(sweep.tracking_uri).set_terminated(sweep.parent_run_id, status=status)
-        except Exception:  # the exit status already says what happened
-            pass
+        finish_parent(sweep.tracking_uri, sweep, OUTCOMES, "", None, status=status, reason=reason or "ended early")
     while _LOCK:
         _LOCK.pop().close()
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from framework import cli
 from framework.config.resolved import ResolvedRun
@@ -42,6 +42,12 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
     """
     from framework import sweep
 
+    if cli.in_sweep():  # an explicit checkpoint.dir is the root of the jobs' own folders
+        own = sweep.job_checkpoint_dir(cfg.checkpoint.dir, str(cfg.run_name))
+        if own != cfg.checkpoint.dir:
+            cfg = cfg.copy()
+            with open_dict(cfg):
+                cfg.checkpoint.dir = own
     try:
         resolved, cache, model = _resolve(cfg)
     except ConfigError as err:
@@ -63,16 +69,17 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
         return None
     locks = [sweep.hold_lock(d, "run") for d in (run_dir, Path(resolved.checkpoint_dir))]
     try:
-        status = _train(resolved, cache, model, run_dir, nodes)
+        status, reason, run_id = _train(resolved, cache, model, run_dir, nodes)
     finally:
         for f in locks:
             f.close()
-    return sweep.record_job(run_dir, *status) if cli.in_sweep() else None
+    return sweep.record_job(run_dir, status, reason, run_id=run_id) if cli.in_sweep() else None
 
 
-def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: Any = None) -> tuple[str, str]:
+def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: Any = None) -> tuple[str, str, str | None]:
     """Resume selection, the MLflow run, the ranks under the resilience policy, the final status;
-    returns ``(status, one-line reason of a failure)`` (FINISHED when there was nothing left to train).
+    returns ``(status, one-line reason of a failure, MLflow run id or None)`` (FINISHED when there was
+    nothing left to train).
     ``nodes``: node 0 of a multi-node run (:class:`~framework.nodes.NodeSpec`), or None on one node."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -87,7 +94,7 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
     run = resolved.run
     resume = _choose_resume(resolved, run_dir)
     if resume is None:
-        return "FINISHED", ""
+        return "FINISHED", "", None
     if nodes is not None:  # node 0: the endpoint is ours to listen on; the other nodes look for the marker
         from framework.nodes import check_endpoint, mark_shared_folder
 
@@ -110,6 +117,9 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
             record_preemption(tracker, outcome)
             finish_driver_run(tracker, "KILLED", run_dir=run_dir, started_at=started_at, error=None, resumed=bool(resume.path))
         print(f"trainlab: preempted: {outcome.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
+        from framework.sweep import close_sweep
+
+        close_sweep("KILLED", f"preempted ({sig.name}) before the ranks started; the same command continues the sweep")
         os._exit(EXIT_PREEMPTED)
 
     early = EarlySignals(preempted_before_ranks)
@@ -128,9 +138,13 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=err.sigval.name,
                                        before_ranks=early.fired is not None, t_signal=early.t_signal)
     except Exception as err:
-        error = str(err).strip()
-        _record_failure(run_dir, run.run_name, err)
-        return "FAILED", error.splitlines()[0] if error else type(err).__name__
+        from framework.faults.supervisor import failure_reason
+
+        reason = failure_reason(err)  # the root cause (first rank to fail), then the whole report
+        detail = str(err).strip()
+        error = reason if not detail or detail == reason else f"{reason}\n{detail}"
+        _record_failure(run_dir, run.run_name, error)
+        return "FAILED", reason, tracker.run_id if tracker else None
     finally:
         if tracker is not None:
             record_preemption(tracker, preempted)
@@ -144,7 +158,7 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         print(f"trainlab: preempted: {preempted.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_PREEMPTED)
     _print_summary(run_dir, tracker, run.tracking.uri, run.experiment_name)
-    return "FINISHED", ""
+    return "FINISHED", "", tracker.run_id if tracker else None
 
 
 def _choose_resume(resolved: ResolvedRun, run_dir: Path) -> Any:
@@ -183,10 +197,24 @@ def _open_tracking(resolved: ResolvedRun, model: Any, cache: Any, *, resumed: bo
         cli.fail(str(err))
     if not resumed:
         log_token_cache_input(tracker, cache, run.data)
+    else:
+        _record_allowed_changes(tracker, resolved)
     current = sweep.current()
     if current is not None:
         sweep.attach_child(tracker, current, list(HydraConfig.get().overrides.task))
     return tracker
+
+
+def _record_allowed_changes(tracker: Any, resolved: ResolvedRun) -> None:
+    """Tag ``resume.changed`` (``optim.lr 0.003 -> 0.001; ...``): what this resumed run changed from its
+    checkpoint's configuration under ``resume_allow_changed`` (nothing when it changed nothing)."""
+    from framework.checkpoint.resume import check_resume_config
+
+    changes = check_resume_config(resolved.run.resume, resolved.checkpoint_dir, resolved.run)
+    if changes:
+        text = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+        tracker.set_tags({"resume.changed": text})
+        print(f"trainlab: resuming with allowed changes: {text}", flush=True)
 
 
 def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Path) -> None:
@@ -197,7 +225,7 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
 
     from framework.checkpoint.resume import select_resume
     from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS
-    from framework.faults.supervisor import max_restarts_for
+    from framework.faults.supervisor import failure_reason, max_restarts_for
     from framework.launch import LaunchSpec
     from framework.launcher import launch_ranks
     from framework.nodes import check_endpoint, wait_for_shared_folder
@@ -232,13 +260,49 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
         except Exception as err:
             if run.resilience.policy == "restart" and restarts < max_restarts_for(run):
                 restarts += 1
-                print(f"{me}: the ranks failed ({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__});"
+                print(f"{me}: the ranks failed ({failure_reason(err)});"
                       f" restart {restarts}/{max_restarts_for(run)}: joining node 0 again", file=sys.stderr, flush=True)
+                try:  # node 0 lost: one line after rendezvous.timeout_s (not the agent's store timeout and C++ trace)
+                    check_endpoint(nodes)
+                except ConfigError as lost:
+                    print(f"{me}: error: {lost}", file=sys.stderr, flush=True)
+                    _end_lost_node0_run(resolved, nodes, f"{failure_reason(err)}; then {lost}")
+                    raise SystemExit(1)
                 continue
             alone = " (resilience=shrink: node 0 goes on alone)" if run.resilience.policy == "shrink" else ""
-            print(f"{me}: error: training failed{alone}: {err}", file=sys.stderr, flush=True)
+            print(f"{me}: error: training failed{alone}: {failure_reason(err)}\n{err}", file=sys.stderr, flush=True)
+            _end_lost_node0_run(resolved, nodes, failure_reason(err))
             raise SystemExit(1)
     print(f"{me}: ranks finished; node 0's driver records the run", flush=True)
+
+
+def _end_lost_node0_run(resolved: ResolvedRun, nodes: Any, reason: str) -> None:
+    """Node k > 0 whose ranks failed while node 0's endpoint no longer answers: node 0 (which owns the
+    run's MLflow run) is gone, so this node ends that run FAILED with the reason (tag ``error``), when
+    the tracking store is the same (a shared URI) and the run is still RUNNING. Never raises."""
+    import socket
+
+    run = resolved.run
+    try:
+        with socket.create_connection((nodes.host, nodes.port), timeout=2):
+            return  # node 0 is alive: its driver records the run
+    except OSError:
+        pass
+    if not run.tracking.enabled:
+        return
+    try:
+        from framework.tracking import DriverRun
+
+        tracker = DriverRun(run.tracking.uri, run.experiment_name)
+        run_id = tracker.find(f"{run.experiment_name}/{run.run_name}")
+        if run_id is None or tracker.client.get_run(run_id).info.status != "RUNNING":
+            return
+        why = f"node 0 lost (rendezvous.endpoint={nodes.endpoint} no longer answers); node {nodes.node_rank}: {reason}"
+        tracker.client.set_tag(run_id, "error", why)
+        tracker.client.set_terminated(run_id, status="FAILED")
+        print(f"trainlab: node {nodes.node_rank}: ended the run's MLflow run {run_id} FAILED: {why}", file=sys.stderr, flush=True)
+    except Exception as err:  # the exit status already says the training failed
+        _warn(f"could not end the run's MLflow run: {err}")
 
 
 def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
@@ -286,27 +350,30 @@ def _check_resume_request(resolved: ResolvedRun) -> None:
     """Refuse a ``resume`` value this run's plugin cannot honour (:func:`framework.checkpoint.resume.check_resume_request`).
 
     Raises:
-        ConfigError: not an intact checkpoint folder, a kind the plugin cannot load, or
-            ``resume=never`` while ``checkpoint.dir`` holds checkpoints.
+        ConfigError: not an intact checkpoint folder, a kind the plugin cannot load,
+            ``resume=never`` while ``checkpoint.dir`` holds checkpoints, or a checkpoint written under
+            another configuration (:func:`framework.checkpoint.resume.check_resume_config`).
     """
-    from framework.checkpoint.resume import check_resume_request
+    from framework.checkpoint.resume import check_resume_config, check_resume_request
     from framework.registry import get_plugin_class
 
     caps = get_plugin_class(resolved.plugin_name).capabilities
     check_resume_request(resolved.run.resume, resolved.checkpoint_dir, resolved.plugin_name, writes=caps.checkpoint_format,
                          loads_full_state=caps.loads_full_state, writers=cli.presets_writing)
+    check_resume_config(resolved.run.resume, resolved.checkpoint_dir, resolved.run)
 
 
 def _warn(msg: str) -> None:
     print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
 
 
-def _record_failure(run_dir: Path, run_name: str, err: Exception) -> None:
-    """Report a failed training: stderr and ``run_dir/error.txt``; exit 1 unless in a sweep
-    (there the run ends FAILED, the next job starts, and :func:`framework.cli.main` exits 1 at the end)."""
-    print(f"trainlab: error: training failed: {err}", file=sys.stderr, flush=True)
+def _record_failure(run_dir: Path, run_name: str, error: str) -> None:
+    """Report a failed training (``error``: its one-line root cause, then the details): stderr and
+    ``run_dir/error.txt``; exit 1 unless in a sweep (there the run ends FAILED, the next job starts,
+    and :func:`framework.cli.main` exits 1 at the end)."""
+    print(f"trainlab: error: training failed: {error}", file=sys.stderr, flush=True)
     # Kept with the run: in a sweep the driver's stderr scrolls past (or is captured and lost).
-    (run_dir / "error.txt").write_text(str(err).strip() + "\n")
+    (run_dir / "error.txt").write_text(error + "\n")
     if not cli.in_sweep():  # in a sweep the run ends FAILED and the next job starts (e.g. a fault x policy grid)
         raise SystemExit(1)
     from framework import sweep

@@ -2,9 +2,10 @@
 optimizer step in progress, with a checkpoint of that step, so no finished step is lost.
 
 In each rank the signal only sets a flag (:func:`install_handlers`; nothing else is safe inside
-a signal handler). At the end of every optimizer step the ranks all-reduce the flag (MAX: one
-int per step, one collective), so all of them agree on the same step even when the signal
-reaches them at different moments or reaches only some of them; on a set flag every rank saves
+a signal handler). At the end of every optimizer step the ranks all-reduce the flag with its time
+and step (:func:`agree_on_signal`: one collective of three numbers per step), so all of them agree
+on the same step, time and step at the signal even when the signal reaches them at different
+moments or reaches only some of them; on a set flag every rank saves
 that step through the run's checkpoint callback (also under ``checkpoint=none``: a preempted
 run must resume), rank 0 appends a ``preempted`` record to the run's event log
 (:mod:`framework.faults.events`: signal, step at the signal, step saved, the signal's time),
@@ -111,23 +112,30 @@ class Preemption(pl.Callback):
         if not self.clock.step_ended:
             return  # inside gradient accumulation: the step is finished first
         _Received.progress = trainer.global_step
-        signum = self._agreed_signal(trainer)
+        signum, t_signal, steps_done = agree_on_signal(trainer.strategy.root_device)
         if not signum or trainer.global_step >= trainer.max_steps:
             return  # no signal, or the run is done anyway (its final save follows)
         step = trainer.global_step
         self.checkpoint.save(trainer)  # every rank; a save of this step already made is not repeated
         if self.event_log is not None:
-            at = _Received.steps_done
             self.event_log.append(PREEMPTED_EVENT, seg=self.segment, signal=signal.Signals(signum).name,
-                            t_signal=_Received.t, step_at_signal=None if at is None else at + 1, saved_step=step)
+                                  t_signal=t_signal, step_at_signal=None if steps_done is None else steps_done + 1,
+                                  saved_step=step)
         trainer.should_stop = True
 
-    @staticmethod
-    def _agreed_signal(trainer: pl.Trainer) -> int:
-        """The largest signal number any rank received (0: none); one all-reduce when distributed."""
-        mine = _Received.signum or 0
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return mine
-        flag = torch.tensor([mine], dtype=torch.int32, device=trainer.strategy.root_device)
+
+def agree_on_signal(device: Any = "cpu") -> tuple[int, Optional[float], Optional[int]]:
+    """What the ranks received, agreed by all: ``(signal number, earliest time any rank got it (Unix s),
+    fewest optimizer steps done then)``; ``(0, None, None)`` when none did. One all-reduce (MAX over
+    ``[signum, -t, -steps]``, float64) when distributed, so rank 0 records the signal's time and step
+    also when only another rank got it (a signal sent to the ranks, not to the driver)."""
+    mine = [float(_Received.signum or 0), -(_Received.t if _Received.t is not None else float("inf")),
+            -(float(_Received.steps_done) if _Received.steps_done is not None else float("inf"))]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor(mine, dtype=torch.float64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        mine = flag.tolist()
+    signum, neg_t, neg_steps = mine
+    if not signum:
+        return 0, None, None
+    return int(signum), (-neg_t if neg_t != float("-inf") else None), (int(-neg_steps) if neg_steps != float("-inf") else None)

@@ -18,6 +18,7 @@ from framework.callbacks.step_metrics import MetricSink
 from framework.checkpoint.io import FolderCheckpointIO
 from framework.checkpoint.memory import MemorySnapshot
 from framework.checkpoint.periodic import PeriodicCheckpoint
+from framework.checkpoint.resume import resume_config
 from framework.config.resolved import ResolvedRun
 from framework.config.validate import run_to_dict
 
@@ -37,6 +38,7 @@ def manifest_fields(resolved: ResolvedRun, *, is_global_zero: bool) -> dict[str,
         "layout": {"plugin": resolved.plugin_name, "world_size": resolved.world_size, "dp": layout.dp, "tp": layout.tp,
                    "pp": layout.pp},
         "config_hash": config_hash(resolved),
+        "config": resume_config(resolved.run),  # compared when a run resumes from it (framework/checkpoint/resume.py)
         "versions": {
             "torch": torch.__version__,
             "pytorch_lightning": pl.__version__,

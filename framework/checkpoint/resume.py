@@ -12,9 +12,10 @@ nothing here names a plugin. No torch or Lightning is imported here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from framework.checkpoint.format import find_latest_valid, list_checkpoints, read_manifest, verify
 from framework.checkpoint.kinds import can_load, gathers_into_full_state
@@ -90,3 +91,73 @@ def select_resume(resume: str, checkpoint_dir: str | Path, warn: Callable[[str],
     else:
         path = resume
     return ResumeChoice(path=path, step=read_manifest(path)["step"] if path else 0)
+
+
+RESUME_CONFIG_SECTIONS = ("model", "optim", "data")
+RESUME_CONFIG_KEYS = ("trainer.global_batch_size", "trainer.seed")
+RESUME_CONFIG_IGNORED = ("model.name", "model.activation_checkpointing", "data.cache_dir", "data.num_workers",
+                         "data.prefetch_factor", "data.pin_memory", "data.mode")
+"""What a checkpoint's stored configuration holds (manifest ``config``): the keys that decide what is
+trained -- model shape, optimizer and schedule, data and tokenizer, the global batch and seed -- less
+those that change how, not what (loader workers, caches, activation checkpointing, the preset's name).
+The layout (plugin, degrees, micro-batch size) is not among them: a checkpoint resumes at another."""
+
+
+def resume_config(run: Any) -> dict[str, Any]:
+    """The flattened ``key -> value`` of :data:`RESUME_CONFIG_SECTIONS` and :data:`RESUME_CONFIG_KEYS`
+    of a :class:`~framework.config.schema.RunConfig` (what the manifest stores as ``config``)."""
+    found: dict[str, Any] = {}
+    for section in RESUME_CONFIG_SECTIONS:
+        for k, v in dataclasses.asdict(getattr(run, section)).items():
+            found[f"{section}.{k}"] = v
+    for key in RESUME_CONFIG_KEYS:
+        section, name = key.split(".")
+        found[key] = getattr(getattr(run, section), name)
+    return {k: v for k, v in found.items() if k not in RESUME_CONFIG_IGNORED}
+
+
+def config_changes(stored: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``key -> (checkpoint's value, this run's value)`` for every key of ``stored`` whose value differs."""
+    return {k: (v, current.get(k)) for k, v in stored.items() if k in current and current[k] != v}
+
+
+def check_resume_config(resume: str, checkpoint_dir: str | Path, run: Any) -> dict[str, tuple[Any, Any]]:
+    """Compare the configuration stored in the checkpoint this run would resume from (the newest one
+    whose manifest reads for ``auto``, the named folder otherwise) with the run's; returns the changes
+    that ``run.resume_allow_changed`` allows (for the run's record), {} without a checkpoint or one
+    written before the manifest stored its configuration.
+
+    Raises:
+        ConfigError: a key differs that ``resume_allow_changed`` does not name (one line, each key with
+            both values), or ``resume_allow_changed`` names a key that is not compared.
+    """
+    current = resume_config(run)
+    unknown = [k for k in run.resume_allow_changed if k not in current]
+    if unknown:
+        raise ConfigError(f"resume_allow_changed names {', '.join(unknown)}, not a key a resume compares;"
+                          f" allowed: keys of {', '.join(RESUME_CONFIG_SECTIONS)} and {', '.join(RESUME_CONFIG_KEYS)}")
+    if resume == NEVER:
+        return {}
+    path = resume if resume != AUTO else None
+    if path is None:
+        for _step, folder in reversed(list_checkpoints(checkpoint_dir)):
+            try:
+                read_manifest(folder)
+            except Exception:
+                continue
+            path = folder
+            break
+    if path is None:
+        return {}
+    stored = read_manifest(path).get("config")
+    if not stored:
+        return {}
+    changes = config_changes(stored, current)
+    refused = {k: c for k, c in changes.items() if k not in run.resume_allow_changed}
+    if refused:
+        listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        raise ConfigError(f"resume from {path}: this run's configuration differs from the checkpoint's: {listed};"
+                          f" resume it unchanged, start elsewhere (another checkpoint.dir, or resume=never in an empty one),"
+                          f" or allow the change: resume_allow_changed=[{','.join(refused)}]")
+    return changes
+

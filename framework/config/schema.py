@@ -435,6 +435,7 @@ class RunConfig:
     experiment_description: str = ""  # the MLflow experiment's description (a study's question); "" = left as it is
     run_name: str = "default"  # MLflow run name and checkpoint sub-folder (from the overrides)
     resume: str = "auto"  # auto (newest valid checkpoint in checkpoint.dir) | never | <path to a checkpoint folder>
+    resume_allow_changed: list[str] = field(default_factory=list)  # keys that may differ from the resumed checkpoint's config
 
     def __post_init__(self) -> None:
         _require(bool(self.experiment_name), "experiment_name must not be empty")

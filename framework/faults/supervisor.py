@@ -21,6 +21,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from typing import Any, Optional
 
@@ -29,7 +31,7 @@ from framework.faults.elastic import resolve_shrunk, shrink_tags
 from framework.faults.events import FaultLog
 from framework.launch import LaunchSpec
 
-__all__ = ["ShrinkImpossible", "max_restarts_for", "resolve_shrunk", "supervise"]
+__all__ = ["ShrinkImpossible", "failure_reason", "max_restarts_for", "resolve_shrunk", "supervise"]
 
 
 class ShrinkImpossible(RuntimeError):
@@ -143,8 +145,7 @@ def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: 
     from framework.checkpoint.format import latest_valid_step
 
     latest, step = latest_valid_step(launch.resolved.checkpoint_dir, warn=_warn)
-    why = str(err).strip().splitlines()
-    log.append("node_restart", restart=restart, step=step, reason=(why[0] if why else type(err).__name__)[:300])
+    log.append("node_restart", restart=restart, step=step, reason=failure_reason(err)[:300])
     print(f"trainlab: resilience: the ranks failed (a lost node, or a crashed rank); restart {restart}/{max_restarts} of"
           f" all {launch.nodes.nnodes} nodes from {latest or 'the start'}; waiting up to rendezvous.timeout_s="
           f"{launch.nodes.timeout_s} s for every node (start a lost node's command again)", file=sys.stderr, flush=True)
@@ -186,3 +187,67 @@ def report_figures(records: list[dict[str, Any]], tracker: Any) -> dict[str, flo
         except Exception as err:  # tracking never masks the training outcome
             _warn(f"could not log the recovery figures to MLflow: {err}")
     return figures
+
+
+PEER_ERRORS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "was aborted", "Socket Timeout",
+               "DistNetworkError", "DistStoreError")
+"""Exception text of a rank that failed because a peer had (its collective or store lost the peer)."""
+
+
+def root_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank that failed first, and its ``ProcessFailure``, among a ``ChildFailedError``'s ``failures``
+    (global rank -> failure).
+
+    torch's own choice (``ChildFailedError.get_first_failure``, the one its banner names) takes
+    the smallest timestamp, but the timestamps are whole seconds and mean different things: a
+    rank that raised records when it raised (after its peer died: a gloo ``Connection closed by
+    peer``), a rank killed by a signal has none and gets the agent's clock when the agent noticed.
+    So the banner named rank 0 (exit 1, its peer gone) for a SIGKILLed rank 1. Here, among the
+    failures within 1 s of the earliest, the first is a rank killed by a signal, then one whose
+    exception is not a lost peer's (:data:`PEER_ERRORS`), then the earliest, then the lowest rank.
+    """
+    t0 = min(f.timestamp for f in failures.values())
+    near = [(r, f) for r, f in failures.items() if f.timestamp <= t0 + 1]
+    return min(near, key=lambda rf: (rf[1].exitcode >= 0, any(p in _exception_text(rf[1]) for p in PEER_ERRORS),
+                                     rf[1].timestamp, rf[0]))
+
+
+def _exception_text(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        return str(message.get("extraInfo", {}).get("py_callstack") or message.get("message") or "")
+    return str(message or "")
+
+
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure|Abort)\w*)(:|$)")
+
+
+def _last_line(text: str, limit: int = 300) -> str:
+    """The last line of a traceback that names an exception (``RuntimeError: ...``), past the C++ frames
+    (``At:`` / ``file(line): func``) that torch appends to some; cut to ``limit`` characters."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    named = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+    line = named[-1] if named else (lines[-1] if lines else "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def failure_reason(err: BaseException) -> str:
+    """The one-line root cause of a failed launch: for torch elastic's ``ChildFailedError``, the first
+    rank to fail (:func:`root_failure`), its exit code or signal and the last line of its exception,
+    e.g. ``rank 1 (pid 4242) was killed by SIGKILL (exit code -9)`` or
+    ``rank 0 exited with code 1: RuntimeError: boom``, and how many ranks failed in all; for any
+    other exception its first line that is not a separator (``====``)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(err, ChildFailedError) and err.failures:
+        rank, f = root_failure(err.failures)
+        if f.exitcode < 0:
+            why = f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (exit code {f.exitcode})"
+        else:
+            last = _last_line(_exception_text(f)) if os.path.isfile(f.error_file) else ""  # else torch's placeholder text
+            why = f"rank {rank} (pid {f.pid}) exited with code {f.exitcode}" + (f": {last}" if last else " (no exception recorded)")
+        others = len(err.failures) - 1
+        return why + (f"; {others} other rank(s) failed after it" if others else "")
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip().strip("=-") and ln.strip()]
+    return lines[0] if lines else type(err).__name__
+

@@ -9,6 +9,7 @@ gradient accumulation as often as not.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -70,3 +71,20 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(runner, plugin):
     assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", runner.workdir / "checkpoints" / "ref" / name / f"step{MAX_STEPS:08d}")
     (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert run.info.status == "FINISHED" and PREEMPTED_TAG not in run.data.tags
+
+
+def test_ranks_that_saved_exit_without_waiting_out_the_grace_when_every_process_gets_the_signal(runner):
+    """Slurm's ``scancel --signal=USR2`` reaches every process of the job (driver, rank server, ranks); the
+    elastic agent then closes the ranks while they finish the step and save. Ranks that returned used to wait
+    for the agent's "read your return value" event until it SIGKILLed them at ``trainer.stop_grace_s``
+    (measured: exit 20.4 s after the signal with 20 s of grace, 'Unable to shutdown process ... forcefully
+    exiting via 9' for both ranks; now 0.3 s, framework.launcher.release_finished_ranks_on_close)."""
+    proc = runner.start("parallelism=ddp", "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.max_steps=400",
+                        "trainer.val_sequences=8", "tracking=none", "trainer.stop_grace_s=60", "checkpoint.every_n_steps=1000",
+                        "run_name=group_signal")
+    wait_for(lambda: len(runner.metrics("group_signal")) >= 3, timeout=300, proc=proc)
+    os.killpg(proc.pid, signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:]
+    assert "Unable to shutdown process" not in out and "forcefully exiting" not in out
+    assert "every rank finished the step and saved step" in out

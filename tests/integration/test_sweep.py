@@ -129,15 +129,24 @@ def test_a_sweep_run_again_continues_its_parent_and_children(store):
 
 
 def test_a_job_the_validation_refuses_is_a_failed_child_and_the_sweep_goes_on(store):
-    proc = store.run("-m", "trainer.micro_batch_size=3,5", "experiment_name=refused",
+    proc = store.run("-m", "trainer.micro_batch_size=3,4", "experiment_name=refused", "trainer.max_steps=2",
                      *[o for o in FAST if not o.startswith("trainer.micro_batch_size")], check=False)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "trainlab: 2 sweep job(s) FAILED" in proc.stderr
+    assert "trainlab: 1 sweep job(s) FAILED" in proc.stderr
     parent, children = _sweep(store, "refused")
-    assert sorted(c.info.run_name for c in children) == ["micro_batch_size=3", "micro_batch_size=5"]
-    for c in children:
-        assert c.info.status == "FAILED" and "not divisible by micro_batch_size" in c.data.tags["error"]
-    assert parent.data.metrics["sweep/jobs_failed"] == 2 and parent.data.metrics["sweep/jobs_finished"] == 0
+    by_name = {c.info.run_name: c for c in children}
+    assert sorted(by_name) == ["micro_batch_size=3", "micro_batch_size=4"]
+    refused = by_name["micro_batch_size=3"]
+    assert refused.info.status == "FAILED" and "not divisible by micro_batch_size" in refused.data.tags["error"]
+    assert by_name["micro_batch_size=4"].info.status == "FINISHED"
+    assert parent.data.metrics["sweep/jobs_failed"] == 1 and parent.data.metrics["sweep/jobs_finished"] == 1
+    # when every job would be refused (a bad value in a key the sweep does not sweep), nothing starts
+    none = store.run("-m", "optim.lr=1e-3,3e-3", "trainer.micro_batch_size=3", "experiment_name=refused_all",
+                     *[o for o in FAST if not o.startswith("trainer.micro_batch_size")], check=False)
+    assert none.returncode == 2 and none.stderr.strip().splitlines() == [
+        "trainlab: error: every job of this sweep is refused: trainer.global_batch_size=4 is not divisible by"
+        " micro_batch_size 3 x dp_degree 1 = 3"]
+    assert not (store.workdir / "outputs" / "refused_all").exists()
 
 
 def test_a_sweep_of_lr_by_plugin_starts_ranks_for_ddp_jobs(store):

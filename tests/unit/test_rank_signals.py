@@ -47,3 +47,30 @@ def test_the_rank_server_ignores_preemption_signals_sent_to_the_process_group():
     ignored; the driver keeps its own handlers."""
     out = subprocess.run([sys.executable, "-c", SERVER], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split() == ["True", "True", "True", "True"], out.stderr[-2000:]
+
+
+AGREE = """
+import os, signal, sys, json
+import torch.distributed as dist
+from framework.callbacks.preemption import _Received, agree_on_signal
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
+if rank == 1:  # the signal reached rank 1 only (e.g. scancel --signal to the job's tasks), in its 7th step
+    _Received.signum, _Received.t, _Received.steps_done = int(signal.SIGUSR2), 1700000000.25, 6
+print(json.dumps(agree_on_signal()))
+dist.destroy_process_group()
+"""
+
+
+def test_rank_0_records_the_signal_time_and_step_when_only_another_rank_got_it():
+    """Rank 0 writes the preemption record: it used its own receipt, so a signal that reached rank 1 only
+    left ``t_signal`` and ``step_at_signal`` null (issue 23, item 10)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(r), port], stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs == ['[12, 1700000000.25, 6]'] * 2

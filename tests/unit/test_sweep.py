@@ -82,6 +82,11 @@ def test_rows_are_labelled_by_swept_values_and_sorted_numerically():
     ("trainer.micro_batch_size=interval(1,4)", "swept value trainer.micro_batch_size=1.0 (float)"),
     ("parallelism=zero1,ddp parallelism.zero_stage=1,2", "swept key parallelism.zero_stage is not an option of plugin(s) ddp"),
     ("parallelism=choice(ddp,tp) parallelism.zero_stage=choice(1,2)", "swept key parallelism.zero_stage is not a config key of plugin(s) ddp, tp"),
+    # a bad value in a key the sweep does not sweep refuses every job: refused before the first (issue 23, item 9)
+    ("optim.lr=1e-3,3e-3 trainer.micro_batch_size=3", "every job of this sweep is refused: trainer.global_batch_size=16 is"
+     " not divisible by micro_batch_size 3"),
+    ("trainer.micro_batch_size=3,5", "every job of this sweep is refused (the first, trainer.micro_batch_size=3:"),
+    ("parallelism=tp,pp parallelism.world_size=1", "every job of this sweep is refused (the first, parallelism=tp:"),
 ])
 def test_bad_sweeps_are_refused_in_one_line(capsys, sweep, message):
     from hydra import compose, initialize_config_dir
@@ -132,3 +137,15 @@ def test_the_report_says_when_mfu_denominators_differ():
     assert mfu_peak_note(split) is None
     split[1].data.params["mfu.peak_flops_per_device"] = "2e10"
     assert "4e+10 .. 8e+10" in mfu_peak_note(split)
+
+
+def test_more_than_one_task_per_node_is_refused_before_submitting(tmp_path):
+    """submitit would start a second driver per node, which stops at the run lock (issue 23, item 6)."""
+    proc = subprocess.run([sys.executable, "-m", "framework.train", "-m", "hydra/launcher=submitit_local",
+                           "hydra.launcher.tasks_per_node=2", "optim.lr=1e-3,3e-3", "tracking=none"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "trainlab: error: hydra.launcher.tasks_per_node=2: trainlab runs one driver task per node, which starts that"
+        " node's ranks itself; allowed: 1 (set the ranks with parallelism.world_size, parallelism.nnodes and"
+        " parallelism.nproc_per_node)"], proc.stderr
+    assert not list(tmp_path.rglob(".submitit")) and not list(tmp_path.rglob("*.pkl"))
