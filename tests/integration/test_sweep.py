@@ -55,8 +55,8 @@ def _check_finished_children(parent, children, key: str, values: list[str]) -> N
         swept = swept_values(c.data.tags["trainlab.swept"])  # its swept values, as written on the command line
         assert float(swept[key]) == float(c.data.params[key])
         short = key.rsplit(".", 1)[-1]  # the short run name: the swept values first, then the last part of each key
-        values, _, names = c.info.run_name.partition(" (")
-        assert swept[key] == values.split(", ")[names.rstrip(")").split(", ").index(short)]
+        shown, _, names = c.info.run_name.partition(" (")
+        assert swept[key] == shown.split(", ")[names.rstrip(")").split(", ").index(short)]
     assert sorted(by_value, key=float) == values
     assert len({c.data.params["run_name"] for c in children}) == len(children)  # no shared folder (checkpoints/<exp>/<run_name>) or lock
     assert len({c.data.tags["trainlab.run_key"] for c in children}) == len(children)
@@ -135,7 +135,7 @@ def test_a_job_the_validation_refuses_is_a_failed_child_and_the_sweep_goes_on(st
     assert "trainlab: 1 sweep job(s) FAILED" in proc.stderr
     parent, children = _sweep(store, "refused")
     by_name = {c.info.run_name: c for c in children}
-    assert sorted(by_name) == ["micro_batch_size=3", "micro_batch_size=4"]
+    assert sorted(by_name) == ["3 (micro_batch_size)", "4 (micro_batch_size)"]
     refused = by_name["micro_batch_size=3"]
     assert refused.info.status == "FAILED" and "not divisible by micro_batch_size" in refused.data.tags["error"]
     assert by_name["micro_batch_size=4"].info.status == "FINISHED"
