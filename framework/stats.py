@@ -176,7 +176,8 @@ class Verdict:
     ``kind``: ``best`` | ``faster`` | ``slower`` | ``indistinguishable`` | ``unranked``;
     ``diff``: the relative difference of medians (0.12 = 12%, signed: the figure of this row over
     the other's, minus 1) with its interval ``[lo, hi]``; ``other``: the configuration compared with;
-    ``note``: why a row is unranked."""
+    ``note``: why a row is unranked (for the best: its margin over the runner-up, as text);
+    ``margin``: for the best, the kind of that margin (``faster`` | ``indistinguishable`` | ``unranked`` | ...)."""
 
     kind: str
     diff: float | None = None
@@ -185,6 +186,7 @@ class Verdict:
     other: str | None = None
     note: str = ""
     words: tuple[str, str] = ("faster", "slower")
+    margin: str = ""
 
     def __str__(self) -> str:
         if self.kind == "unranked":
@@ -258,12 +260,12 @@ def verdicts(groups: Mapping[str, Sequence[float]], *, maximize: bool = True,
     if len(order) == 1:
         return {best: Verdict("best", words=words)}
     margin = compare_to(groups[best], groups[order[1]], maximize=maximize, other=order[1], words=words)
-    out[best] = Verdict("best", margin.diff, margin.lo, margin.hi, order[1], note=str(margin), words=words)
+    out[best] = Verdict("best", margin.diff, margin.lo, margin.hi, order[1], note=str(margin), words=words, margin=margin.kind)
     return out
 
 
 def established(v: Verdict) -> bool:
     """Whether a verdict states a difference beyond the noise (faster/slower, or a best that leads its runner-up)."""
     if v.kind == "best":
-        return v.lo is not None and v.note.startswith(v.words)
+        return v.margin in v.words
     return v.kind in v.words

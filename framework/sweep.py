@@ -254,8 +254,12 @@ def attach_child(tracker: Any, sweep: Sweep, task_overrides: Sequence[str]) -> N
     run name of its swept values, and its whole override string as tag ``trainlab.overrides``."""
     if sweep.parent_run_id is None:
         return
-    swept = ",".join(f"{k}={v}" for k, v in _values_of(task_overrides, sweep.keys).items())
-    tracker.set_tags({PARENT_TAG: sweep.parent_run_id, SWEPT_TAG: swept, OVERRIDES_TAG: " ".join(task_overrides)})
+    from framework.repeats import child_tags, hydra_job_num
+
+    values = _values_of(task_overrides, sweep.keys)
+    swept = ",".join(f"{k}={v}" for k, v in values.items())
+    tracker.set_tags({PARENT_TAG: sweep.parent_run_id, SWEPT_TAG: swept, OVERRIDES_TAG: " ".join(task_overrides),
+                      **child_tags(values, hydra_job_num())})
     tracker.client.update_run(tracker.run_id, name=display_name(task_overrides, sweep.keys))
 
 
@@ -415,12 +419,21 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from framework.config.schema import ConfigError
+        from framework.repeats import REPEAT_KEY, repeat_values
+        from framework.repeats import install as install_repeats
 
         task = list(config.hydra.overrides.task)
         check_sweep(config, task)
         exclude = list(config.hydra.job.config.override_dirname.exclude_keys)
         params = _sweeper_params(config)
         sweep = parse_sweep(task, params, exclude)
+        try:
+            repeats = install_repeats(config)  # sweep.repeat first among the sweeper's params: the outer loop
+        except ConfigError as err:
+            fail(str(err))
+        if repeats > 1:
+            sweep.keys.append(REPEAT_KEY)
+            sweep.values[REPEAT_KEY] = repeat_values(repeats)
         sweep.command = " ".join(["python -m framework.train", *sys.argv[1:]])
         _hold_lock(Path("outputs") / str(config.experiment_name) / sweep.name, "sweep")
         OUTCOMES.clear()
@@ -449,12 +462,14 @@ class SweepCallback(Callback):
         FAILED_JOBS.extend(o.name for o in remote if o.status != "FINISHED")
         print("\n" + outcome_table(OUTCOMES, self.objective), flush=True)
         best = best_outcome(OUTCOMES)
-        if best is not None:
-            print(f"trainlab: best job {best.name}: {self.objective} = {best.objective:,.1f}"
-                  f" (overrides: {' '.join(best.overrides)})", flush=True)
+        from framework.repeats import summary_table  # per configuration: median, 95% CI, CV, verdict
+
+        stats_table, best_line, verdict_note = summary_table(
+            OUTCOMES, self.objective, maximize=getattr(self, "direction", "maximize") != "minimize")
+        print("\n" + stats_table + ("\n" + best_line if best_line else ""), flush=True)
         if sweep.parent_run_id:
             uri = str(config.tracking.uri)
-            finish_parent(uri, sweep, OUTCOMES, self.objective, best)
+            finish_parent(uri, sweep, OUTCOMES, self.objective, best, verdict_note)
             if self.report:
                 _report(uri, sweep)
             try:
@@ -486,9 +501,12 @@ def best_outcome(outcomes: Sequence[JobOutcome]) -> JobOutcome | None:
     return max(scored, key=lambda o: o.objective) if scored else None
 
 
-def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], objective: str, best: JobOutcome | None) -> None:
+def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], objective: str, best: JobOutcome | None,
+                  verdict_note: str | None = None) -> None:
     """Counts and description on the parent run, then FINISHED. Counts are over the parent's
-    children in MLflow (a resumed sweep counts the jobs of earlier invocations too). Never raises."""
+    children in MLflow (a resumed sweep counts the jobs of earlier invocations too). The
+    description ends with ``verdict_note`` (:func:`framework.repeats.summary_table`: the best
+    configuration and what is established against it), else with the best job. Never raises."""
     try:
         client = _client(uri)
         children = sweep_children(client, sweep.parent_run_id)
@@ -499,7 +517,7 @@ def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], object
         note = f"{finished} of {len(children)} jobs FINISHED" + (f", {failed} FAILED" if failed else "")
         tags = {"trainlab.jobs_finished": f"{finished}/{len(children)}",
                 "mlflow.note.content": f"Sweep over {', '.join(sweep.keys)}: {note}."
-                + (f" Best ({objective}): {best.name} = {best.objective:,.1f}." if best else "")}
+                + (f" {verdict_note}" if verdict_note else f" Best ({objective}): {best.name} = {best.objective:,.1f}." if best else "")}
         if best is not None:
             tags["sweep.best"] = " ".join(best.overrides)
         for k, v in tags.items():
