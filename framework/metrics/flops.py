@@ -249,7 +249,8 @@ def peak_flops_info(
     cached = float(entry.get("flops", 0) or 0)
     share = entry.get("other_cpu_share")
     old = PeakInfo(cached, method, entry.get("measured_at"), share)
-    stale = old.under_load and time.time() - float(entry.get("measured_at") or 0) > REMEASURE_AFTER_S
+    unknown_load = cached > 0 and share is None  # cached before the load was recorded: treated as under load
+    stale = (old.under_load or unknown_load) and time.time() - float(entry.get("measured_at") or 0) > REMEASURE_AFTER_S
     if cached > 0 and cached > at_least and not stale:
         return old
 

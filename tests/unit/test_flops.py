@@ -169,3 +169,11 @@ def test_an_mfu_above_1_is_a_calibration_error_not_a_figure():
     assert sm._utilization(40.0, "perf/", "_mean") == {}  # MFU 2.0: not logged
     assert sm.calibration_error == 40.0 * 100 / 2  # achieved FLOP/s per device
     assert F.check_mfu(1.0) and not F.check_mfu(1.01) and not F.check_mfu(-0.1)
+
+
+def test_a_peak_cached_without_its_load_is_measured_again_after_an_hour(tmp_path, monkeypatch):
+    key = F._key(torch.device("cpu"), "fp32", 1)[4]
+    (tmp_path / "peak_flops.json").write_text(json.dumps({key: {"flops": 1e9, "measured_at": 0.0}}))
+    monkeypatch.setattr(F, "_measure_under", lambda *a, **k: (2e9, {"other_cpu_share": 0.0}))
+    info = F.peak_flops_info(torch.device("cpu"), dtype="fp32", threads=1, cache_dir=str(tmp_path))
+    assert info.flops == 2e9 and info.other_cpu_share == 0.0
