@@ -71,6 +71,7 @@ METRICS: list[tuple[str, str, str, float]] = [
     ("ckpt_blocking_s", "ckpt/blocking_s", ".3f", 1.0),  # summed over the run's history
     ("goodput", "goodput", ".3f", 1.0),
     ("final_loss", "train/loss_final", ".4f", 1.0),
+    ("other_cpu_share", "load/other_cpu_share_mean", ".2f", 1.0),  # the load monitor: other processes' share of the CPUs
 ]
 DEFAULT_METRICS = [m[0] for m in METRICS]
 SUMMED = {"ckpt/blocking_s"}
@@ -433,7 +434,8 @@ def write_plots(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[s
             return
         fig, axes = plt.subplots(1, len(specs), figsize=(5 * len(specs), 4), squeeze=False)
         for ax, (col, title, ylabel) in zip(axes[0], specs):
-            _line_panel(ax, rows, x, hue, col, title, ylabel)
+            ci = any(r.get(f"{col}_lo") is not None for r in rows)
+            _line_panel(ax, rows, x, hue, col, title + ("\n(error bars: 95% CI)" if ci else ""), ylabel)
         fig.tight_layout()
         figs.append((out / name, fig))
 
