@@ -418,6 +418,7 @@ class SweepCallback(Callback):
         self.started = 0.0  # when this sweep started (Unix seconds)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from framework.config import fail
         from framework.config.schema import ConfigError
         from framework.repeats import REPEAT_KEY, repeat_values
         from framework.repeats import install as install_repeats

@@ -82,3 +82,9 @@ def test_a_run_under_load_is_tagged_contended_and_warned(store):
 def test_repeats_without_a_sweep_are_refused_in_one_line(store):
     proc = store.run("sweep.repeats=3", "tracking=none", check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("trainlab: error: sweep.repeats=3 repeats the jobs of a sweep")
+
+
+def test_a_repeat_index_on_the_command_line_is_refused_before_any_job(store):
+    proc = store.run("-m", "sweep.label=a,b", "sweep.repeats=2", "sweep.repeat=1", "tracking=none", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "trainlab: error: sweep.repeat is set by sweep.repeats=2; leave sweep.repeat off the command line"), proc.stderr
