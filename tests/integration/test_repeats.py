@@ -40,7 +40,7 @@ def test_an_aa_sweep_with_repeats_is_interleaved_and_indistinguishable(store):
     proc = store.run("-m", "sweep.label=a,b", "sweep.repeats=5", "experiment_name=aa", "trainer.max_steps=8",
                      "tracking.load_interval_s=1", *FAST, timeout=1500)
     out = proc.stdout
-    assert "trainlab: no established best" in out and "indistinguishable from sweep.label=" in out, out[-3000:]
+    assert "trainlab: no established best" in out and "indistinguishable from label=" in out, out[-3000:]
     client, runs = _runs(store, "aa")
     (parent,) = [r for r in runs if r.data.tags.get("trainlab.sweep") == "parent"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
