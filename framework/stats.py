@@ -26,10 +26,12 @@ module says how far the noise reaches, with numpy only (pure functions, no I/O):
 The median (not the mean) is what is compared: a repeat that ran while another job loaded the
 machine is an outlier on the slow side, and the median of 5 ignores up to 2 of them (its
 interval does not: one slow repeat of 5 widens it, so a contended sweep tends to
-``indistinguishable``, the safe side). Simulated on normal samples, 5 repeats each (seeds
-1000+): two equal distributions were called different in 3.5% of 1,000 pairs; a 20% shift was
-detected in 60% of 300 pairs at CV 10% and in 97% at CV 5% (91% at CV 10% with 10 repeats).
-``tests/unit/test_stats.py`` asserts the first two.
+``indistinguishable``, the safe side). Simulated on normal samples, 1,000 seed pairs
+(``benchmarks/verdict_error_rates.py --pairs 1000``): with 5 repeats each, two equal
+distributions were called different in 3.5% of pairs; a 20% shift was detected in 60% at CV 10%
+and 99% at CV 5% (78% with 7 repeats, 91% with 10, at CV 10%); with 3 repeats the false
+positives rose to 9.9%, hence :data:`MIN_REPEATS`. ``tests/unit/test_stats.py`` asserts the
+first two.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ N_BOOT = 4000
 MIN_REPEATS = 5
 """Repeats a configuration needs before it is ranked against another (fewer: no verdict). The
 percentile bootstrap of a median is too narrow below 5: on two equal normal samples it called a
-difference in 8.7% of 300 seed pairs at n=3, 3.5% of 1,000 at n=5 (``tests/unit/test_stats.py``)."""
+difference in 9.9% of 1,000 seed pairs at n=3, 3.5% at n=5 (``benchmarks/verdict_error_rates.py``)."""
 SEED = 0
 """Seed of the bootstrap's generator: the same samples give the same interval."""
 
@@ -223,17 +225,18 @@ def ratio_ci(a: Sequence[float], b: Sequence[float], *, level: float = LEVEL, n_
 
 
 def compare_to(a: Sequence[float], ref: Sequence[float], *, maximize: bool = True, other: str | None = None,
-               words: tuple[str, str] = ("faster", "slower")) -> Verdict:
+               words: tuple[str, str] = ("faster", "slower"), min_repeats: int = MIN_REPEATS) -> Verdict:
     """The verdict of ``a`` (repeats of one configuration) against ``ref`` (another's).
 
     ``maximize``: a higher figure is better (tokens/s, MFU); False for step time. ``words``: what
     better and worse are called (``("higher", "lower")`` for a figure that is not a speed).
-    Fewer than :data:`MIN_REPEATS` repeats on either side: ``unranked``.
+    Fewer than ``min_repeats`` (:data:`MIN_REPEATS`) repeats on either side: ``unranked``
+    (``benchmarks/verdict_error_rates.py`` lowers it to show why).
     """
     na, nr = _clean(a).size, _clean(ref).size
-    if min(na, nr) < MIN_REPEATS:
+    if min(na, nr) < min_repeats:
         return Verdict("unranked", other=other, words=words,
-                       note=f"n={min(na, nr)}: repeats needed to rank (sweep.repeats>={MIN_REPEATS})")
+                       note=f"n={min(na, nr)}: repeats needed to rank (sweep.repeats>={min_repeats})")
     r, lo, hi = ratio_ci(a, ref)
     d, dlo, dhi = r - 1, lo - 1, hi - 1
     if dlo <= 0 <= dhi:
