@@ -149,6 +149,8 @@ def summary_table(outcomes: Sequence[Any], objective: str, *, maximize: bool = T
         why = f" (not ranked: {v.note})" if v.note else ""
         line = f"trainlab: highest {objective}: {best} = {med:,.1f} (median of {n}){why}"
         note = f"Highest {objective}: {best} = {med:,.1f} (median of {n}){why}."
+    overrides = next((o.overrides for o in outcomes if config_label(o.overrides) == best), [])
+    line += f" (overrides: {' '.join(x for x in overrides if not x.startswith(REPEAT_KEY + '='))})"
     slower = [k for k, x in verdict.items() if x.kind == words[1]]
     if slower and n >= 2:
         note += f" {words[1].capitalize()} than it, beyond the noise: " + "; ".join(f"{k} ({verdict[k]})" for k in slower) + "."

@@ -78,7 +78,9 @@ def test_sweeps_of_keys_left_out_of_run_names_end_in_distinct_finished_children(
     client = _client(store)
     for c in children:  # each job trained its own steps and saved at its own interval
         steps = int(c.data.params["trainer.max_steps"])
-        assert c.data.tags["mlflow.note.content"].startswith("single dp1-tp1-pp1 | ")  # the run description
+        note = c.data.tags["mlflow.note.content"]  # the run description, after a warning when the machine was contended
+        assert note.startswith("single dp1-tp1-pp1 | ") or (note.startswith("WARNING: measured under contention")
+                                                            and ". single dp1-tp1-pp1 | " in note), note
         assert c.data.metrics["summary/tokens_per_sec"] > 0 and "checkpoint.dir" not in c.data.params
         assert [m.step for m in client.get_metric_history(c.info.run_id, "train/loss")][-1] == steps
         every = int(c.data.params["checkpoint.every_n_steps"])
