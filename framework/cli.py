@@ -209,6 +209,9 @@ def precheck(argv: list[str]) -> Any:
         fail(_one_line_hydra_error(err, argv))
     if cfg.get("hydra", {}).get("mode") == "MULTIRUN":  # an experiment preset that sweeps
         return None
+    if int(cfg.get("sweep", {}).get("repeats", 1) or 1) > 1:
+        fail(f"sweep.repeats={cfg.sweep.repeats} repeats the jobs of a sweep; add -m and a swept key"
+             " (e.g. -m sweep.label=a sweep.repeats=5 for one configuration)")
     try:
         resolved = validate(load_run_config(cfg))
         check_first_shrink(resolved)

@@ -50,6 +50,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from framework.tables import Column, format_table
 
 REPORT_TAG = "trainlab.report"
@@ -61,6 +63,7 @@ GIB = 1024**3
 METRICS: list[tuple[str, str, str, float]] = [
     ("tokens_per_sec", "perf/tokens_per_sec_mean", ",.0f", 1.0),
     ("mfu", "perf/mfu_mean", ".4f", 1.0),
+    ("step_time_s", "perf/step_time_s_mean", ".4f", 1.0),
     *[(f"{f}_frac", f"perf/{f}_frac_mean", ".3f", 1.0) for f in FRACTIONS],
     ("comm_bytes", "perf/comm_bytes", ",.0f", 1.0),
     ("comm_bytes_model", "perf/comm_bytes_model", ",.0f", 1.0),
@@ -69,12 +72,13 @@ METRICS: list[tuple[str, str, str, float]] = [
     ("ckpt_blocking_s", "ckpt/blocking_s", ".3f", 1.0),  # summed over the run's history
     ("goodput", "goodput", ".3f", 1.0),
     ("final_loss", "train/loss_final", ".4f", 1.0),
+    ("other_cpu_share", "load/other_cpu_share_mean", ".2f", 1.0),  # the load monitor: other processes' share of the CPUs
 ]
 DEFAULT_METRICS = [m[0] for m in METRICS]
 SUMMED = {"ckpt/blocking_s"}
 
 # Params that differ between runs without being what a study compares: paths, tracking, names, derived values.
-NOISE_PARAMS = re.compile(r"^(derived\.|model\.num_|mfu\.|tracking\.|run_name$|experiment_name$|resume$|checkpoint\.dir$"
+NOISE_PARAMS = re.compile(r"^(derived\.|model\.num_|mfu\.|tracking\.|run_name$|experiment_name$|resume$|checkpoint\.dir$|sweep\.repeats?$"
                           r"|data\.cache_dir$|trainer\.progress_bar$|changed\.)")
 
 
@@ -207,13 +211,18 @@ def build_rows(client: Any, runs: Sequence[Any], metric_cols: Sequence[str]) -> 
     """One row per run (swept values, status, plugin, layout, the figures) and the swept keys; rows sorted by them."""
     from framework.tracking import SWEPT_TAG
 
+    from framework.load_monitor import CONTENDED_TAG
+    from framework.repeats import REPEAT_KEY
+
     info = [{"swept": swept_values(r.data.tags.get(SWEPT_TAG, "")), "params": r.data.params} for r in runs]
-    keys = swept_keys(info)
+    keys = [k for k in swept_keys(info) if k != REPEAT_KEY]  # repeats of a configuration are one row (aggregate_rows)
     rows = []
     for r, i in zip(runs, info):
         row: dict[str, Any] = {"run": r.info.run_id[:8], "run_id": r.info.run_id, "run_name": r.info.run_name,
                                "status": r.info.status, "plugin": r.data.tags.get("plugin"), "layout": r.data.tags.get("layout"),
-                               "global_batch": r.data.params.get("derived.global_batch_size")}
+                               "global_batch": r.data.params.get("derived.global_batch_size"),
+                               "repeat": i["swept"].get(REPEAT_KEY, r.data.params.get(REPEAT_KEY, "0")),
+                               "contended": r.data.tags.get(CONTENDED_TAG)}
         for k in keys:
             row[k] = i["swept"].get(k, r.data.params.get(k))
         for col in metric_cols:
@@ -256,15 +265,100 @@ def mfu_peak_note(runs: Sequence[Any]) -> str | None:
     return None
 
 
+STAT_COLS = ("tokens_per_sec", "step_time_s", "mfu")
+"""Figures given a 95% interval per configuration (``<col>_lo``, ``<col>_hi``)."""
+SERIES = {"tokens_per_sec": "perf/tokens_per_sec", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu"}
+"""The logged window series of each, for the within-run interval of a single run."""
+
+
+def aggregate_rows(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[str], metric_cols: Sequence[str],
+                   *, rank_by: str = "tokens_per_sec", maximize: bool = True) -> list[dict[str, Any]]:
+    """One row per configuration (the runs with the same swept values: a sweep's repeats).
+
+    A configuration row holds its swept values, ``n`` (runs with the figure), ``status`` (``FINISHED``,
+    or ``3/5 FINISHED``), plugin and layout, the median over its runs of every figure, for
+    :data:`STAT_COLS` a 95% interval (``<col>_lo``/``<col>_hi``: bootstrap over repeats; for a
+    single run, batch means over its logged windows, :mod:`framework.stats`), ``cv`` of
+    ``rank_by`` between repeats, ``verdict`` (``rank_by`` against the best configuration;
+    ``maximize``: higher is better), ``contended`` (how many of its runs were measured under
+    contention, :mod:`framework.load_monitor`) and ``run_id`` (``;``-joined). Order: ``rows``' order
+    of each configuration's first run.
+    """
+    from framework.stats import summarize, verdicts
+
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
+    out = []
+    for key, runs in groups.items():
+        runs = sorted(runs, key=lambda r: natural_key(r.get("repeat")))
+        finished = sum(r.get("status") == "FINISHED" for r in runs)
+        row: dict[str, Any] = {**{k: v for k, v in zip(keys, key)}, "n": len(runs),
+                               "status": "FINISHED" if finished == len(runs) else f"{finished}/{len(runs)} FINISHED",
+                               "plugin": runs[0].get("plugin"), "layout": runs[0].get("layout"),
+                               "global_batch": runs[0].get("global_batch"),
+                               "run_id": ";".join(r["run_id"] for r in runs), "run_name": runs[0].get("run_name"),
+                               "run": runs[0].get("run")}
+        contended = sum(str(r.get("contended")).lower() == "true" for r in runs)
+        row["contended"] = f"{contended}/{len(runs)}" if contended else ""
+        extra = sorted({c for r in runs for c in r if c.startswith("comm:")})
+        for col in [*metric_cols, *extra, *[c for c in STAT_COLS if c not in metric_cols]]:
+            vals = [float(r[col]) for r in runs if r.get(col) is not None]
+            row[col] = float(np.median(vals)) if vals else None
+            if col in STAT_COLS and vals:
+                within = None
+                if len(vals) == 1 and client is not None:
+                    hist = sorted((m.step, m.value) for m in client.get_metric_history(runs[0]["run_id"], SERIES[col]))
+                    within = [v for _, v in hist]
+                stat = summarize(vals, within)
+                row[f"{col}_lo"], row[f"{col}_hi"] = (stat.lo, stat.hi) if stat else (None, None)
+                row[f"{col}_n"] = stat.n if stat else 0
+                if col == rank_by:
+                    row["cv"] = stat.cv if stat else None
+                    row[f"{col}_ci"] = (f"[{stat.lo:,.0f}, {stat.hi:,.0f}]" + ("" if stat.method == "bootstrap" else " within-run")
+                                        if stat and stat.lo is not None else None)
+        row["_samples"] = [float(r[rank_by]) for r in runs if r.get(rank_by) is not None]
+        out.append(row)
+    verdict = verdicts({_label(r, keys): r["_samples"] for r in out if r["_samples"]}, maximize=maximize)
+    for r in out:
+        v = verdict.get(_label(r, keys))
+        r["verdict"] = None if v is None else str(v)
+        r["verdict_kind"] = None if v is None else v.kind
+        r.pop("_samples")
+    return out
+
+
+def _label(row: Mapping[str, Any], keys: Sequence[str]) -> str:
+    return row_label(row, keys) or str(row.get("run"))
+
+
+def contention_note(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> str | None:
+    """A warning under the table when any run was measured under contention (tag ``contended=true``), else None."""
+    hit = [r for r in rows if r.get("contended")]
+    if not hit:
+        return None
+    return ("warning: measured under contention (tag contended=true, load/* metrics; docs/metrics.md): "
+            + ", ".join(f"{_label(r, keys)} ({r['contended']} runs)" for r in hit)
+            + "; their throughput is not this machine's: re-run them on an idle machine, or with repeats")
+
+
 def table_columns(keys: Sequence[str], metric_cols: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[Column]:
     """The printed table's columns: swept keys, status, plugin, layout, then the figures any row has."""
     short = short_names(keys)
     cols: list[Column] = [(k, "", short[k], "s") for k in keys]
     cols += [("status", "", "status", "s"), ("plugin", "", "plugin", "s"), ("layout", "", "layout", "s")]
+    # aggregated rows (aggregate_rows): the verdict, the interval and contention (text first: left-aligned)
+    for col, header in (("verdict", "verdict"), ("tokens_per_sec_ci", "tokens/s 95% CI"), ("contended", "contended")):
+        if any(r.get(col) for r in rows):
+            cols.append((col, "", header, "s"))
+    if any(r.get("n") is not None for r in rows):
+        cols.append(("n", "", "n", "d"))
     for col in metric_cols:
         if any(r.get(col) is not None for r in rows):
             spec = next((m for m in METRICS if m[0] == col), (col, col, ".4g", 1.0))
             cols.append((col, "", col, spec[2]))
+        if col == "tokens_per_sec" and any(r.get("cv") is not None for r in rows):
+            cols.append(("cv", "", "cv", ".1%"))
     return cols
 
 
@@ -287,16 +381,33 @@ def _series(rows: Sequence[Mapping[str, Any]], x: str | None, hue: str | None) -
 
 
 def _line_panel(ax: Any, rows: Sequence[Mapping[str, Any]], x: str, hue: str | None, col: str, title: str, ylabel: str) -> bool:
-    """One line per ``hue`` value of ``col`` against ``x`` (categorical positions in natural order); False when no data."""
+    """``col`` against ``x``, one series per ``hue`` value, the 95% interval as error bars where a row
+    has one (``<col>_lo``/``<col>_hi``, :func:`aggregate_rows`): lines over a numeric ``x``, grouped
+    bars over categories; the y axis starts at 0 (a cropped axis makes noise look like a finding).
+    False when no data."""
     xs, groups = _series(rows, x, hue)
     pos = {v: i for i, v in enumerate(xs)}
+    numeric = all(natural_key(v)[0] == 0 for v in xs)
+    width = 0.8 / max(1, len(groups))
     drawn = False
     short = short_names([k for k in (x, hue) if k])
-    for h, g in groups.items():
-        pts = [(pos[str(r.get(x))], r[col]) for r in g if r.get(col) is not None]
-        if pts:
-            ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=f"{short[hue]}={h}" if hue else None)
-            drawn = True
+    for i, (h, g) in enumerate(groups.items()):
+        pts = [(pos[str(r.get(x))], r[col], r.get(f"{col}_lo"), r.get(f"{col}_hi")) for r in g if r.get(col) is not None]
+        if not pts:
+            continue
+        p, v = [q for q, *_ in pts], [y for _, y, *_ in pts]
+        err = None
+        if any(lo is not None for *_, lo, _ in pts):
+            err = [[max(0.0, y - lo) if lo is not None else 0.0 for _, y, lo, _ in pts],
+                   [max(0.0, hi - y) if hi is not None else 0.0 for _, y, _, hi in pts]]
+        label = f"{short[hue]}={h}" if hue else None
+        if numeric:
+            ax.errorbar(p, v, yerr=err, marker="o", capsize=3, label=label)
+        else:
+            ax.bar([q + (i - (len(groups) - 1) / 2) * width for q in p], v, width, yerr=err, capsize=3, label=label)
+        drawn = True
+    if drawn and all(y >= 0 for r in rows if r.get(col) is not None for y in [r[col]]):
+        ax.set_ylim(bottom=0)
     ax.set_xticks(range(len(xs)), xs)
     ax.set_xlabel(short[x])
     ax.set_ylabel(ylabel)
@@ -324,7 +435,8 @@ def write_plots(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[s
             return
         fig, axes = plt.subplots(1, len(specs), figsize=(5 * len(specs), 4), squeeze=False)
         for ax, (col, title, ylabel) in zip(axes[0], specs):
-            _line_panel(ax, rows, x, hue, col, title, ylabel)
+            ci = any(r.get(f"{col}_lo") is not None for r in rows)
+            _line_panel(ax, rows, x, hue, col, title + ("\n(error bars: 95% CI)" if ci else ""), ylabel)
         fig.tight_layout()
         figs.append((out / name, fig))
 
@@ -369,7 +481,7 @@ def write_plots(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[s
     fig, axes = plt.subplots(1, 2 if x else 1, figsize=(11 if x else 7, 4), squeeze=False)
     ax = axes[0][0]
     for row, label in zip(rows, labels):  # in the table's order
-        hist = sorted((m.step, m.value) for m in client.get_metric_history(row["run_id"], "train/loss"))
+        hist = sorted((m.step, m.value) for m in client.get_metric_history(row["run_id"].split(";")[0], "train/loss"))
         if hist:
             ax.plot([s for s, _ in hist], [v for _, v in hist], label=label)
     ax.set_xlabel("optimizer step")
@@ -386,17 +498,30 @@ def write_plots(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[s
     return figs
 
 
-def write_tables(rows: Sequence[Mapping[str, Any]], cols: Sequence[Column], table: str, out: Path) -> list[Path]:
-    """``compare.csv`` (raw values: the table's columns, communication by kind, run id and name) and ``compare.md``."""
+def write_tables(rows: Sequence[Mapping[str, Any]], cols: Sequence[Column], table: str, out: Path,
+                 run_rows: Sequence[Mapping[str, Any]] | None = None) -> list[Path]:
+    """``compare.csv`` (one row per configuration, raw values: the table's columns, the intervals,
+    communication by kind, run ids and name), ``compare.md`` and, given ``run_rows``,
+    ``compare_runs.csv`` (one row per run, with its repeat index)."""
     csv_path, md_path = out / "compare.csv", out / "compare.md"
-    extra = sorted({k for r in rows for k in r if k.startswith("comm:")})
+    extra = sorted({k for r in rows for k in r if k.startswith("comm:") or k.endswith(("_lo", "_hi"))})
     fields = [c[0] for c in cols] + extra + ["run_id", "run_name"]
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     md_path.write_text("```\n" + table + "\n```\n")
-    return [csv_path, md_path]
+    paths = [csv_path, md_path]
+    if run_rows is not None:
+        runs_path = out / "compare_runs.csv"
+        names = [c[0] for c in cols if c[0] not in ("n", "verdict", "tokens_per_sec_ci", "cv")]
+        fields = names + ["repeat"] + sorted({k for r in run_rows for k in r if k.startswith("comm:")}) + ["run_id", "run_name"]
+        with open(runs_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(run_rows)
+        paths.append(runs_path)
+    return paths
 
 
 def log_to_run(client: Any, run_id: str, paths: Iterable[Path], figs: Sequence[tuple[Path, Any]],
@@ -440,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output folder (default: reports/<experiment>[/<sweep>])")
     parser.add_argument("--no-log", action="store_true", help="do not log the outputs to MLflow")
     parser.add_argument("--quiet", action="store_true", help="print only the table")
+    parser.add_argument("--rank-by", default="tokens_per_sec",
+                        help=f"the figure the verdicts rank ({', '.join(STAT_COLS)}; step_time_s: lower is better)")
     args = parser.parse_args(argv)
 
     def bad(msg: str) -> int:
@@ -465,20 +592,27 @@ def main(argv: list[str] | None = None) -> int:
         return bad(f"no training runs in {'sweep ' + args.parent_run if args.parent_run else 'experiment ' + repr(experiment)}"
                    + (f" match --filter {args.filter!r}" if args.filter else ""))
     metric_cols = [m.strip() for m in args.metrics.split(",")] if args.metrics else DEFAULT_METRICS
-    rows, keys = build_rows(client, runs, metric_cols)
+    run_rows, keys = build_rows(client, runs, metric_cols)
+    if args.rank_by not in STAT_COLS:
+        return bad(f"--rank-by {args.rank_by!r}: allowed {', '.join(STAT_COLS)}")
+    rows = aggregate_rows(client, run_rows, keys, metric_cols, rank_by=args.rank_by,
+                          maximize=args.rank_by != "step_time_s")
     by_short = {v: k for k, v in short_names(keys).items()}
     if args.x is not None and args.x not in keys and args.x not in by_short:
         return bad(f"--x {args.x!r} is not a swept key of these runs; swept keys: {', '.join(keys) or '(none)'}")
     x = by_short.get(args.x, args.x) or pick_x(rows, keys)
     cols = table_columns(keys, metric_cols, rows)
     table = render_table(rows, cols)
-    note = mfu_peak_note(runs)
-    if note:
-        table += "\n" + note
+    for note in (mfu_peak_note(runs), contention_note(rows, keys)):
+        if note:
+            table += "\n" + note
+    if any(r["n"] > 1 for r in rows):
+        table += ("\nmedians over each configuration's runs; 95% CI: bootstrap over repeats (within-run: batch means"
+                  " over logged windows); verdicts: ratio of medians against the best, bootstrap (docs/sweeps.md)")
     print(table)
     out = Path(args.out) if args.out else default_out
     out.mkdir(parents=True, exist_ok=True)
-    paths = write_tables(rows, cols, table, out)
+    paths = write_tables(rows, cols, table, out, run_rows)
     figs = write_plots(client, rows, keys, x, out)
     paths += [p for p, _ in figs]
     from framework.faults.report import format_recovery_table, recovery_rows, write_recovery

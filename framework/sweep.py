@@ -331,8 +331,12 @@ def attach_child(tracker: Any, sweep: Sweep, task_overrides: Sequence[str]) -> N
     run name of its swept values, and its whole override string as tag ``trainlab.overrides``."""
     if sweep.parent_run_id is None:
         return
-    swept = ",".join(f"{k}={v}" for k, v in _values_of(task_overrides, sweep.keys).items())
-    tracker.set_tags({PARENT_TAG: sweep.parent_run_id, SWEPT_TAG: swept, OVERRIDES_TAG: " ".join(task_overrides)})
+    from framework.repeats import child_tags, hydra_job_num
+
+    values = _values_of(task_overrides, sweep.keys)
+    swept = ",".join(f"{k}={v}" for k, v in values.items())
+    tracker.set_tags({PARENT_TAG: sweep.parent_run_id, SWEPT_TAG: swept, OVERRIDES_TAG: " ".join(task_overrides),
+                      **child_tags(values, hydra_job_num())})
     tracker.client.update_run(tracker.run_id, name=display_name(task_overrides, sweep.keys))
 
 
@@ -585,6 +589,8 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from framework.config import fail
         from framework.config.schema import ConfigError
+        from framework.repeats import REPEAT_KEY, repeat_values
+        from framework.repeats import install as install_repeats
 
         task = list(config.hydra.overrides.task)
         tasks = (config.hydra.get("launcher") or {}).get("tasks_per_node")
@@ -600,6 +606,13 @@ class SweepCallback(Callback):
         exclude = list(config.hydra.job.config.override_dirname.exclude_keys)
         params = _sweeper_params(config)
         sweep = parse_sweep(task, params, exclude)
+        try:
+            repeats = install_repeats(config)  # sweep.repeat first among the sweeper's params: the outer loop
+        except ConfigError as err:
+            fail(str(err))
+        if repeats > 1:
+            sweep.keys.append(REPEAT_KEY)
+            sweep.values[REPEAT_KEY] = repeat_values(repeats)
         sweep.command = " ".join(["python -m framework.train", *sys.argv[1:]])
         _hold_lock(Path("outputs") / str(config.experiment_name) / sweep.name, "sweep")
         OUTCOMES.clear()
@@ -627,10 +640,19 @@ class SweepCallback(Callback):
         OUTCOMES.extend(remote)
         FAILED_JOBS.extend(o.name for o in remote if o.status != "FINISHED")
         print("\n" + outcome_table(OUTCOMES, self.objective), flush=True)
-        best = best_outcome(OUTCOMES, self.direction or "maximize")
-        if best is not None:
-            print(f"trainlab: best job {best.name}: {self.objective} = {best.objective:,.4g} ({self.direction})"
-                  f" (overrides: {' '.join(best.overrides)})", flush=True)
+        direction = self.direction or "maximize"
+        best = best_outcome(OUTCOMES, direction)
+        verdict_note = None
+        if SEARCH.get("trials"):  # a search: its best trial
+            if best is not None:
+                print(f"trainlab: best job {best.name}: {self.objective} = {best.objective:,.4g} ({direction})"
+                      f" (overrides: {' '.join(best.overrides)})", flush=True)
+        else:  # a sweep: per configuration, median of repeats, 95% CI, CV, verdict against the best
+            from framework.repeats import summary_table
+
+            stats_table, best_line, verdict_note = summary_table(OUTCOMES, self.objective,
+                                                                 maximize=direction != "minimize")
+            print("\n" + stats_table + ("\n" + best_line if best_line else ""), flush=True)
         failure = SEARCH.get("error", "")
         if failure:
             print(f"trainlab: error: the search failed: {failure}", file=sys.stderr, flush=True)
@@ -638,8 +660,8 @@ class SweepCallback(Callback):
             uri = str(config.tracking.uri)
             if self.report:
                 _report(uri, sweep)
-            finish_parent(uri, sweep, OUTCOMES, self.objective, best, self.direction or "maximize",
-                          status="FAILED" if failure else "FINISHED", reason=failure)
+            finish_parent(uri, sweep, OUTCOMES, self.objective, best, direction,
+                          status="FAILED" if failure else "FINISHED", reason=failure, verdict_note=verdict_note)
             try:
                 exp_id = _client(uri).get_run(sweep.parent_run_id).info.experiment_id
                 print(f"trainlab: the sweep in MLflow: parent run {sweep.parent_run_id};"
@@ -716,13 +738,16 @@ def objective_direction(objective: str, explicit: str | None = None, sweeper: An
 
 
 def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], objective: str, best: JobOutcome | None,
-                  direction: str = "maximize", status: str = "FINISHED", reason: str = "") -> None:
+                  direction: str = "maximize", status: str = "FINISHED", reason: str = "",
+                  verdict_note: str | None = None) -> None:
     """End the parent run with ``status`` (FINISHED, FAILED or KILLED): metrics ``sweep/jobs``,
     ``sweep/jobs_finished``, ``sweep/jobs_failed``, tag ``trainlab.jobs_finished``, the description
     (counts, the best job in ``direction``, or ``reason`` when the sweep ended early or failed: also
     tag ``sweep.error``) and tag ``sweep.best``. Counts are over the parent's children in MLflow (a
     resumed sweep counts the jobs of earlier invocations too), or this process's ``outcomes`` when
-    it has more (jobs refused before MLflow). Never raises."""
+    it has more (jobs refused before MLflow). The description names ``verdict_note``
+    (:func:`framework.repeats.summary_table`: the best configuration and what is established against
+    it) instead of the best job when given, then a table of the jobs (:func:`jobs_markdown`). Never raises."""
     try:
         client = _client(uri)
         children = sweep_children(client, sweep.parent_run_id)
@@ -739,7 +764,9 @@ def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], object
         if SEARCH.get("trials"):
             text += (f" Search: {SEARCH['trials']} trials, {SEARCH['complete']} COMPLETE, {SEARCH['failed']} FAIL"
                      f" (up to {SEARCH['budget']} may FAIL).")
-        if best is not None:
+        if verdict_note:
+            text += f" {verdict_note}"
+        elif best is not None:
             text += f" Best ({objective}, {direction}): {best.name} = {best.objective:,.4g}."
         if reason:
             text += f" The sweep ended {status}: {reason}"

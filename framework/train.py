@@ -123,8 +123,12 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         os._exit(EXIT_PREEMPTED)
 
     early = EarlySignals(preempted_before_ranks)
+    from framework.load_monitor import LoadMonitor
+
+    monitor = LoadMonitor(run.tracking.load_interval_s, run.tracking.contended_cpu_share,
+                          cuda=run.trainer.accelerator == "cuda", run_dir=run_dir)  # what competes with the run
     try:
-        with early:
+        with early, monitor:
             supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
         preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at)  # the ranks got the signal
         status = "KILLED" if preempted else "FINISHED"
@@ -172,7 +176,7 @@ def _choose_resume(resolved: ResolvedRun, run_dir: Path) -> Any:
     if resume.path:
         print(f"trainlab: resuming from {resume.path}", flush=True)
     else:
-        for stale in ("metrics.jsonl", "summary.json", "faults.jsonl"):
+        for stale in ("metrics.jsonl", "summary.json", "faults.jsonl", "load.json"):
             (run_dir / stale).unlink(missing_ok=True)
     if resume.step >= run.trainer.max_steps and run.resume == "auto":
         print(f"trainlab: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to"
@@ -382,7 +386,9 @@ def _record_failure(run_dir: Path, run_name: str, error: str) -> None:
 
 
 def _log_run_summary(tracker: Any, resolved: ResolvedRun, run_dir: Path) -> None:
-    """The ``summary/*`` metrics and the one-line run description (:mod:`framework.run_summary`); never raises."""
+    """The ``summary/*`` metrics, the load monitor's record (:mod:`framework.load_monitor`) and the
+    one-line run description (:mod:`framework.run_summary`; a contended run's starts with a warning); never raises."""
+    from framework.load_monitor import log_record, read_record, warning
     from framework.run_summary import run_description, summary_metrics
     from framework.tracking import NOTE_TAG, read_jsonl_metrics
 
@@ -391,8 +397,12 @@ def _log_run_summary(tracker: Any, resolved: ResolvedRun, run_dir: Path) -> None
         metrics = summary_metrics(summary, read_jsonl_metrics(run_dir / "metrics.jsonl"))
         if metrics:
             tracker.log_metrics(metrics, step=int(summary.get("train/steps", 0)))
-        tracker.set_tags({NOTE_TAG: run_description(resolved.plugin_name, resolved.layout.describe(), metrics,
-                                                                 summary.get("peak_flops"))})
+        load = read_record(run_dir)
+        if load is not None:
+            log_record(tracker, load)
+        warn = warning(load)
+        tracker.set_tags({NOTE_TAG: (f"WARNING: {warn}. " if warn else "") + run_description(
+            resolved.plugin_name, resolved.layout.describe(), metrics, summary.get("peak_flops"))})
     except Exception as err:  # tracking must not fail a finished run
         _warn(f"could not log the run's summary to MLflow: {err}")
 
@@ -422,6 +432,11 @@ def _print_summary(run_dir: Path, tracker: Any, uri: str, experiment: str) -> No
         f"  MFU (mean)         {fmt(summary.get('perf/mfu_mean'), '.3f')}",
         f"  metrics file       {run_dir / 'metrics.jsonl'}",
     ]
+    from framework.load_monitor import read_record, warning
+
+    warn = warning(read_record(run_dir))
+    if warn:
+        lines.append(f"  WARNING            {warn}")
     if tracker is not None:
         from framework.sweep import ui_link
 

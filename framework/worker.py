@@ -113,6 +113,8 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         summary = {**step_metrics.summary, "flops_per_token": float(flops.per_token), "peak_flops": flops.peak}
+        if step_metrics.calibration_error is not None:  # MFU > 1: not logged; the peak is measured again
+            summary["mfu_calibration_error"] = _recalibrate(run, accelerator, flops, step_metrics.calibration_error, mlflow_sink)
         (launch.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
@@ -142,12 +144,12 @@ def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) 
     how they were obtained goes to the MLflow run's params when ``mlflow_sink`` is given."""
     import torch
 
-    from framework.metrics.flops import FLOPS_CONVENTION, peak_flops
+    from framework.metrics.flops import FLOPS_CONVENTION, peak_flops_info
     from framework.model import GPT  # only for the FLOPs count of the configured shape
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if accelerator == "cuda" else torch.device("cpu")
-    dtype = "bf16" if run.trainer.precision.startswith("bf16") else ("fp16" if run.trainer.precision.startswith("16") else "fp32")
-    peak, peak_method = peak_flops(device, dtype=dtype, threads=torch.get_num_threads(), cache_dir=run.data.cache_dir)
+    info = peak_flops_info(device, dtype=_peak_dtype(run), threads=torch.get_num_threads(), cache_dir=run.data.cache_dir)
+    peak, peak_method = info.flops, info.method
     with torch.device("meta"):
         shape = GPT(run.model, vocab_size=vocab_size)
         flops = _Flops(peak=peak, per_token=shape.flops_per_token(run.data.seq_len),
@@ -155,9 +157,39 @@ def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) 
     if mlflow_sink is not None:
         mlflow_sink.log_params(
             {"mfu.peak_flops_per_device": f"{peak:.4g}", "mfu.peak_flops_method": peak_method,
+             **({"mfu.peak_measured_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(info.measured_at)),
+                 "mfu.peak_other_cpu_share": f"{info.other_cpu_share:.2f}"} if info.other_cpu_share is not None else {}),
              "mfu.flops_convention": FLOPS_CONVENTION, "mfu.flops_per_token": str(flops.per_token)}
         )
     return flops
+
+
+def _recalibrate(run: Any, accelerator: str, flops: "_Flops", achieved: float, mlflow_sink: Any) -> str:
+    """A run's achieved FLOP/s per device exceeded its peak (MFU > 1, not logged): measure the peak
+    again (the cache keeps the highest) and say so on stderr and in tag ``mfu.calibration_error``;
+    returns that one line."""
+    import torch
+
+    from framework.metrics.flops import recalibrate
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if accelerator == "cuda" else torch.device("cpu")
+    info = recalibrate(device, dtype=_peak_dtype(run), threads=torch.get_num_threads(), cache_dir=run.data.cache_dir,
+                       achieved=achieved)
+    msg = (f"calibration error: the run achieved {achieved:.4g} FLOP/s per device, above the peak {flops.peak:.4g}"
+           f" ({'measured under load' if info.under_load else 'measured'}); MFU not logged; peak measured again:"
+           f" {info.flops:.4g} FLOP/s")
+    print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
+    if mlflow_sink is not None:
+        try:
+            mlflow_sink.client.set_tag(mlflow_sink.run_id, "mfu.calibration_error", msg)
+        except Exception:  # tracking must not fail a finished run
+            pass
+    return msg
+
+
+def _peak_dtype(run: Any) -> str:
+    p = run.trainer.precision
+    return "bf16" if p.startswith("bf16") else ("fp16" if p.startswith("16") else "fp32")
 
 
 def _step_metrics(resolved: Any, clock: Any, flops: _Flops, sinks: list) -> Any:

@@ -13,7 +13,9 @@ throughput and MFU figures (allocator warm-up, first-touch of data, lazy initial
 MFU follows PaLM §4.1: ``tokens_per_sec * flops_per_token / (num_devices * peak_flops)``.
 HFU is the same ratio with the FLOPs the hardware runs, recomputation included
 (``GPT.hardware_flops_per_token``): ``perf/hfu == perf/mfu`` unless
-``model.activation_checkpointing`` is on.
+``model.activation_checkpointing`` is on. A value above 1 is a calibration error of the peak,
+not a figure: it is not logged, and ``calibration_error`` holds the achieved FLOP/s per device
+(the worker then measures the peak again, :func:`framework.metrics.flops.recalibrate`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pytorch_lightning as pl
 import torch
 
 from framework.callbacks.clock import StepClock
-from framework.metrics.flops import hfu, mfu
+from framework.metrics.flops import check_mfu, hfu, mfu
 
 MetricSink = Callable[[dict[str, float], int], None]
 
@@ -87,6 +89,7 @@ class StepMetrics(pl.Callback):
         self._timed_steps = 0
         self.last_loss = float("nan")
         self.summary: dict[str, float] = {}
+        self.calibration_error: float | None = None  # achieved FLOP/s per device above the peak (MFU > 1), if any
         self.elastic = {"elastic/world_size": float(num_devices), "elastic/dp_degree": float(dp_degree),
                         "elastic/grad_accum_steps": float(grad_accum_steps)}
 
@@ -103,10 +106,15 @@ class StepMetrics(pl.Callback):
     def _utilization(self, tps: float, prefix: str, suffix: str = "") -> dict[str, float]:
         """``{prefix}mfu{suffix}`` and ``{prefix}hfu{suffix}`` at ``tps`` tokens/s (whole job)."""
         common = {"tokens_per_sec": tps, "num_devices": self.num_devices, "peak_flops_per_device": self.peak_flops}
-        return {
+        out = {
             f"{prefix}mfu{suffix}": mfu(flops_per_token=self.flops_per_token, **common),
             f"{prefix}hfu{suffix}": hfu(hardware_flops_per_token=self.hw_flops_per_token, **common),
         }
+        if all(check_mfu(v) for v in out.values()):
+            return out
+        achieved = tps * self.hw_flops_per_token / self.num_devices  # FLOP/s per device, above the peak
+        self.calibration_error = max(self.calibration_error or 0.0, achieved)
+        return {}
 
     def _elapsed(self, now: float, t0: float, excl0: float) -> float:
         """Training seconds from ``t0`` to ``now``: wall time less what the clock excluded since ``excl0``."""

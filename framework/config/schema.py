@@ -266,8 +266,13 @@ class TrackingConfig:
     uri: str = "sqlite:///mlruns.db"  # any MLflow tracking URI (sqlite file, file store, http server)
     enabled: bool = True  # False: no MLflow at all (metrics still printed)
     system_metrics_interval_s: float = 10.0  # seconds between MLflow system metrics samples (CPU, memory, GPU); 0 = off
+    load_interval_s: float = 5.0  # seconds between load samples (framework/load_monitor.py: load/* metrics); 0 = off
+    contended_cpu_share: float = 0.10  # mean CPU share of other processes from which a run is tagged contended=true
 
     def __post_init__(self) -> None:
+        _require(self.load_interval_s >= 0, f"tracking.load_interval_s={self.load_interval_s} must be >= 0 (0 = off)")
+        _require(0 < self.contended_cpu_share <= 1,
+                 f"tracking.contended_cpu_share={self.contended_cpu_share} must be in (0, 1] (a fraction of all cores)")
         _require(
             self.system_metrics_interval_s >= 0,
             f"tracking.system_metrics_interval_s={self.system_metrics_interval_s} must be >= 0 (0 = off)",
@@ -413,6 +418,20 @@ class SlurmConfig:
         _require(self.mem_gb is None or self.mem_gb > 0, f"slurm.mem_gb={self.mem_gb} must be > 0 or null")
 
 
+@dataclass
+class SweepConfig:
+    """Repeats of a sweep (``-m``; :mod:`framework.repeats`, docs/sweeps.md). Ignored by a single run
+    except ``repeat`` and ``label``, which only name it."""
+
+    repeats: int = 1  # runs of each configuration of a sweep, interleaved (A B A B ...); >= 5 to rank them
+    repeat: int = 0  # this job's repeat index (set by the sweep; the outer loop)
+    label: str = ""  # a name that changes nothing trained: sweep it (sweep.label=a,b) for an A/A test
+
+    def __post_init__(self) -> None:
+        _require(self.repeats >= 1, f"sweep.repeats={self.repeats} must be >= 1 (runs of each configuration)")
+        _require(self.repeat >= 0, f"sweep.repeat={self.repeat} must be >= 0")
+
+
 RESUME_MODES = ("auto", "never")
 
 
@@ -431,6 +450,7 @@ class RunConfig:
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)  # detection and recovery policy
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)  # how the nodes find each other (nnodes > 1)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # resources asked of Slurm (hydra/launcher=submitit_slurm)
+    sweep: SweepConfig = field(default_factory=SweepConfig)  # repeats of a sweep (framework/repeats.py)
     experiment_name: str = "default"  # MLflow experiment; experiment presets set it
     experiment_description: str = ""  # the MLflow experiment's description (a study's question); "" = left as it is
     run_name: str = "default"  # MLflow run name and checkpoint sub-folder (from the overrides)

@@ -11,13 +11,18 @@ Conventions (docs/references.md §2):
   summed peak FLOP/s. Model FLOPs exclude rematerialization; HFU counts it.
 - On CUDA the peak is the dense BF16 tensor-core figure of :data:`PEAK_FLOPS_BF16` whatever the
   run's precision (the usual way MFU is reported). On CPU, and on a GPU not in the table, it is
-  measured by a timed GEMM and cached on disk.
+  measured by a timed GEMM and cached on disk (:func:`peak_flops_info`): the best of several
+  short timings, with its date and the load during it (the CPU share of other processes); a peak
+  measured under load is measured again by a later run (at most hourly) and the cache keeps the
+  highest; a run whose achieved FLOP/s exceed the peak (:func:`check_mfu`) is a calibration error,
+  not an MFU above 1: the figure is not logged and the peak is measured again (:func:`recalibrate`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 import platform
 import re
 import tempfile
@@ -140,12 +145,77 @@ def _write_cache_entry(path: str, key: str, entry: dict) -> None:
 
 PEAK_REPEATS = 5
 """Timed GEMM repeats of a peak measurement (~0.2 s each); the fastest counts."""
+UNDER_LOAD_SHARE = 0.10
+"""A peak measured while other processes used at least this share of the CPUs is under load (it reads low)."""
+REMEASURE_AFTER_S = 3600.0
+"""A peak measured under load is measured again by the first run this long after it (and the highest kept)."""
+
+
+@dataclass(frozen=True)
+class PeakInfo:
+    """A device's peak FLOP/s and its provenance: ``method`` (``table:..`` | ``measured:..``), when it
+    was measured (Unix s; None for the table) and the CPU share of other processes during the
+    measurement (None for the table)."""
+
+    flops: float
+    method: str
+    measured_at: Optional[float] = None
+    other_cpu_share: Optional[float] = None
+
+    @property
+    def under_load(self) -> bool:
+        return self.other_cpu_share is not None and self.other_cpu_share >= UNDER_LOAD_SHARE
+
+
+def _measure_under(device: torch.device, tdtype: torch.dtype, n: int) -> tuple[float, dict]:
+    """The GEMM's best FLOP/s and the load during it (``other_cpu_share`` of all cores: /proc/stat's
+    busy time less this process's CPU time; ``loadavg_1m``)."""
+    from framework.load_monitor import other_cpu_share, read_cpu_jiffies
+
+    hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+    j0, c0, t0 = read_cpu_jiffies(), time.process_time(), time.perf_counter()
+    flops = _measure_gemm_flops(device, tdtype, n=n, repeats=PEAK_REPEATS)
+    j1, c1, t1 = read_cpu_jiffies(), time.process_time(), time.perf_counter()
+    load: dict = {}
+    if j0 is not None and j1 is not None:
+        load["other_cpu_share"] = other_cpu_share((j1[0] - j0[0]) / hz, c1 - c0, t1 - t0, os.cpu_count() or 1)
+    try:
+        load["loadavg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    return flops, load
 
 
 def peak_flops(
     device: torch.device, *, dtype: str, threads: Optional[int] = None, cache_dir: str
 ) -> tuple[float, str]:
-    """Peak FLOP/s of one device and how it was obtained (log the string as a param).
+    """``(flop_per_s, method)`` of :func:`peak_flops_info` (log the method as a param)."""
+    info = peak_flops_info(device, dtype=dtype, threads=threads, cache_dir=cache_dir)
+    return info.flops, info.method
+
+
+def _key(device: torch.device, dtype: str, threads: Optional[int]) -> tuple:
+    """``(hardware, n, tag, method, cache key, threads, torch dtype)`` of a measured peak, or None for a GPU in the table."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not known; allowed: {', '.join(_DTYPES)}")
+    tdtype = _DTYPES[dtype]
+    dname = _DTYPE_NAMES[tdtype]
+    if device.type == "cuda":
+        gpu_name = torch.cuda.get_device_name(device)
+        hw, n, tag = gpu_name, 4096, f"cuda-{dname}-gemm"
+    elif device.type == "cpu":
+        hw, n, tag = _cpu_model(), 1024, f"cpu-{dname}-gemm"
+    else:
+        raise ValueError(f"peak_flops: device type {device.type!r} is not supported (cpu, cuda)")
+    n_threads = threads or torch.get_num_threads()
+    method = f"measured:{tag}:threads={n_threads}" if device.type == "cpu" else f"measured:{tag}"
+    return hw, n, tag, method, f"{hw}|{tag}|threads={n_threads}|torch={torch.__version__}", n_threads, tdtype
+
+
+def peak_flops_info(
+    device: torch.device, *, dtype: str, threads: Optional[int] = None, cache_dir: str, at_least: float = 0.0
+) -> PeakInfo:
+    """Peak FLOP/s of one device and how it was obtained (:class:`PeakInfo`).
 
     Args:
         device: the device a rank trains on.
@@ -153,54 +223,70 @@ def peak_flops(
             ``16-mixed``); on CPU (and unknown GPUs) the GEMM is timed in this dtype.
         threads: torch CPU threads to measure with; None = the current ``torch.get_num_threads()``.
         cache_dir: folder of ``peak_flops.json``, the measurement cache.
+        at_least: measure again unless the cached peak is above this (FLOP/s; :func:`recalibrate`).
 
-    Returns:
-        ``(flop_per_s, method)``, method e.g. ``"table:H100-SXM:bf16"`` or
-        ``"measured:cpu-fp32-gemm:threads=1"``.
+    CUDA GPUs in :data:`PEAK_FLOPS_BF16` use the table (dense BF16, whatever ``dtype``;
+    ``table:H100-SXM:bf16``). Anything else is measured (< 2 s, the best of
+    :data:`PEAK_REPEATS` timings, with the load during it) and cached under a key of (CPU model or
+    GPU name, threads, dtype, torch version); later calls reuse it, so the runs of a study share one
+    MFU denominator, except that a peak measured under load (other processes >=
+    :data:`UNDER_LOAD_SHARE` of the CPUs) is measured again once it is :data:`REMEASURE_AFTER_S`
+    old. The cache keeps the highest measurement (a GEMM cannot run faster than the peak, so the
+    highest is the closest), with its date and load.
 
-    CUDA GPUs in :data:`PEAK_FLOPS_BF16` use the table (dense BF16, whatever ``dtype``). Anything
-    else is measured (< 2 s) and cached under a key of (CPU model or GPU name, threads, dtype,
-    torch version) by the first call for a key; later calls reuse it without measuring, so the runs
-    of a study share one MFU denominator. A measurement taken while the machine was busy reads low
-    (and a low peak inflates MFU): the GEMM is the best of :data:`PEAK_REPEATS` timings, and
-    ``peak_flops.json`` can be deleted to measure again on a quiet machine.
+    Raises:
+        ValueError: an unknown dtype or device type.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not known; allowed: {', '.join(_DTYPES)}")
-    tdtype = _DTYPES[dtype]
-    dname = _DTYPE_NAMES[tdtype]
     device = torch.device(device)
-
     if device.type == "cuda":
-        gpu_name = torch.cuda.get_device_name(device)
-        key = _gpu_key(gpu_name)
+        key = _gpu_key(torch.cuda.get_device_name(device))
         if key is not None:
-            return PEAK_FLOPS_BF16[key], f"table:{key}:bf16"
-        hw, n, tag = gpu_name, 4096, f"cuda-{dname}-gemm"
-    elif device.type == "cpu":
-        hw, n, tag = _cpu_model(), 1024, f"cpu-{dname}-gemm"
-    else:
-        raise ValueError(f"peak_flops: device type {device.type!r} is not supported (cpu, cuda)")
-
-    prev_threads = torch.get_num_threads()
-    n_threads = threads or prev_threads
-    method = f"measured:{tag}:threads={n_threads}" if device.type == "cpu" else f"measured:{tag}"
-    cache_key = f"{hw}|{tag}|threads={n_threads}|torch={torch.__version__}"
+            return PeakInfo(PEAK_FLOPS_BF16[key], f"table:{key}:bf16")
+    hw, n, tag, method, cache_key, n_threads, tdtype = _key(device, dtype, threads)
     path = os.path.join(cache_dir, _CACHE_FILE)
     entry = _read_cache(path).get(cache_key)
-    cached = float(entry.get("flops", 0)) if isinstance(entry, dict) else 0.0
-    if cached > 0:
-        return cached, method
+    entry = entry if isinstance(entry, dict) else {}
+    cached = float(entry.get("flops", 0) or 0)
+    share = entry.get("other_cpu_share")
+    old = PeakInfo(cached, method, entry.get("measured_at"), share)
+    unknown_load = cached > 0 and share is None  # cached before the load was recorded: treated as under load
+    stale = (old.under_load or unknown_load) and time.time() - float(entry.get("measured_at") or 0) > REMEASURE_AFTER_S
+    if cached > 0 and cached > at_least and not stale:
+        return old
 
+    prev_threads = torch.get_num_threads()
     if n_threads != prev_threads:
         torch.set_num_threads(n_threads)
     try:
-        flops = _measure_gemm_flops(device, tdtype, n=n, repeats=PEAK_REPEATS)
+        flops, load = _measure_under(device, tdtype, n)
     finally:
         if n_threads != prev_threads:
             torch.set_num_threads(prev_threads)
-    _write_cache_entry(path, cache_key, {"flops": flops, "method": method, "n": n, "measured_at": time.time()})
-    return flops, method
+    now = time.time()
+    history = list(entry.get("history", []))[-9:] + [{"flops": flops, "date": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), **load}]
+    if flops >= cached:
+        entry = {"flops": flops, "method": method, "n": n, "measured_at": now,
+                 "date": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), **load}
+    else:  # a lower reading (the machine is busier now): keep the best, but stop re-measuring it for a while
+        entry = {**entry, "measured_at": now}
+    entry["history"] = history
+    _write_cache_entry(path, cache_key, entry)
+    return PeakInfo(float(entry["flops"]), method, entry["measured_at"], entry.get("other_cpu_share"))
+
+
+def check_mfu(value: float) -> bool:
+    """Whether an MFU (or HFU) is a figure: ``0 <= value <= 1``. Above 1 the run did more FLOP/s than
+    the peak says a device can: the peak is wrong (a calibration error, :func:`recalibrate`), and the
+    value must not be logged."""
+    return 0.0 <= value <= 1.0
+
+
+def recalibrate(device: torch.device, *, dtype: str, threads: Optional[int] = None, cache_dir: str,
+                achieved: float) -> PeakInfo:
+    """Measure the peak again because a run achieved ``achieved`` FLOP/s per device, more than the
+    cached peak; the cache keeps the highest. A table peak (a GPU in :data:`PEAK_FLOPS_BF16`) is not
+    measured: exceeding it means the FLOPs count or the table is wrong, and is returned as it is."""
+    return peak_flops_info(device, dtype=dtype, threads=threads, cache_dir=cache_dir, at_least=achieved)
 
 
 def _ratio(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:

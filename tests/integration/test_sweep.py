@@ -79,7 +79,9 @@ def test_sweeps_of_keys_left_out_of_run_names_end_in_distinct_finished_children(
     client = _client(store)
     for c in children:  # each job trained its own steps and saved at its own interval
         steps = int(c.data.params["trainer.max_steps"])
-        assert c.data.tags["mlflow.note.content"].startswith("single dp1-tp1-pp1 | ")  # the run description
+        note = c.data.tags["mlflow.note.content"]  # the run description, after a warning when the machine was contended
+        assert note.startswith("single dp1-tp1-pp1 | ") or (note.startswith("WARNING: measured under contention")
+                                                            and ". single dp1-tp1-pp1 | " in note), note
         assert c.data.metrics["summary/tokens_per_sec"] > 0 and "checkpoint.dir" not in c.data.params
         assert [m.step for m in client.get_metric_history(c.info.run_id, "train/loss")][-1] == steps
         every = int(c.data.params["checkpoint.every_n_steps"])
@@ -136,9 +138,9 @@ def test_a_job_the_validation_refuses_is_a_failed_child_and_the_sweep_goes_on(st
     parent, children = _sweep(store, "refused")
     by_name = {c.info.run_name: c for c in children}
     assert sorted(by_name) == ["3 (micro_batch_size)", "4 (micro_batch_size)"]
-    refused = by_name["micro_batch_size=3"]
+    refused = by_name["3 (micro_batch_size)"]
     assert refused.info.status == "FAILED" and "not divisible by micro_batch_size" in refused.data.tags["error"]
-    assert by_name["micro_batch_size=4"].info.status == "FINISHED"
+    assert by_name["4 (micro_batch_size)"].info.status == "FINISHED"
     assert parent.data.metrics["sweep/jobs_failed"] == 1 and parent.data.metrics["sweep/jobs_finished"] == 1
     # when every job would be refused (a bad value in a key the sweep does not sweep), nothing starts
     none = store.run("-m", "optim.lr=1e-3,3e-3", "trainer.micro_batch_size=3", "experiment_name=refused_all",

@@ -136,3 +136,44 @@ def test_corrupt_cache_is_remeasured(tmp_path, monkeypatch):
 def test_unknown_dtype_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="dtype='int8'"):
         F.peak_flops(torch.device("cpu"), dtype="int8", cache_dir=str(tmp_path))
+
+
+def test_a_peak_measured_under_load_is_measured_again_later_and_the_cache_keeps_the_highest(tmp_path, monkeypatch):
+    readings = iter([1e9, 3e9, 2e9])
+    loads = iter([0.6, 0.0, 0.0])
+    monkeypatch.setattr(F, "_measure_under", lambda *a, **k: (next(readings), {"other_cpu_share": next(loads), "loadavg_1m": 1.0}))
+    cpu = torch.device("cpu")
+    first = F.peak_flops_info(cpu, dtype="fp32", threads=1, cache_dir=str(tmp_path))
+    assert first.flops == 1e9 and first.under_load  # the machine was busy: on record, with its date
+    (entry,) = json.loads((tmp_path / "peak_flops.json").read_text()).values()
+    assert entry["other_cpu_share"] == 0.6 and entry["date"] and len(entry["history"]) == 1
+    assert F.peak_flops_info(cpu, dtype="fp32", threads=1, cache_dir=str(tmp_path)).flops == 1e9  # not an hour old: reused
+    now = __import__("time").time()
+    monkeypatch.setattr(F.time, "time", lambda: now + F.REMEASURE_AFTER_S + 1)
+    second = F.peak_flops_info(cpu, dtype="fp32", threads=1, cache_dir=str(tmp_path))
+    assert second.flops == 3e9 and not second.under_load  # measured again on a quiet machine
+    # a run that achieved more than the peak: measured again; a lower reading never lowers the peak
+    third = F.recalibrate(cpu, dtype="fp32", threads=1, cache_dir=str(tmp_path), achieved=4e9)
+    assert third.flops == 3e9
+    (entry,) = json.loads((tmp_path / "peak_flops.json").read_text()).values()
+    assert [h["flops"] for h in entry["history"]] == [1e9, 3e9, 2e9]
+
+
+def test_an_mfu_above_1_is_a_calibration_error_not_a_figure():
+    from framework.callbacks.step_metrics import StepMetrics
+
+    sm = StepMetrics(clock=None, tokens_per_step=256, flops_per_token=100, peak_flops=1000.0, num_devices=2,
+                     log_every_n_steps=1, warmup_steps_excluded=0, sinks=[])
+    assert sm._utilization(10.0, "perf/") == {"perf/mfu": 0.5, "perf/hfu": 0.5}
+    assert sm.calibration_error is None
+    assert sm._utilization(40.0, "perf/", "_mean") == {}  # MFU 2.0: not logged
+    assert sm.calibration_error == 40.0 * 100 / 2  # achieved FLOP/s per device
+    assert F.check_mfu(1.0) and not F.check_mfu(1.01) and not F.check_mfu(-0.1)
+
+
+def test_a_peak_cached_without_its_load_is_measured_again_after_an_hour(tmp_path, monkeypatch):
+    key = F._key(torch.device("cpu"), "fp32", 1)[4]
+    (tmp_path / "peak_flops.json").write_text(json.dumps({key: {"flops": 1e9, "measured_at": 0.0}}))
+    monkeypatch.setattr(F, "_measure_under", lambda *a, **k: (2e9, {"other_cpu_share": 0.0}))
+    info = F.peak_flops_info(torch.device("cpu"), dtype="fp32", threads=1, cache_dir=str(tmp_path))
+    assert info.flops == 2e9 and info.other_cpu_share == 0.0

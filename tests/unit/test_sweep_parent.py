@@ -42,8 +42,10 @@ def test_an_early_exit_ends_the_parent_with_reason_and_counts(store, monkeypatch
     assert run.info.status == "FAILED"
     assert run.data.tags["sweep.error"] == "AssertionError: optuna storage (exit 1)"
     assert run.data.metrics == {"sweep/jobs": 3, "sweep/jobs_finished": 1, "sweep/jobs_failed": 2}
-    assert run.data.tags["mlflow.note.content"] == ("Sweep over optim.lr: 1 of 3 jobs FINISHED, 2 FAILED. The sweep ended"
-                                                   " FAILED: AssertionError: optuna storage (exit 1)")
+    summary, _, jobs = run.data.tags["mlflow.note.content"].partition("\n\n")
+    assert summary == ("Sweep over optim.lr: 1 of 3 jobs FINISHED, 2 FAILED. The sweep ended"
+                       " FAILED: AssertionError: optuna storage (exit 1)")
+    assert len(jobs.splitlines()) == 2 + 3  # then the jobs table: a header, its rule and a row per child
     assert sweep.current() is None and sweep.SWEEP_ENV not in os.environ
 
 
