@@ -1,4 +1,4 @@
-"""The LightningModule: a GPT, its loss, AdamW and a warm-up + cosine LR schedule.
+"""The LightningModule: a decoder (GPT or Llama, ``model.arch``), its loss, AdamW and a warm-up + cosine LR schedule.
 
 Gradient accumulation is Lightning's: with ``accumulate_grad_batches = grad_accum_steps`` it
 divides each micro-batch loss by ``grad_accum_steps`` and (under DDP) skips the gradient
@@ -33,7 +33,7 @@ import torch
 from framework.config.resolved import ResolvedRun
 from framework.data.step_tokens import valid_targets
 from framework.faults.lightning_adapter import closes_optimizer_step
-from framework.model import GPT
+from framework.model import build_model
 from framework.parallelize import parallelize_gpt
 from framework.plugin import ParallelPlugin
 
@@ -53,6 +53,26 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+"""Devices with a fused AdamW kernel in torch (one kernel for all parameters; its step counts stay on the device)."""
+
+
+def adamw_implementation(plugin_foreach: bool | None, device_type: str, precision: str = "32-true") -> dict[str, bool]:
+    """AdamW's implementation keyword: ``fused=True`` on a device with a fused kernel, unless the plugin
+    needs the per-tensor loop (``plugin_foreach`` False: a parameter list mixing DTensor shards and plain
+    tensors) or the precision is fp16 (``16-mixed``: Lightning unscales the gradients before clipping only
+    for optimizers that do not unscale themselves, as fused ones do); else the plugin's ``foreach``
+    choice (None: torch's).
+
+    Fused rather than foreach: besides launching fewer kernels, its step counters live on the
+    parameters' device, while the foreach and per-tensor paths keep them on the host and read each
+    one back (``.item()``) every step (a device sync on CUDA when ``capturable`` is off).
+    """
+    if plugin_foreach is not False and device_type in FUSED_ADAMW_DEVICES and not precision.startswith("16"):
+        return {"fused": True}
+    return {"foreach": plugin_foreach}
+
+
 class LMModule(pl.LightningModule):
     """Causal language modelling on windows of ``seq_len + 1`` tokens.
 
@@ -69,7 +89,7 @@ class LMModule(pl.LightningModule):
         # Sum of this rank's micro-batch losses in the current optimizer step (for logging).
         self.step_loss_sum = torch.zeros(())
         self.step_micro_batches = 0
-        self.last_grad_norm = float("nan")
+        self.last_grad_norm: float | torch.Tensor = float("nan")  # a device tensor until a logging step reads it
         self.last_lr = float("nan")
         # The norm of the step being closed, when a callback measured (and judged) it first: the
         # fault guard puts there the value its decision rests on (e.g. one rank's NaN).
@@ -83,7 +103,7 @@ class LMModule(pl.LightningModule):
         self.end_epoch_requested = False
 
     def configure_model(self) -> None:
-        """Build the GPT (seeded, identical on every rank) and parallelize it by the plugin's plan.
+        """Build the decoder (seeded, identical on every rank) and parallelize it by the plugin's plan.
 
         Idempotent, as Lightning requires: a second call does nothing.
         """
@@ -96,7 +116,7 @@ class LMModule(pl.LightningModule):
         # Every plugin moves or shards the model to its device afterwards.
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(self.resolved.run.trainer.seed)
-            model = GPT(self.resolved.run.model, vocab_size=self.vocab_size)
+            model = build_model(self.resolved.run.model, vocab_size=self.vocab_size)
         # The plugin's plan (pipeline split, TP, DP wrapper) with activation checkpointing and
         # compilation, in torchtitan's order; in-place throughout, so parameter names (and
         # checkpoint keys) stay the GPT's.
@@ -223,7 +243,7 @@ class LMModule(pl.LightningModule):
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
-            foreach=self.plugin.optimizer_foreach,  # a plugin may need the per-tensor loop (mixed DTensor/Tensor)
+            **adamw_implementation(self.plugin.optimizer_foreach, self.device.type, self.resolved.run.trainer.precision),
         )
         schedule = partial(
             warmup_cosine,
