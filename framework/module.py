@@ -73,6 +73,23 @@ def adamw_implementation(plugin_foreach: bool | None, device_type: str, precisio
     return {"foreach": plugin_foreach}
 
 
+def keep_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """``Optimizer.load_state_dict`` post-hook: this run's implementation flags (``fused``, ``foreach``, set at
+    construction by :func:`adamw_implementation`) back in every parameter group, and each step counter where that
+    implementation keeps it (fused: on the parameter's device; otherwise on the host), whatever the checkpoint's run
+    used: a checkpoint of ``single`` (fused) resumed under tensor parallelism (the per-tensor loop) would otherwise
+    run the fused kernel on DTensor shards."""
+    for group in optimizer.param_groups:
+        for key in ("fused", "foreach"):
+            if key in optimizer.defaults:
+                group[key] = optimizer.defaults[key]
+        on_device = bool(group.get("fused")) or bool(group.get("capturable"))
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(p.device if on_device else torch.device("cpu"), torch.float32)
+
+
 class LMModule(pl.LightningModule):
     """Causal language modelling on windows of ``seq_len + 1`` tokens.
 
@@ -253,4 +270,5 @@ class LMModule(pl.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         optimizer.register_step_pre_hook(self._drop_if_requested)
+        optimizer.register_load_state_dict_post_hook(keep_implementation)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

@@ -68,3 +68,24 @@ def test_adamw_is_fused_where_torch_has_the_kernel_unless_the_plugin_needs_the_l
     assert adamw_implementation(False, "cuda") == {"foreach": False}  # TP: DTensor shards mixed with plain tensors
     assert adamw_implementation(None, "mps") == {"foreach": None}
     assert adamw_implementation(None, "cuda", "16-mixed") == {"foreach": None}  # fp16: Lightning must unscale before clipping
+
+
+def test_a_loaded_state_keeps_this_runs_implementation():
+    """A fused run's checkpoint loaded by a run that needs the per-tensor loop (tensor parallelism) keeps the loop,
+    and the other way round; the step counters move to where the implementation keeps them."""
+    from framework.module import keep_implementation
+
+    def make(**impl):
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **impl)
+        opt.register_load_state_dict_post_hook(keep_implementation)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        return opt
+
+    fused, loop = make(fused=True), make(foreach=False)
+    loop.load_state_dict(fused.state_dict())
+    assert all(g["fused"] in (None, False) and g["foreach"] is False for g in loop.param_groups)
+    fused.load_state_dict(make(foreach=False).state_dict())
+    assert all(g["fused"] is True for g in fused.param_groups)
+    assert all(s["step"].dtype == torch.float32 for s in fused.state.values())

@@ -192,3 +192,19 @@ def test_swiglu_is_down_of_silu_gate_times_up():
     w = mlp.fc.weight  # [2f, h] interleaved: row 2i gate, 2i + 1 up
     want = mlp.proj(F.silu(x @ w[0::2].T) * (x @ w[1::2].T))
     torch.testing.assert_close(mlp(x), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n_kv_head", [2, 4])
+def test_attention_runs_on_the_flash_kernel_in_bf16_on_cuda(n_kv_head):
+    """With SDPA restricted to the flash kernel, the block's forward and backward run (grouped K/V included):
+    the kernel the GPU path relies on accepts the model's layout, dtype and causal mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = build(n_kv_head=n_kv_head).cuda()
+    idx = torch.randint(0, V, (2, 32), device="cuda")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(idx, idx)
+    loss.backward()
+    assert torch.isfinite(loss) and model.blocks[0].attn.qkv.weight.grad is not None
