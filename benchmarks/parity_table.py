@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from framework.cost.comm import KINDS  # noqa: E402
 from framework.testing.conformance import STEPS, Conformance, RunResult  # noqa: E402
 from framework.tracking import read_jsonl_metrics  # noqa: E402
 
@@ -44,10 +45,9 @@ def row(conf: Conformance, case) -> str:
     ref, got = conf.reference(case.model), conf.plugin_run(case)
     steps = [s for s in range(1, STEPS + 1) if s in ref.losses and s in got.losses]
     diff = max(abs(got.losses[s] - ref.losses[s]) / abs(ref.losses[s]) for s in steps)
-    comm = [r for r in got.records if "perf/comm_bytes_model" in r]
+    comm = [r for r in got.records if "perf/comm_bytes" in r and "perf/comm_bytes_model" in r]  # measured steps (not warm-up)
     if comm:
-        kinds = sorted(k[len("perf/comm_bytes_"):-len("_model")] for k in comm[0]
-                       if k.startswith("perf/comm_bytes_") and k.endswith("_model") and k != "perf/comm_bytes_wire_model")
+        kinds = [k for k in KINDS if f"perf/comm_bytes_{k}_model" in comm[0]]
         exact = all(r.get(f"perf/comm_bytes_{k}") == r[f"perf/comm_bytes_{k}_model"] for r in comm for k in kinds)
         r = comm[-1]
         by_kind = ", ".join(f"{k} {r.get(f'perf/comm_bytes_{k}', 0):,.0f}/{r[f'perf/comm_bytes_{k}_model']:,.0f}" for k in kinds)

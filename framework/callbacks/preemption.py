@@ -3,7 +3,8 @@ optimizer step in progress, with a checkpoint of that step, so no finished step 
 
 In each rank the signal only sets a flag (:func:`install_handlers`; nothing else is safe inside
 a signal handler). At the end of every optimizer step the ranks all-reduce the flag (MAX: one
-int per step, one collective), so all of them agree on the same step even when the signal
+int per step, one collective on a host-side gloo group, so that reading it back does not wait
+for the device), so all of them agree on the same step even when the signal
 reaches them at different moments or reaches only some of them; on a set flag every rank saves
 that step through the run's checkpoint callback (also under ``checkpoint=none``: a preempted
 run must resume), rank 0 appends a ``preempted`` record to the run's event log
@@ -19,7 +20,9 @@ Lightning's own SIGTERM handling (``pytorch_lightning`` 2.6, ``_SignalConnector`
 it raises ``SIGTERMException`` at the next micro-batch, inside gradient accumulation and before
 any save, and its handler runs a broadcast collective from inside the signal handler. So
 :class:`Preemption` re-installs trainlab's handlers at ``on_train_start``, after Lightning
-registered its own; Lightning restores the process's earlier handlers at teardown. Lightning's
+registered its own; Lightning restores the process's earlier handlers at teardown. Its training
+loop's per-micro-batch broadcast of its SIGTERM flag (``_broadcast_sigterm_tensor``: a collective and
+a device read per micro-batch) then relays a flag that nothing sets, and is skipped. Lightning's
 SLURM auto-requeue (SIGUSR1 -> ``hpc_ckpt`` + ``scontrol requeue``) is replaced the same way:
 trainlab's checkpoint is the resumable one.
 """
@@ -38,6 +41,7 @@ from framework.callbacks.clock import StepClock
 from framework.checkpoint.periodic import PeriodicCheckpoint
 from framework.faults.events import FaultLog
 from framework.faults.preemption import PREEMPT_SIGNALS, PREEMPTED_EVENT
+from framework.metrics.syncs import host_read
 
 
 class _Received:
@@ -105,6 +109,13 @@ class Preemption(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _Received.progress = trainer.global_step
         install_handlers()  # over Lightning's, registered just before training starts
+        # Lightning's handler no longer runs, so its per-micro-batch flag broadcast carries nothing (module docstring).
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            epoch_loop._broadcast_sigterm_tensor = lambda: None
+        self._group = None  # the default group when it is gloo (CPU); else a gloo group over the same ranks
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -122,12 +133,12 @@ class Preemption(pl.Callback):
                             t_signal=_Received.t, step_at_signal=None if at is None else at + 1, saved_step=step)
         trainer.should_stop = True
 
-    @staticmethod
-    def _agreed_signal(trainer: pl.Trainer) -> int:
-        """The largest signal number any rank received (0: none); one all-reduce when distributed."""
+    def _agreed_signal(self, trainer: pl.Trainer) -> int:
+        """The largest signal number any rank received (0: none); one all-reduce of a host tensor when distributed."""
         mine = _Received.signum or 0
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return mine
-        flag = torch.tensor([mine], dtype=torch.int32, device=trainer.strategy.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        flag = torch.tensor([mine], dtype=torch.int32)  # on the host: gloo, no device round trip
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=getattr(self, "_group", None))
+        with host_read():
+            return int(flag.item())

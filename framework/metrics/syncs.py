@@ -19,11 +19,13 @@ boolean-mask indexing, a CPU scalar read of a CUDA tensor).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import traceback
 import warnings
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -42,6 +44,18 @@ SYNC_METHODS = {
 """Tensor methods that read a value back to the host (their names in the records)."""
 
 _OWN_FILES = (os.path.abspath(__file__), os.path.abspath(torch.overrides.__file__))
+_HOST = threading.local()
+
+
+@contextlib.contextmanager
+def host_read() -> Iterator[None]:
+    """Marks reads of tensors that live on the host on every device (e.g. a flag all-reduced over a gloo CPU
+    group): :class:`HostSyncCounter` does not count them (on a CPU run it cannot tell them from device tensors)."""
+    _HOST.depth = getattr(_HOST, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST.depth -= 1
 
 
 def _call_site() -> str:
@@ -88,7 +102,7 @@ class HostSyncCounter(TorchFunctionMode):
         kind = SYNC_METHODS.get(func)
         if kind is None and _is_to_host(func, args, kwargs):
             kind = "to_cpu"
-        if kind is not None:
+        if kind is not None and not getattr(_HOST, "depth", 0):
             self.records.append((kind, _call_site()))
         return func(*args, **kwargs)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from framework.metrics.syncs import HostSyncCounter, summarize
+from framework.metrics.syncs import HostSyncCounter, host_read, summarize
 from framework.module import adamw_implementation
 
 
@@ -25,6 +25,15 @@ def test_counts_each_read_back_with_its_call_site():
     assert kinds == ["item", "tolist", "cpu", "bool", "float", "int", "format"]
     assert all("test_host_syncs.py" in site for _, site in counter.records), counter.records
     assert summarize(counter.records).startswith("item at ") and "test_host_syncs.py:" in summarize(counter.records)
+
+
+def test_reads_marked_as_host_side_are_not_counted():
+    flag = torch.tensor([0], dtype=torch.int32)  # e.g. a signal flag all-reduced over a gloo CPU group
+    with HostSyncCounter() as counter:
+        with host_read():
+            int(flag.item())
+        int(flag.item())
+    assert [k for k, _ in counter.records] == ["item"]
 
 
 def test_start_stop_window_and_take():
