@@ -49,7 +49,11 @@ CASES = [
 # The Llama-style model (model=llama_tiny: RMSNorm, RoPE, SwiGLU, 4 query / 2 key-value heads, untied head) under every
 # plugin and layout: `single`'s losses at the same global batch (the same 1e-5 relative tolerance) and, where the plugin
 # meters them exactly, the modelled bytes. DeepSpeed's own scalar all-reduces are measured but not modelled
-# (tests/integration/test_deepspeed.py), so ZeRO is checked on losses here. 2 to 4 ranks (dp2 x tp2 x pp2 needs 8).
+# (tests/integration/test_deepspeed.py), so ZeRO is checked on losses here. 2 to 4 ranks: the 2-D layouts dp2 x tp2 and
+# tp2 x pp2 (a 3-D dp2 x tp2 x pp2 needs 8 ranks, more than these tests start). dp2 x pp2 (FSDP2 inside pipeline
+# stages) is left out: with a validation pass inside the run (every 3 steps) it leaves `single`'s losses from step 5 on
+# by up to 6e-5 (llama_tiny) and 3e-4 (gpt_tiny, also before the Llama model existed); without one it matches to 7e-8.
+# A defect of that layout's validation (a stage's FSDP2 units after an evaluation forward), not of the model.
 LLAMA = dict(model="llama_tiny")
 LLAMA_CASES = [
     PluginCase("llama-ddp", select=("parallelism=ddp",), checks=("loss_parity", "bytes"), **LLAMA),
