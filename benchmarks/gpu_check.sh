@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
-# GPU check on one CUDA device: the CUDA-only test, then GPT-2 small (124M) at seq_len 1024 in
-# bf16 through the real driver with `single` (eager and torch.compile), `ddp` and `fsdp`
-# (mixed_precision=bf16) and DeepSpeed ZeRO-2/3 on 1 GPU (NCCL). Prints each run's tokens/s, MFU
-# and step time.
-# Usage: bash benchmarks/gpu_check.sh [OUT_DIR [RUN...]]   (needs trainlab's dependencies importable)
-#   RUN: single_bf16 single_bf16_compile ddp1_bf16 fsdp1_bf16 zero2_bf16 zero3_bf16 (default: all)
+# GPU check on one CUDA device.
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]
+#       The 1B check (benchmarks/gpu_check.py, < 8 min on one H200): for gpt_1b and llama_1b at seq_len 2048,
+#       bf16 + torch.compile + fused AdamW, trainlab `single` through the driver and the plain PyTorch loop of
+#       benchmarks/plain_vs_trainlab.py, 50 steps each (10 of warm-up left out): MFU, trainlab / plain tokens/s,
+#       host syncs per step (CUDA's own sync reports), peak memory vs the planner. Extra arguments after OUT_DIR
+#       go to gpu_check.py (e.g. --steps 30, --no-compile, Hydra overrides).
+#   bash benchmarks/gpu_check.sh --gpt2 [OUT_DIR [RUN...]]
+#       GPT-2 small (124M) at seq_len 1024 in bf16 through the driver, one run per plugin on world_size 1:
+#       single_bf16 single_bf16_compile ddp1_bf16 fsdp1_bf16 zero2_bf16 zero3_bf16 (default: all; zero* need DeepSpeed).
+#
+# Needs trainlab's dependencies importable (torch, pytorch-lightning, tokenizers, hydra-core, omegaconf; MLflow, Optuna
+# and DeepSpeed are not needed by the 1B check). A checkout that is not pip-installed works: gpu_check.py declares the
+# plugins' entry points itself.
 set -uo pipefail
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+nvidia-smi -L 2>/dev/null || true
+if [ "${1:-}" != "--gpt2" ]; then
+  OUT=${1:-gpu_check_out}
+  shift || true
+  exec $PY benchmarks/gpu_check.py --out "$OUT" "$@"
+fi
+shift
 OUT=${1:-gpu_check_out}
 shift || true
 RUNS=${*:-single_bf16 single_bf16_compile ddp1_bf16 fsdp1_bf16 zero2_bf16 zero3_bf16}
 mkdir -p "$OUT"
-PY=${PY:-python3}
-export PYTHONUNBUFFERED=1
-nvidia-smi -L
 $PY -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
 $PY -m pytest -q -p no:cacheprovider tests/unit/test_perf_metrics.py -k cuda 2>&1 | tail -3
 

@@ -1,4 +1,4 @@
-"""The LightningModule: a GPT, its loss, AdamW and a warm-up + cosine LR schedule.
+"""The LightningModule: a decoder (GPT or Llama, ``model.arch``), its loss, AdamW and a warm-up + cosine LR schedule.
 
 Gradient accumulation is Lightning's: with ``accumulate_grad_batches = grad_accum_steps`` it
 divides each micro-batch loss by ``grad_accum_steps`` and (under DDP) skips the gradient
@@ -33,7 +33,7 @@ import torch
 from framework.config.resolved import ResolvedRun
 from framework.data.step_tokens import valid_targets
 from framework.faults.lightning_adapter import closes_optimizer_step
-from framework.model import GPT
+from framework.model import build_model
 from framework.parallelize import parallelize_gpt
 from framework.plugin import ParallelPlugin
 
@@ -80,6 +80,43 @@ def rescale_lr_state(checkpoint: dict[str, Any], lr: float) -> float:
     return ratio
 
 
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+"""Devices with a fused AdamW kernel in torch (one kernel for all parameters; its step counts stay on the device)."""
+
+
+def adamw_implementation(plugin_foreach: bool | None, device_type: str, precision: str = "32-true") -> dict[str, bool]:
+    """AdamW's implementation keyword: ``fused=True`` on a device with a fused kernel, unless the plugin
+    needs the per-tensor loop (``plugin_foreach`` False: a parameter list mixing DTensor shards and plain
+    tensors) or the precision is fp16 (``16-mixed``: Lightning unscales the gradients before clipping only
+    for optimizers that do not unscale themselves, as fused ones do); else the plugin's ``foreach``
+    choice (None: torch's).
+
+    Fused rather than foreach: besides launching fewer kernels, its step counters live on the
+    parameters' device, while the foreach and per-tensor paths keep them on the host and read each
+    one back (``.item()``) every step (a device sync on CUDA when ``capturable`` is off).
+    """
+    if plugin_foreach is not False and device_type in FUSED_ADAMW_DEVICES and not precision.startswith("16"):
+        return {"fused": True}
+    return {"foreach": plugin_foreach}
+
+
+def keep_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """``Optimizer.load_state_dict`` post-hook: this run's implementation flags (``fused``, ``foreach``, set at
+    construction by :func:`adamw_implementation`) back in every parameter group, and each step counter where that
+    implementation keeps it (fused: on the parameter's device; otherwise on the host), whatever the checkpoint's run
+    used: a checkpoint of ``single`` (fused) resumed under tensor parallelism (the per-tensor loop) would otherwise
+    run the fused kernel on DTensor shards."""
+    for group in optimizer.param_groups:
+        for key in ("fused", "foreach"):
+            if key in optimizer.defaults:
+                group[key] = optimizer.defaults[key]
+        on_device = bool(group.get("fused")) or bool(group.get("capturable"))
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(p.device if on_device else torch.device("cpu"), torch.float32)
+
+
 class LMModule(pl.LightningModule):
     """Causal language modelling on windows of ``seq_len + 1`` tokens.
 
@@ -96,7 +133,7 @@ class LMModule(pl.LightningModule):
         # Sum of this rank's micro-batch losses in the current optimizer step (for logging).
         self.step_loss_sum = torch.zeros(())
         self.step_micro_batches = 0
-        self.last_grad_norm = float("nan")
+        self.last_grad_norm: float | torch.Tensor = float("nan")  # a device tensor until a logging step reads it
         self.last_lr = float("nan")
         # The norm of the step being closed, when a callback measured (and judged) it first: the
         # fault guard puts there the value its decision rests on (e.g. one rank's NaN).
@@ -110,7 +147,7 @@ class LMModule(pl.LightningModule):
         self.end_epoch_requested = False
 
     def configure_model(self) -> None:
-        """Build the GPT (seeded, identical on every rank) and parallelize it by the plugin's plan.
+        """Build the decoder (seeded, identical on every rank) and parallelize it by the plugin's plan.
 
         Idempotent, as Lightning requires: a second call does nothing.
         """
@@ -123,7 +160,7 @@ class LMModule(pl.LightningModule):
         # Every plugin moves or shards the model to its device afterwards.
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(self.resolved.run.trainer.seed)
-            model = GPT(self.resolved.run.model, vocab_size=self.vocab_size)
+            model = build_model(self.resolved.run.model, vocab_size=self.vocab_size)
         # The plugin's plan (pipeline split, TP, DP wrapper) with activation checkpointing and
         # compilation, in torchtitan's order; in-place throughout, so parameter names (and
         # checkpoint keys) stay the GPT's.
@@ -262,7 +299,7 @@ class LMModule(pl.LightningModule):
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
-            foreach=self.plugin.optimizer_foreach,  # a plugin may need the per-tensor loop (mixed DTensor/Tensor)
+            **adamw_implementation(self.plugin.optimizer_foreach, self.device.type, self.resolved.run.trainer.precision),
         )
         schedule = partial(
             warmup_cosine,
@@ -272,4 +309,5 @@ class LMModule(pl.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         optimizer.register_step_pre_hook(self._drop_if_requested)
+        optimizer.register_load_state_dict_post_hook(keep_implementation)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

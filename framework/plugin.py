@@ -126,10 +126,12 @@ class ParallelPlugin:
         tensors in one parameter list needs False)."""
         return None
 
-    def grad_norm(self, module: Any) -> float:
+    def grad_norm(self, module: Any) -> "float | torch.Tensor":
         """The global L2 norm of the gradients of ``module`` (after the data-parallel reduction,
         before clipping): the run's one gradient-norm function, logged as ``train/grad_norm`` and
-        judged by the fault guard (:mod:`framework.faults.detect`). Default: every rank holds
+        judged by the fault guard (:mod:`framework.faults.detect`). A 0-dim tensor on the
+        module's device (or a float): the run reads it back only where it logs or judges it, so a
+        step without logging waits for no device value (:mod:`framework.metrics.syncs`). Default: every rank holds
         whole gradients, or DTensor shards of them (FSDP2), whose norm is gathered with
         ``full_tensor``; 0.0 without gradients. Override when gradients are split otherwise
         (e.g. pipeline stages, a tied weight held twice)."""
@@ -137,11 +139,19 @@ class ParallelPlugin:
 
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def clip_gradients(self, module: Any, optimizer: Any, max_norm: float) -> None:
         """Scale gradients so that their global norm is at most ``max_norm``. Default: Lightning's
-        norm clipping (right whenever :meth:`grad_norm`'s default is)."""
+        norm clipping (right whenever :meth:`grad_norm`'s default is). Under bf16 autocast (no
+        gradient scaler) its precision plugin's clipping is called directly: Lightning's
+        ``clip_gradients`` refuses any fused optimizer under AMP, for fp16's unscaling, which bf16 has not."""
+        from pytorch_lightning.plugins.precision import MixedPrecision
+
+        precision = module.trainer.precision_plugin
+        if isinstance(precision, MixedPrecision) and precision.scaler is None:
+            precision.clip_grad_by_norm(optimizer, max_norm)
+            return
         module.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
 
     # -- cost model and measurement ---------------------------------------------------------------

@@ -337,10 +337,10 @@ def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
         raise ConfigError(f"model.vocab_size={run.model.vocab_size} < tokenizer vocabulary {cache.vocab_size}")
     import torch
 
-    from framework.model import GPT
+    from framework.model import build_model
 
     with torch.device("meta"):
-        model = GPT(run.model, vocab_size=run.model.vocab_size or cache.vocab_size)
+        model = build_model(run.model, vocab_size=run.model.vocab_size or cache.vocab_size)
     print(
         f"trainlab: model {run.model.name}: {model.num_params(exclude_position_embedding=False):,} parameters"
         f" ({model.num_flops_params():,} in 6N; vocab {model.vocab_size}, {run.model.n_layer} layers,"

@@ -145,13 +145,13 @@ def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) 
     import torch
 
     from framework.metrics.flops import FLOPS_CONVENTION, peak_flops_info
-    from framework.model import GPT  # only for the FLOPs count of the configured shape
+    from framework.model import build_model  # only for the FLOPs count of the configured shape
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if accelerator == "cuda" else torch.device("cpu")
     info = peak_flops_info(device, dtype=_peak_dtype(run), threads=torch.get_num_threads(), cache_dir=run.data.cache_dir)
     peak, peak_method = info.flops, info.method
     with torch.device("meta"):
-        shape = GPT(run.model, vocab_size=vocab_size)
+        shape = build_model(run.model, vocab_size=vocab_size)
         flops = _Flops(peak=peak, per_token=shape.flops_per_token(run.data.seq_len),
                        hardware_per_token=shape.hardware_flops_per_token(run.data.seq_len))
     if mlflow_sink is not None:
@@ -218,6 +218,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     tracking sink (one request per logged step).
     """
     from framework.callbacks.activation_memory import ActivationMemory
+    from framework.distributed import resolve_accelerator
     from framework.callbacks.breakdown import StepBreakdown
     from framework.callbacks.clock import StepClock
     from framework.callbacks.metric_flush import FlushMetrics
@@ -267,6 +268,12 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
 
         first, last = trainer_cfg.profile_steps
         callbacks.insert(0, StepProfiler(first=first, last=last, out_dir=launch.run_dir / "profile"))
+    if trainer_cfg.count_host_syncs:  # first of all: its window opens before any other callback's batch start
+        from framework.callbacks.host_syncs import HostSyncs
+
+        callbacks.insert(0, HostSyncs(log_every_n_steps=trainer_cfg.log_every_n_steps, val_every_n_steps=trainer_cfg.val_every_n_steps,
+                                      sinks=sinks, out_dir=launch.run_dir if rank == 0 else None,
+                                      cuda=resolve_accelerator(trainer_cfg.accelerator) == "cuda"))
     callbacks += plugin.callbacks(resolved, sinks)  # plugin-specific metrics (e.g. pipeline bubble)
     callbacks.append(breakdown)  # after the others: checkpoint and validation run inside the step it times
     callbacks.append(RunTimeline(log=FaultLog(launch.run_dir), clock=clock, launch_index=launch.launch_index,

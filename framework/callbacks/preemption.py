@@ -3,9 +3,10 @@ optimizer step in progress, with a checkpoint of that step, so no finished step 
 
 In each rank the signal only sets a flag (:func:`install_handlers`; nothing else is safe inside
 a signal handler). At the end of every optimizer step the ranks all-reduce the flag with its time
-and step (:func:`agree_on_signal`: one collective of three numbers per step), so all of them agree
-on the same step, time and step at the signal even when the signal reaches them at different
-moments or reaches only some of them; on a set flag every rank saves
+and step (:func:`agree_on_signal`: one collective of three numbers per step, on a host-side gloo
+group, so that reading it back does not wait for the device), so all of them agree on the same
+step, time and step at the signal even when the signal reaches them at different moments or
+reaches only some of them; on a set flag every rank saves
 that step through the run's checkpoint callback (also under ``checkpoint=none``: a preempted
 run must resume), rank 0 appends a ``preempted`` record to the run's event log
 (:mod:`framework.faults.events`: signal, step at the signal, step saved, the signal's time),
@@ -20,7 +21,9 @@ Lightning's own SIGTERM handling (``pytorch_lightning`` 2.6, ``_SignalConnector`
 it raises ``SIGTERMException`` at the next micro-batch, inside gradient accumulation and before
 any save, and its handler runs a broadcast collective from inside the signal handler. So
 :class:`Preemption` re-installs trainlab's handlers at ``on_train_start``, after Lightning
-registered its own; Lightning restores the process's earlier handlers at teardown. Lightning's
+registered its own; Lightning restores the process's earlier handlers at teardown. Its training
+loop's per-micro-batch broadcast of its SIGTERM flag (``_broadcast_sigterm_tensor``: a collective and
+a device read per micro-batch) then relays a flag that nothing sets, and is skipped. Lightning's
 SLURM auto-requeue (SIGUSR1 -> ``hpc_ckpt`` + ``scontrol requeue``) is replaced the same way:
 trainlab's checkpoint is the resumable one.
 """
@@ -39,6 +42,7 @@ from framework.callbacks.clock import StepClock
 from framework.checkpoint.periodic import PeriodicCheckpoint
 from framework.faults.events import FaultLog
 from framework.faults.preemption import PREEMPT_SIGNALS, PREEMPTED_EVENT
+from framework.metrics.syncs import host_read
 
 
 class _Received:
@@ -106,13 +110,20 @@ class Preemption(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _Received.progress = trainer.global_step
         install_handlers()  # over Lightning's, registered just before training starts
+        # Lightning's handler no longer runs, so its per-micro-batch flag broadcast carries nothing (module docstring).
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            epoch_loop._broadcast_sigterm_tensor = lambda: None
+        self._group = None  # the default group when it is gloo (CPU); else a gloo group over the same ranks
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self.clock.step_ended:
             return  # inside gradient accumulation: the step is finished first
         _Received.progress = trainer.global_step
-        signum, t_signal, steps_done = agree_on_signal(trainer.strategy.root_device)
+        signum, t_signal, steps_done = agree_on_signal(getattr(self, "_group", None))
         if not signum or trainer.global_step >= trainer.max_steps:
             return  # no signal, or the run is done anyway (its final save follows)
         step = trainer.global_step
@@ -124,17 +135,19 @@ class Preemption(pl.Callback):
         trainer.should_stop = True
 
 
-def agree_on_signal(device: Any = "cpu") -> tuple[int, Optional[float], Optional[int]]:
+def agree_on_signal(group: Any = None) -> tuple[int, Optional[float], Optional[int]]:
     """What the ranks received, agreed by all: ``(signal number, earliest time any rank got it (Unix s),
     fewest optimizer steps done then)``; ``(0, None, None)`` when none did. One all-reduce (MAX over
-    ``[signum, -t, -steps]``, float64) when distributed, so rank 0 records the signal's time and step
-    also when only another rank got it (a signal sent to the ranks, not to the driver)."""
+    ``[signum, -t, -steps]``, a float64 host tensor, over ``group``: a gloo group, None = the default
+    one) when distributed, so rank 0 records the signal's time and step also when only another rank
+    got it (a signal sent to the ranks, not to the driver), and reading it back waits for no device."""
     mine = [float(_Received.signum or 0), -(_Received.t if _Received.t is not None else float("inf")),
             -(float(_Received.steps_done) if _Received.steps_done is not None else float("inf"))]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor(mine, dtype=torch.float64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        mine = flag.tolist()
+        flag = torch.tensor(mine, dtype=torch.float64)  # on the host: gloo, no device round trip
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        with host_read():
+            mine = flag.tolist()
     signum, neg_t, neg_steps = mine
     if not signum:
         return 0, None, None

@@ -162,7 +162,7 @@ class StepMetrics(pl.Callback):
         self.last_loss = float(loss)
         self._sync(pl_module)
         now = time.perf_counter()
-        metrics = {"train/loss": self.last_loss, "train/lr": pl_module.last_lr, "train/grad_norm": pl_module.last_grad_norm,
+        metrics = {"train/loss": self.last_loss, "train/lr": pl_module.last_lr, "train/grad_norm": float(pl_module.last_grad_norm),
                    # Both counters: a dropped update (fault guard) counts as attempted, not applied.
                    "train/steps_attempted": float(step), "train/optimizer_updates": float(pl_module.optimizer_updates),
                    **self.elastic}

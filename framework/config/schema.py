@@ -26,11 +26,22 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+MODEL_ARCHS = ("gpt", "llama")
+# The shape keys each architecture trains with (framework/config/validate.py; the planner takes any).
+ARCH_SHAPE = {
+    "gpt": {"mlp": "gelu", "tied_embeddings": True, "learned_positions": True, "n_kv_head": None},
+    "llama": {"mlp": "swiglu", "tied_embeddings": False, "learned_positions": False, "bias": False},
+}
+
+
 @dataclass
 class ModelConfig:
-    """GPT decoder shape (pre-norm, causal attention, GELU MLP, tied embeddings)."""
+    """Decoder shape: ``arch=gpt`` (pre-norm, causal attention, GELU MLP, learned positions, tied
+    embeddings; framework/model/gpt.py) or ``arch=llama`` (RMSNorm, RoPE, SwiGLU, grouped-query
+    attention, untied head, no biases; framework/model/llama.py)."""
 
     name: str = "gpt_tiny"  # preset name, logged as a param
+    arch: str = "gpt"  # gpt | llama: which decoder trains (the shape keys below must match it, validate.py)
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads; must divide d_model
     d_model: int = 128  # hidden size h
@@ -41,12 +52,14 @@ class ModelConfig:
     bias: bool = True  # biases in Linear and LayerNorm
     init_std: float = 0.02  # std of the normal init (GPT-2)
     activation_checkpointing: bool = False  # recompute each block's forward in backward (torch.utils.checkpoint): less memory, +1 forward
-    # Shape keys of published models that the planner (python -m framework.plan) sizes; trainlab's
-    # GPT trains only the defaults (framework/config/validate.py rejects others before a rank starts).
+    # Shape keys that tell the architectures apart; the planner (python -m framework.plan) sizes any
+    # combination, training needs the combination of model.arch (framework/config/validate.py).
     n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention); None = n_head
-    mlp: str = "gelu"  # gelu (2 matrices h x d_ff) | swiglu (3 matrices; planning only)
-    tied_embeddings: bool = True  # output head = token embedding; False = an untied head (planning only)
-    learned_positions: bool = True  # learned position embedding; False = rotary (planning only)
+    mlp: str = "gelu"  # gelu (2 matrices h x d_ff; arch=gpt) | swiglu (3 matrices; arch=llama)
+    tied_embeddings: bool = True  # output head = token embedding (arch=gpt); False = an untied head (arch=llama)
+    learned_positions: bool = True  # learned position embedding (arch=gpt); False = rotary (arch=llama)
+    rope_theta: float = 10000.0  # rotary base (arch=llama; Llama 2: 1e4, Llama 3: 5e5)
+    norm_eps: float = 1e-5  # RMSNorm epsilon (arch=llama)
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model", "max_seq_len"):
@@ -62,6 +75,7 @@ class ModelConfig:
         )
         _require(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
         _require(self.mlp in ("gelu", "swiglu"), f"model.mlp={self.mlp!r} is not allowed; allowed: gelu, swiglu")
+        _require(self.arch in MODEL_ARCHS, f"model.arch={self.arch!r} is not allowed; allowed: {', '.join(MODEL_ARCHS)}")
         _require(
             self.n_kv_head is None or (self.n_kv_head > 0 and self.n_head % self.n_kv_head == 0),
             f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} (or be null)",
@@ -178,6 +192,7 @@ class TrainerConfig:
     progress_bar: bool = True  # tqdm bar on rank 0
     profile_steps: Optional[list[int]] = None  # [a, b]: torch.profiler trace of optimizer steps a..b (MLflow artifact); None = off
     compile: bool = False  # torch.compile the model (nn.Module.compile: checkpoints keep their keys)
+    count_host_syncs: bool = False  # log perf/host_syncs per step and write host_syncs.json (a diagnostic: slows the run)
 
     def __post_init__(self) -> None:
         _require(self.max_steps > 0, f"trainer.max_steps={self.max_steps} must be > 0")

@@ -15,7 +15,7 @@ from typing import Any
 
 from framework.config.load import load_run_config
 from framework.config.resolved import ResolvedRun
-from framework.config.schema import ConfigError, RunConfig
+from framework.config.schema import ARCH_SHAPE, ConfigError, RunConfig
 from framework.layout import ParallelLayout
 from framework.plugin import check_capabilities
 from framework.registry import get_plugin_class
@@ -104,11 +104,10 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
                 dp_degree=layout.dp,
             )
         )
-    planning_only = {"n_kv_head": None, "mlp": "gelu", "tied_embeddings": True, "learned_positions": True}
-    for key, default in planning_only.items():
-        if getattr(run.model, key) != default:
-            errors.append(f"model.{key}={getattr(run.model, key)!r} is a planning shape (python -m framework.plan);"
-                          f" trainlab's GPT trains only model.{key}={default!r}")
+    for key, want in ARCH_SHAPE[run.model.arch].items():
+        if getattr(run.model, key) != want:
+            errors.append(f"model.{key}={getattr(run.model, key)!r} does not go with model.arch={run.model.arch!r}"
+                          f" (it trains only model.{key}={want!r}; python -m framework.plan sizes any shape)")
     if run.data.seq_len > run.model.max_seq_len:
         errors.append(f"data.seq_len={run.data.seq_len} is longer than model.max_seq_len={run.model.max_seq_len}")
     if run.model.vocab_size is not None and run.model.vocab_size < run.data.vocab_size:

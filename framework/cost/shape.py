@@ -2,8 +2,9 @@
 
 :class:`ModelShape` covers trainlab's GPT (learned positions, GELU MLP, multi-head attention,
 tied head) and the published shapes the planner sizes (Llama-style: SwiGLU MLP, grouped-query
-attention, untied head, rotary positions). Counts are exact for trainlab's GPT (checked against
-``GPT.num_params`` in ``tests/unit/test_cost_model.py``).
+attention, untied head, rotary positions). Counts are exact for trainlab's GPT and Llama (checked
+against ``GPT.num_params`` in ``tests/unit/test_cost_model.py`` and ``Llama.num_params`` in
+``tests/unit/test_llama.py``).
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class FaultGuard(pl.Callback):
             return  # a micro-batch inside accumulation (a strategy that accumulates itself calls this hook)
         step = self._step
         n = max(1, pl_module.step_micro_batches)
-        grad_norm = pl_module.plugin.grad_norm(pl_module)  # the one gradient-norm function (the run logs it too)
+        grad_norm = float(pl_module.plugin.grad_norm(pl_module))  # the one gradient-norm function (the run logs it too)
         health = gather_health(grad_norm=grad_norm, loss=float(pl_module.step_loss_sum) / n,
                                busy_s=time.perf_counter() - self._t_step, device=pl_module.device)
         if self.watchdog is not None:

@@ -252,19 +252,29 @@ def embed_tokens(idx: torch.Tensor, wte: nn.Embedding, wpe: nn.Embedding, drop: 
     Raises:
         ValueError: ``s > max_seq_len``.
     """
+    s = check_seq_len(idx, max_seq_len)
+    pos = torch.arange(s, device=idx.device)  # [s]
+    return drop(wte(idx) + wpe(pos))
+
+
+def check_seq_len(idx: torch.Tensor, max_seq_len: int) -> int:
+    """The sequence length ``s`` of ids ``[b, s]``.
+
+    Raises:
+        ValueError: ``s > max_seq_len``.
+    """
     s = idx.shape[1]
     if s > max_seq_len:
         raise ValueError(
             f"seq_len={s} is longer than model.max_seq_len={max_seq_len}; "
             "raise model.max_seq_len or shorten the sequences"
         )
-    pos = torch.arange(s, device=idx.device)  # [s]
-    return drop(wte(idx) + wpe(pos))
+    return s
 
 
-def output_logits(x: torch.Tensor, ln_f: nn.LayerNorm, head_weight: torch.Tensor) -> torch.Tensor:
-    """Final LayerNorm and the output projection: ``[b, s, h]`` -> logits ``[b, s, V]``
-    (``head_weight`` ``[V, h]``: the token embedding, or a pipeline stage's copy of it)."""
+def output_logits(x: torch.Tensor, ln_f: nn.Module, head_weight: torch.Tensor) -> torch.Tensor:
+    """Final norm and the output projection: ``[b, s, h]`` -> logits ``[b, s, V]``
+    (``head_weight`` ``[V, h]``: the token embedding, a pipeline stage's copy of it, or an untied head)."""
     return F.linear(ln_f(x), head_weight)
 
 

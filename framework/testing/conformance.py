@@ -66,8 +66,8 @@ VAL_EVERY = 3  # validation inside the run (steps 3 and 6), not only at its star
 SMALL_DATA = ("data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64")
 BATCH = ("trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.grad_accum_steps=null")
 COMMON = ("tracking=none", "trainer.progress_bar=false", "trainer.log_every_n_steps=1",
-          "trainer.warmup_steps_excluded=1", "trainer.val_sequences=16", f"trainer.val_every_n_steps={VAL_EVERY}",
-          "model=gpt_tiny")
+          "trainer.warmup_steps_excluded=1", "trainer.val_sequences=16", f"trainer.val_every_n_steps={VAL_EVERY}")
+MODEL = "gpt_tiny"  # the model every check trains unless its PluginCase names another (model=llama_tiny)
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class PluginCase:
     Attributes:
         name: test id (and run-name prefix).
         select: overrides that select and configure the plugin, e.g. ``("parallelism=fsdp",)``.
+        model: the ``model=`` preset of every run of the case, the ``single`` reference's included
+            (one reference per model, shared by the cases of that model).
         resume_as: layouts (override tuples) at another world size that must resume this
             plugin's checkpoint to ``single``'s losses.
         checks: which of :data:`CHECKS` apply.
@@ -89,6 +91,7 @@ class PluginCase:
 
     name: str
     select: tuple[str, ...]
+    model: str = MODEL
     resume_as: tuple[tuple[str, ...], ...] = (("parallelism=single",),)
     checks: tuple[str, ...] = CHECKS
     env: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
@@ -132,17 +135,17 @@ class Conformance:
     # -- running the driver --------------------------------------------------------------------
     def run(self, run_name: str, overrides: tuple[str, ...], *, env: Optional[dict[str, str]] = None,
             max_steps: int = STEPS, save_every: int = SAVE_AT, resume: Optional[Path | str] = None,
-            ckpt_dir: Optional[Path] = None) -> RunResult:
+            ckpt_dir: Optional[Path] = None, model: str = MODEL) -> RunResult:
         """Run the driver once (cached by ``run_name``); raises AssertionError with its output when it fails.
 
         ``resume``: a checkpoint folder, ``"auto"``, or None (= ``never``); ``ckpt_dir``: the
-        run's ``checkpoint.dir`` (default ``checkpoints/<run_name>``).
+        run's ``checkpoint.dir`` (default ``checkpoints/<run_name>``); ``model``: the ``model=`` preset.
         """
         if run_name in self._runs:
             return self._runs[run_name]
         ckpt = ckpt_dir or self.workdir / "checkpoints" / run_name
-        args = [sys.executable, "-m", "framework.train", *SMALL_DATA, f"data.cache_dir={self.cache_dir}", *COMMON, *BATCH,
-                *overrides, f"trainer.max_steps={max_steps}", f"checkpoint.every_n_steps={save_every}",
+        args = [sys.executable, "-m", "framework.train", *SMALL_DATA, f"data.cache_dir={self.cache_dir}", *COMMON,
+                f"model={model}", *BATCH, *overrides, f"trainer.max_steps={max_steps}", f"checkpoint.every_n_steps={save_every}",
                 "checkpoint.keep_last_k=10", f"checkpoint.dir={ckpt}", f"run_name={run_name}",
                 f"resume={resume if resume is not None else 'never'}"]
         proc = subprocess.run(args, cwd=self.workdir, capture_output=True, text=True, timeout=900,
@@ -158,17 +161,18 @@ class Conformance:
         self._runs[run_name] = result
         return result
 
-    def reference(self) -> RunResult:
-        """``single`` at the same global batch, checkpointed at ``SAVE_AT`` (shared by every plugin)."""
-        return self.run("ref-single", ("parallelism=single",))
+    def reference(self, model: str = MODEL) -> RunResult:
+        """``single`` at the same global batch, checkpointed at ``SAVE_AT`` (shared by every plugin of ``model``)."""
+        return self.run(_ref_name("ref-single", model), ("parallelism=single",), model=model)
 
-    def skip_reference(self) -> RunResult:
+    def skip_reference(self, model: str = MODEL) -> RunResult:
         """``single`` with step ``SKIP_AT``'s update dropped (shared by every plugin's ``skipped_step`` check)."""
-        return self.run("ref-single-skip", ("parallelism=single", *SKIP), max_steps=SKIP_AT + 2, save_every=0)
+        return self.run(_ref_name("ref-single-skip", model), ("parallelism=single", *SKIP), max_steps=SKIP_AT + 2,
+                        save_every=0, model=model)
 
     def plugin_run(self, case: PluginCase) -> RunResult:
         """The plugin's uninterrupted run, checkpointed at ``SAVE_AT`` and at the end."""
-        return self.run(f"{case.name}-full", case.select, env=case.env)
+        return self.run(f"{case.name}-full", case.select, env=case.env, model=case.model)
 
     # -- the checks ----------------------------------------------------------------------------
     def check(self, case: PluginCase, check: str) -> None:
@@ -183,7 +187,7 @@ class Conformance:
         getattr(self, f"check_{check}")(case)
 
     def check_loss_parity(self, case: PluginCase) -> None:
-        ref, got = self.reference(), self.plugin_run(case)
+        ref, got = self.reference(case.model), self.plugin_run(case)
         assert sorted(ref.losses) == list(range(1, STEPS + 1)), ref.losses
         assert min(ref.losses.values()) < ref.losses[1] - 0.1, "the reference must learn for the comparison to mean anything"
         _assert_losses(got.losses, ref.losses, range(1, STEPS + 1), case.parity_rtol, f"{case.name} vs single")
@@ -193,20 +197,20 @@ class Conformance:
     def check_checkpoint_round_trip(self, case: PluginCase) -> None:
         full = self.plugin_run(case)
         start = full.ckpt_dir / f"step{SAVE_AT:08d}"
-        again = self.run(f"{case.name}-roundtrip", case.select, env=case.env, save_every=STEPS, resume=start)
+        again = self.run(f"{case.name}-roundtrip", case.select, env=case.env, save_every=STEPS, resume=start, model=case.model)
         _assert_losses(again.losses, full.losses, range(SAVE_AT + 1, STEPS + 1), case.round_trip_rtol,
                        f"{case.name} resumed from its step {SAVE_AT}")
         _assert_same_state(again.ckpt_dir / f"step{STEPS:08d}", full.ckpt_dir / f"step{STEPS:08d}", case.round_trip_rtol)
 
     def check_resume_other_world_size(self, case: PluginCase) -> None:
-        ref, full = self.reference(), self.plugin_run(case)
+        ref, full = self.reference(case.model), self.plugin_run(case)
         steps = range(SAVE_AT + 1, STEPS + 1)
         for i, layout in enumerate(case.resume_as):
             got = self.run(f"{case.name}-as{i}", layout, env=case.env, save_every=0,
-                           resume=full.ckpt_dir / f"step{SAVE_AT:08d}")
+                           resume=full.ckpt_dir / f"step{SAVE_AT:08d}", model=case.model)
             _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"{case.name} checkpoint resumed as {layout}")
         got = self.run(f"{case.name}-from-single", case.select, env=case.env, save_every=0,
-                       resume=ref.ckpt_dir / f"step{SAVE_AT:08d}")
+                       resume=ref.ckpt_dir / f"step{SAVE_AT:08d}", model=case.model)
         _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"single checkpoint resumed by {case.name}")
 
     def check_bytes(self, case: PluginCase) -> None:
@@ -239,8 +243,9 @@ class Conformance:
     def check_skipped_step(self, case: PluginCase) -> None:
         from framework.faults.events import FaultLog
 
-        ref = self.skip_reference()
-        got = self.run(f"{case.name}-skip", (*case.select, *SKIP), env=case.env, max_steps=SKIP_AT + 2, save_every=0)
+        ref = self.skip_reference(case.model)
+        got = self.run(f"{case.name}-skip", (*case.select, *SKIP), env=case.env, max_steps=SKIP_AT + 2, save_every=0,
+                       model=case.model)
         log = FaultLog(self.workdir / "outputs" / "default" / got.run_name).read()
         (start,) = [r for r in log if r["ev"] == "start"]
         audits = {r["rank"]: r for r in log if r["ev"] == "skip_audit"}
@@ -255,6 +260,11 @@ class Conformance:
         updates = [(rec[s]["train/steps_attempted"], rec[s]["train/optimizer_updates"]) for s in steps]
         assert updates == [(s, s - (s >= SKIP_AT)) for s in steps], f"{case.name}: (attempted, applied) per step {updates}"
         _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"{case.name} vs single, step {SKIP_AT} skipped")
+
+
+def _ref_name(prefix: str, model: str) -> str:
+    """The reference run's name: ``prefix`` for :data:`MODEL` (the names other test modules share), else ``prefix-<model>``."""
+    return prefix if model == MODEL else f"{prefix}-{model}"
 
 
 def _assert_losses(got: dict[int, float], want: dict[int, float], steps: range, rtol: float, what: str) -> None:

@@ -55,7 +55,7 @@ def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_st
     """Cross-field rules of a tp/pp layout against the model and batch.
 
     Raises:
-        ConfigError: TP degree not dividing heads / hidden / MLP width (or seq_len with sequence
+        ConfigError: TP degree not dividing heads / key-value heads / hidden / MLP width (or seq_len with sequence
             parallelism), more pipeline stages than layers, too few micro-batches for the
             schedule. (Checkpoint policies are checked against the plugin's capabilities.)
     """
@@ -67,6 +67,11 @@ def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_st
             f"parallelism.tp_degree={t} must divide model.n_head={m.n_head}, model.d_model={m.d_model} and the MLP width"
             f" {d_ff} (allowed: a common divisor)"
         )
+    kv = getattr(m, "n_kv_head", None) or m.n_head
+    if kv % t:
+        # Each TP rank holds whole key/value groups (framework/model/llama.py); replicating K/V heads is not implemented.
+        raise ConfigError(f"parallelism.tp_degree={t} must divide model.n_kv_head={kv} (grouped-query attention splits"
+                          f" key/value heads over tp; allowed: a divisor of {kv})")
     if cfg.sequence_parallel and t > 1 and run.data.seq_len % t:
         raise ConfigError(f"parallelism.sequence_parallel=true needs data.seq_len={run.data.seq_len} divisible by tp_degree={t}")
     stages = pp_degree * cfg.virtual_stages

@@ -6,7 +6,8 @@ rank ``k % pp`` (the looped placement of Narayanan et al. 2021 §2.2.2, which
 ``ScheduleInterleaved1F1B`` expects). The first stage also holds the token and position
 embeddings; the last the final LayerNorm, the output head and the loss.
 
-**Tied embeddings.** The GPT's head is its token embedding ``wte``. Under PP the first and the
+**Tied embeddings.** The GPT's head is its token embedding ``wte`` (a Llama's head is its own
+``lm_head``, held by the last stage; nothing to sync, no embedding group). Under PP the first and the
 last stage are on different ranks, so the last stage holds its own copy ``head`` (initialised
 from ``wte``), and after every step the two gradients are all-reduced (summed) between the two
 ranks that hold them (Megatron-LM's "embedding group"). Both copies then see the gradient the
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.metrics.timing import make_clock
-from framework.model.gpt import embed_tokens, lm_loss, output_logits
+from framework.model.gpt import check_seq_len, embed_tokens, lm_loss, output_logits
 from plugins.megatron.metering import METER, meter_stage_sends
 
 
@@ -61,33 +62,43 @@ def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
 
 
 class GPTStage(nn.Module):
-    """A slice of a GPT: ``[b, s]`` token ids (first stage) or ``[b, s, h]`` hidden states in,
+    """A slice of a GPT or a Llama: ``[b, s]`` token ids (first stage) or ``[b, s, h]`` hidden states in,
     ``[b, s, h]`` hidden states or ``[b, s, V]`` logits (last stage) out.
 
-    Holds the GPT's own modules (no copies) and runs them with the GPT's own pieces
+    Holds the model's own modules (no copies) and runs them with the model's own pieces
     (:func:`~framework.model.gpt.embed_tokens`, its blocks, :func:`~framework.model.gpt.output_logits`).
-    Blocks keep their GPT names (``blocks.<N>``), so a stage's parameter names are the GPT's.
+    Modules keep their model names (``blocks.<N>``, ``wte``, ``ln_f``, ``lm_head``), so a stage's
+    parameter names are the model's. A Llama (no ``wpe``, untied ``lm_head``) needs no head copy.
     """
 
     def __init__(self, gpt: nn.Module, layer_ids: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
         self.max_seq_len = gpt.max_seq_len
+        self.tied = not hasattr(gpt, "lm_head")
         if first:
-            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+            self.wte, self.drop = gpt.wte, gpt.drop
+            self.wpe = getattr(gpt, "wpe", None)  # None: rotary positions, applied in the attention
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in layer_ids})
         if last:
             self.ln_f = gpt.ln_f
-            # The tied head's own copy on the last stage (see the module docstring).
-            self.head = nn.Parameter(gpt.wte.weight.detach().clone())
+            if self.tied:
+                # The tied head's own copy on the last stage (see the module docstring).
+                self.head = nn.Parameter(gpt.wte.weight.detach().clone())
+            else:
+                self.lm_head = gpt.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = embed_tokens(x, self.wte, self.wpe, self.drop, self.max_seq_len)
+            if self.wpe is not None:
+                x = embed_tokens(x, self.wte, self.wpe, self.drop, self.max_seq_len)
+            else:
+                check_seq_len(x, self.max_seq_len)
+                x = self.drop(self.wte(x))
         for block in self.blocks.values():
             x = block(x)
         if self.last:
-            x = output_logits(x, self.ln_f, self.head)
+            x = output_logits(x, self.ln_f, self.head if self.tied else self.lm_head.weight)
         return x
 
 

@@ -74,7 +74,8 @@ class MegatronPlugin(ParallelPlugin):
         self.mesh = None
         self.layout: ParallelLayout | None = None  # the run's, once parallel_plan ran
         self._local_shapes: list[tuple[str, tuple[int, ...]]] = []
-        self._grad_norm: float | None = None
+        self._busiest_pp_rank_shapes: list[tuple[int, ...]] | None = None  # with a pipeline (see _pipeline_plan)
+        self._grad_norm: torch.Tensor | None = None
 
     # -- validation -------------------------------------------------------------------------
     def validate(self, resolved: Any) -> None:
@@ -143,13 +144,33 @@ class MegatronPlugin(ParallelPlugin):
             layers = split_layers(gpt.n_layer, n_stages)
             stages = [GPTStage(gpt, layers[k], first=k == 0, last=k == n_stages - 1) for k in mine]
             self._local_shapes = [sh for st in stages for sh in self._planned_shapes(st.named_parameters(), lay)]
+            # Every pipeline rank's parameters, to model the busiest rank (the first with a GPT's position
+            # embedding, the last with a Llama's untied head and final norm); shapes only, no stage built.
+            params = dict(gpt.named_parameters())
+            tied = not hasattr(gpt, "lm_head")
+            ranks = []
+            for r in range(p):
+                named = []
+                for k in range(r, n_stages, p):
+                    prefixes = [f"blocks.{i}." for i in layers[k]]
+                    if k == 0:
+                        prefixes += ["wte.", "wpe."]
+                    if k == n_stages - 1:
+                        prefixes += ["ln_f.", "lm_head."]
+                        if tied:
+                            named.append(("head", params["wte.weight"]))
+                    named += [(n, t) for n, t in params.items() if n.startswith(tuple(prefixes))]
+                ranks.append([sh for _, sh in self._planned_shapes(named, lay)])
+            self._busiest_pp_rank_shapes = max(ranks, key=adamw_fp32_local_states_bytes)
             return stages
+
+        tied = not hasattr(model, "lm_head")
 
         def assemble(stages: list[torch.nn.Module]) -> torch.nn.Module:
             # The embedding group of every (dp, tp) coordinate: the ranks of its first and last stage.
             ranks = mesh.mesh  # [pp, dp, tp] global ranks
             embed_group = None
-            for d in range(lay.dp):
+            for d in range(lay.dp if tied else 0):  # an untied head (Llama) has no copy to sync
                 for t in range(lay.tp):
                     pair = sorted({int(ranks[0, d, t]), int(ranks[p - 1, d, t])})
                     g = dist.new_group(pair)
@@ -190,8 +211,9 @@ class MegatronPlugin(ParallelPlugin):
         head = self.runner.tied_params()[1] if self.runner is not None and self.runner.embed_group is not None else None
         return [p for p in module.parameters() if p.grad is not None and p is not head]
 
-    def grad_norm(self, module: Any) -> float:
-        """Global gradient L2 norm of the whole model (each parameter element once).
+    def grad_norm(self, module: Any) -> torch.Tensor:
+        """Global gradient L2 norm of the whole model (each parameter element once), a 0-dim float64 tensor
+        on the module's device (read back only where the run logs it).
 
         Each rank sums the squares of its local gradient (shards), divided by the number of
         ranks holding the same elements (TP/DP replicas); one all-reduce over all ranks adds
@@ -219,18 +241,19 @@ class MegatronPlugin(ParallelPlugin):
                 replicas, t = lay.dp * lay.tp, g
             local += t.double().pow(2).sum() / replicas
         dist.all_reduce(local)
-        self._grad_norm = float(local.sqrt())
+        self._grad_norm = local.sqrt()
         return self._grad_norm
 
     def clip_gradients(self, module: Any, optimizer: Any, max_norm: float) -> None:
-        """Scale every gradient by ``max_norm / (norm + 1e-6)`` when below 1 (as ``torch.nn.utils.clip_grad_norm_``)."""
+        """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``),
+        on the device: no host read of the norm (a DTensor gradient is scaled through its local shard)."""
         norm = self._grad_norm if self._grad_norm is not None else self.grad_norm(module)
         self._grad_norm = None
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+        for p in module.parameters():
+            if p.grad is not None:
+                g = p.grad
+                (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
 
     # -- cost model and metering ------------------------------------------------------------
     def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
@@ -300,8 +323,11 @@ class MegatronPlugin(ParallelPlugin):
 
         Local sizes from the layout: a column-parallel weight/bias holds ``1/t`` of its rows, a
         row-parallel weight ``1/t`` of its columns; a pipeline rank holds its stages (and the
-        head copy on the last stage); FSDP holds ``ceil(rows/dp)`` rows of each.
+        head copy on the last stage); FSDP holds ``ceil(rows/dp)`` rows of each. With a pipeline
+        the busiest pipeline rank's (the measured figure is the max over ranks).
         """
+        if self._busiest_pp_rank_shapes is not None:  # measured is the max over ranks: model the busiest pipeline rank
+            return adamw_fp32_local_states_bytes(self._busiest_pp_rank_shapes)
         return adamw_fp32_local_states_bytes([s for _, s in self._local_shapes])
 
     def install_comm_meter(self, model: Any, meter: CommMeter) -> None:

@@ -1,10 +1,19 @@
-"""Megatron-LM tensor parallelism for :class:`framework.model.GPT` with DTensor ``parallelize_module``.
+"""Megatron-LM tensor parallelism for :class:`framework.model.GPT` and :class:`framework.model.Llama` with DTensor ``parallelize_module``.
 
 Per transformer block (Shoeybi et al. 2019, §3, Fig. 3):
 
 - attention: ``attn.qkv`` column-parallel (each rank holds whole heads: the qkv output is laid
   out ``[H, 3, d]``, so a contiguous column shard is head-aligned), ``attn.proj`` row-parallel;
 - MLP: ``mlp.fc`` column-parallel, ``mlp.proj`` row-parallel.
+
+The Llama-style model keeps these names, so the same plan applies: its ``attn.qkv`` is laid out
+per key/value group ``[K, g + 2, d]`` (grouped-query attention), so a column shard holds
+``K / tp`` whole groups — its query heads and its key/value heads (``tp`` must divide
+``n_kv_head``; :func:`plugins.megatron.config.validate_run` refuses it otherwise); its
+``mlp.fc`` is SwiGLU's gate and up projections interleaved ``[f, 2]`` (column-parallel: each
+rank holds matching gate/up columns), ``mlp.proj`` the down projection (row-parallel); its
+RMSNorms take the LayerNorms' places (``ln_1``, ``ln_2``, ``ln_f``) under sequence parallelism.
+The communication is the same per layer: the block's input and output are ``[b, s, h]`` either way.
 
 Without sequence parallelism the block input is replicated; each row-parallel output is
 all-reduced in forward (Megatron's *g*) and each column-parallel input gradient in backward

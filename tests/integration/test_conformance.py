@@ -46,8 +46,31 @@ CASES = [
     *(PluginCase(f"zero{k}", select=(f"parallelism=zero{k}",), checks=("skipped_step",)) for k in (2, 3)),
 ]
 
+# The Llama-style model (model=llama_tiny: RMSNorm, RoPE, SwiGLU, 4 query / 2 key-value heads, untied head) under every
+# plugin and layout: `single`'s losses at the same global batch (the same 1e-5 relative tolerance) and, where the plugin
+# meters them exactly, the modelled bytes. DeepSpeed's own scalar all-reduces are measured but not modelled
+# (tests/integration/test_deepspeed.py), so ZeRO is checked on losses here. 2 to 4 ranks: the 2-D layouts dp2 x tp2 and
+# tp2 x pp2 (a 3-D dp2 x tp2 x pp2 needs 8 ranks, more than these tests start). dp2 x pp2 (FSDP2 inside pipeline
+# stages) is left out: with a validation pass inside the run (every 3 steps) it leaves `single`'s losses from step 5 on
+# by up to 6e-5 (llama_tiny) and 3e-4 (gpt_tiny, also before the Llama model existed); without one it matches to 7e-8.
+# A defect of that layout's validation (a stage's FSDP2 units after an evaluation forward), not of the model.
+LLAMA = dict(model="llama_tiny")
+LLAMA_CASES = [
+    PluginCase("llama-ddp", select=("parallelism=ddp",), checks=("loss_parity", "bytes"), **LLAMA),
+    PluginCase("llama-fsdp", select=("parallelism=fsdp",), checks=("loss_parity", "bytes"), **LLAMA),
+    *(PluginCase(f"llama-zero{k}", select=(f"parallelism=zero{k}",), checks=("loss_parity",), **LLAMA) for k in (1, 2, 3)),
+    # tp 2 with sequence parallelism: q/kv heads and SwiGLU columns split over tp, RMSNorms over the sequence.
+    PluginCase("llama-tp2sp", select=("parallelism=tp", "parallelism.sequence_parallel=true"), checks=("loss_parity", "bytes"), **LLAMA),
+    *(PluginCase(f"llama-pp2-{s}", select=("parallelism=pp", f"parallelism.schedule={s}", f"parallelism.virtual_stages={v}"),
+                 checks=("loss_parity", "bytes"), **LLAMA) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))),
+    PluginCase("llama-dp2tp2", select=("parallelism=tp", "parallelism.world_size=4"), checks=("loss_parity", "bytes"), **LLAMA),
+    # Its checkpoint (keyed by the Llama's names) resumes as `single`, and `single`'s resumes under it.
+    PluginCase("llama-tp2pp2", select=("parallelism=pp", "parallelism.tp_degree=2", "parallelism.world_size=4"),
+               checks=("loss_parity", "bytes", "resume_other_world_size"), **LLAMA),
+]
 
-@pytest.mark.parametrize("case,check", conformance_params(CASES))
+
+@pytest.mark.parametrize("case,check", conformance_params(CASES + LLAMA_CASES))
 def test_conformance(conformance, case, check):
     conformance.check(case, check)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from framework.config.schema import ConfigError
@@ -66,11 +68,20 @@ def test_every_conf_option_composes_and_validates(compose, group, option, tmp_pa
     if group == "parallelism" and option in ("fsdp", "tp", "pp"):
         overrides.append("checkpoint=none")
     run = load_run_config(compose(*overrides))
-    if group == "model" and option.startswith("llama3_"):  # SwiGLU/GQA/RoPE/untied: the planner's shapes only
-        with pytest.raises(ConfigError, match=r"model\.n_kv_head=8 is a planning shape .*model\.mlp='swiglu' is a planning shape"):
-            validate(run)
-        return
     validate(run)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model=gpt_tiny", "+model.mlp=swiglu"], "model.mlp='swiglu' does not go with model.arch='gpt' (it trains only model.mlp='gelu'"),
+    (["model=llama_tiny", "model.tied_embeddings=true"], "model.tied_embeddings=True does not go with model.arch='llama'"),
+    (["model=llama_tiny", "model.bias=true"], "model.bias=True does not go with model.arch='llama'"),
+    (["model=llama_tiny", "model.arch=mamba"], "model.arch='mamba' is not allowed; allowed: gpt, llama"),
+    (["model=llama_tiny", "parallelism=tp", "parallelism.tp_degree=4", "parallelism.world_size=4", "checkpoint=none"],
+     "parallelism.tp_degree=4 must divide model.n_kv_head=2 (grouped-query attention splits key/value heads over tp"),
+])
+def test_a_shape_that_does_not_fit_the_architecture_is_one_line(compose, overrides, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        validate(load_run_config(compose(*overrides)))
 
 
 @pytest.mark.parametrize(
