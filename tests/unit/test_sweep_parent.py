@@ -37,6 +37,7 @@ def test_an_early_exit_ends_the_parent_with_reason_and_counts(store, monkeypatch
     s = sweep.Sweep(name="s", keys=["optim.lr"], values={"optim.lr": "1e-3,3e-3,1e-2"}, parent_run_id=parent, tracking_uri=uri)
     monkeypatch.setenv(sweep.SWEEP_ENV, s.to_json())
     sweep.OUTCOMES.clear()
+    sweep.SEARCH.clear()  # another test's search may have left its counts
     sweep.close_sweep("FAILED", "AssertionError: optuna storage (exit 1)")
     run = client.get_run(parent)
     assert run.info.status == "FAILED"
