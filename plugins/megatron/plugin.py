@@ -110,11 +110,22 @@ class MegatronPlugin(ParallelPlugin):
         return plan
 
     def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
-        """After the plan, without a pipeline and with FSDP on dp: FSDP2 keeps the root unit gathered
-        after forward, so it reshards after an evaluation forward (:func:`plugins.fsdp.reshard_after_evaluation`)."""
+        """After the plan, with FSDP on dp: FSDP2 keeps a root unit gathered after forward, so it
+        reshards after an evaluation forward (:func:`plugins.fsdp.reshard_after_evaluation`): the
+        model's root without a pipeline; with one, every FSDP unit of this rank's stages (each stage
+        chunk is a root of its own). Left gathered, the next training step skipped the stage's
+        all-gather and then read its parameters from before the optimizer step: dp x pp runs with a
+        validation pass left `single`'s losses by up to 3e-4 from the step after next."""
         lay = self.layout
-        if lay.pp == 1 and lay.dp > 1 and self.cfg.data_parallel == "fsdp":
-            model.register_forward_hook(reshard_after_evaluation)
+        if lay.dp > 1 and self.cfg.data_parallel == "fsdp":
+            if lay.pp == 1:
+                model.register_forward_hook(reshard_after_evaluation)
+            else:
+                from torch.distributed.fsdp import FSDPModule
+
+                for unit in model.modules():
+                    if isinstance(unit, FSDPModule):
+                        unit.register_forward_hook(reshard_after_evaluation)
         return model
 
     def _wrap_dp(self, mod: torch.nn.Module) -> torch.nn.Module:
