@@ -116,6 +116,15 @@ def display_name(task_overrides: Sequence[str], keys: Sequence[str]) -> str:
     return ", ".join(v for _, v in shown) + " (" + ", ".join(k for k, _ in shown) + ")"
 
 
+def job_label(task_overrides: Sequence[str], keys: Sequence[str]) -> str:
+    """A job's label in the sweep's printed tables and best-job line: ``key=value`` joined by ``,``,
+    each key by its last dotted part (the whole key where that part is not unique), e.g.
+    ``every_n_steps=5,parallelism=ddp``. (Its MLflow run name, :func:`display_name`, leads with the values.)"""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    found = _values_of(task_overrides, keys)
+    return ",".join(f"{s if last.count(s) == 1 else k}={found[k]}" for k, s in zip(keys, last) if k in found) or "job"
+
+
 def current() -> Sweep | None:
     """The sweep this process is running, or None (set by :class:`SweepCallback` for the sweep's length)."""
     text = os.environ.get(SWEEP_ENV)
@@ -477,7 +486,7 @@ def record_job(run_dir: Path, status: str, reason: str = "", run_id: str | None 
     limit = settings.get("max_peak_mem_gib")
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     sweep = current()
-    name = display_name(overrides, sweep.keys) if sweep else run_dir.name
+    name = job_label(overrides, sweep.keys) if sweep else run_dir.name
     swept = [f"{k}={v}" for k, v in _values_of(overrides, sweep.keys).items()] if sweep else overrides
     peaks = [r["mem/peak_bytes"] for r in read_jsonl_metrics(run_dir / "metrics.jsonl") if "mem/peak_bytes" in r]
     peak = max(peaks) if peaks else None

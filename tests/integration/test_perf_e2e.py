@@ -57,7 +57,7 @@ def test_the_sweep_records_two_finished_comparable_runs(sweep):
     (sweep_dir,) = [p for p in (runner.workdir / "outputs" / EXPERIMENT).iterdir() if p.is_dir()]
     out = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
     assert out == ["parallelism=ddp", "parallelism=single"], out
-    assert {r.info.run_name for r in runs.values()} == set(out)  # a child is named by its swept values
+    assert {r.info.run_name for r in runs.values()} == {"ddp (parallelism)", "single (parallelism)"}  # by its swept values
 
 
 @pytest.mark.parametrize("plugin", ["single", "ddp"])

@@ -30,7 +30,7 @@ def _runs(runner: Runner, experiment: str):
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("trainlab.sweep") == "parent"]
-    return parent, {r.info.run_name: r for r in runs if r is not parent}
+    return parent, {r.data.tags["trainlab.swept"]: r for r in runs if r is not parent}  # by swept key=value
 
 
 def test_a_grid_with_an_invalid_layout_and_a_nan_fault_completes_and_names_the_best(runner):

@@ -121,7 +121,7 @@ def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(
     print()
     for plugin, (job_id, t_sent) in signalled.items():
         (run_dir,) = exp_dir.glob(f"*/parallelism={plugin}")
-        (child,) = [r for r in runs if r.info.run_name == f"parallelism={plugin}"]
+        (child,) = [r for r in runs if r.info.run_name == f"{plugin} (parallelism)"]
         assert child.info.status == "FINISHED" and PREEMPTED_TAG not in child.data.tags, child.data.tags.get("error")
         recs = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines() if '"preempted"' in line]
         assert len(recs) == 1, recs

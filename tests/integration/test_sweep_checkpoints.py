@@ -26,11 +26,11 @@ def test_a_sweep_with_an_explicit_checkpoint_dir_gives_each_job_its_folder(runne
     assert "trainlab: resuming from" not in proc.stdout
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = job_runs(client, "ckroot")
-    assert sorted(r.info.run_name for r in runs) == ["every_n_steps=2", "every_n_steps=4"]
+    assert sorted(r.info.run_name for r in runs) == ["2 (every_n_steps)", "4 (every_n_steps)"]
     for r in runs:
         assert r.info.status == "FINISHED" and r.data.metrics["train/steps"] == 4
         own = root / r.data.params["run_name"]  # <root>/<sweep>/<job>
-        assert sorted(p.name for p in own.glob("step*")) == ["step00000004"] if "=4" in r.info.run_name else \
+        assert sorted(p.name for p in own.glob("step*")) == ["step00000004"] if r.info.run_name.startswith("4 ") else \
             ["step00000002", "step00000004"]
     assert len({r.data.params["run_name"] for r in runs}) == 2
 
