@@ -161,4 +161,4 @@ def test_a_sweep_of_lr_by_plugin_starts_ranks_for_ddp_jobs(store):
     assert len(children) == 4
     _check_finished_children(parent, children, "optim.lr", ["0.001", "0.003"])
     assert sorted((c.data.tags["plugin"], c.data.tags["world_size"]) for c in children) == [("ddp", "2")] * 2 + [("single", "1")] * 2
-    assert sorted(c.info.run_name for c in children)[0] == "lr=0.001,parallelism=ddp"  # (Hydra writes the job's 1e-3 so)
+    assert sorted(c.info.run_name for c in children)[0] == "0.001, ddp (lr, parallelism)"  # (Hydra writes the job's 1e-3 so)
