@@ -160,6 +160,18 @@ def presets_writing(kind: str, conf_dir: Path | None = None) -> list[str]:
                   if re.search(r"^name:\s*(\S+)", p.read_text(), re.M).group(1) in writers)
 
 
+def _preset_sweeps(argv: list[str]) -> bool:
+    """Whether the composed run is a multirun by its config (an experiment preset's ``hydra.mode:
+    MULTIRUN``): the compose API leaves the ``hydra`` node out unless asked for it."""
+    if not any(a.split("=", 1)[0].lstrip("+~") == "experiment" for a in argv):
+        return False
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*argv, "run_name=precheck"], return_hydra_config=True)
+    return str(cfg.hydra.get("mode")).endswith("MULTIRUN")
+
+
 def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
     """Hydra's multi-line composition errors as one line; a mistyped key gets suggestions."""
     text = str(err)
@@ -207,9 +219,9 @@ def precheck(argv: list[str]) -> Any:
             cfg = compose(config_name="config", overrides=[*argv, "run_name=precheck"])
     except Exception as err:  # Hydra's override/composition errors
         fail(_one_line_hydra_error(err, argv))
-    if cfg.get("hydra", {}).get("mode") == "MULTIRUN":  # an experiment preset that sweeps
-        return None
     if int(cfg.get("sweep", {}).get("repeats", 1) or 1) > 1:
+        if _preset_sweeps(argv):  # an experiment preset that sweeps (hydra.mode: MULTIRUN): its jobs are checked then
+            return None
         fail(f"sweep.repeats={cfg.sweep.repeats} repeats the jobs of a sweep; add -m and a swept key"
              " (e.g. -m sweep.label=a sweep.repeats=5 for one configuration)")
     try:

@@ -165,3 +165,14 @@ def test_the_monitor_counts_a_process_outside_the_run_and_not_the_runs_own_work(
     with off:
         pass
     assert off.record is None
+
+
+def test_a_sweeping_preset_takes_repeats_without_dash_m_and_a_plain_run_is_refused():
+    """The study READMEs' commands (`experiment=data_pipeline sweep.repeats=5`: the preset sets hydra.mode
+    MULTIRUN) pass the driver's precheck; a single run with repeats is refused in one line (exit 2)."""
+    from framework.cli import precheck
+
+    assert precheck(["experiment=data_pipeline", "sweep.repeats=5"]) is None  # the sweep's own checks follow
+    with pytest.raises(SystemExit) as exc:
+        precheck(["parallelism=single", "sweep.repeats=5"])
+    assert exc.value.code == 2
