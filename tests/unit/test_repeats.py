@@ -150,6 +150,11 @@ def test_the_monitor_counts_a_process_outside_the_run_and_not_the_runs_own_work(
                          capture_output=True, text=True, check=True)
     pid = int(out.stdout.strip())  # its parent (sh) has exited: it is not in this process's tree
     try:
+        import psutil
+
+        deadline = time.time() + 20  # the spinner is busy (past its interpreter start) before the monitor starts
+        while sum(psutil.Process(pid).cpu_times()[:2]) < 0.3 and time.time() < deadline:
+            time.sleep(0.05)
         mon = LoadMonitor(0.5, cpu_threshold=0.02, run_dir=tmp_path)
         with mon:
             t = time.process_time()
@@ -165,6 +170,31 @@ def test_the_monitor_counts_a_process_outside_the_run_and_not_the_runs_own_work(
     with off:
         pass
     assert off.record is None
+
+
+def _burn(seconds: float) -> None:
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        pass
+
+
+def test_the_runs_tree_keeps_the_cpu_time_of_children_that_have_exited():
+    """Loader workers and ranks exit before the run ends; their CPU time is the run's own, not another's.
+
+    CPU time, not wall time: the assertion holds on a loaded machine as well.
+    """
+    import multiprocessing as mp
+
+    mon = LoadMonitor(1.0)
+    before, _ = mon._tree()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_burn, args=(0.6,)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()  # reaped: their times move to this process's children_user/children_system
+    after, _ = mon._tree()
+    assert after - before >= 2 * 0.6 * 0.9
 
 
 def test_a_sweeping_preset_takes_repeats_without_dash_m_and_a_plain_run_is_refused():
