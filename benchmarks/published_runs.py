@@ -59,7 +59,7 @@ class Row:
     metric: str
     published: float
     assumed: str = ""
-    params: tuple = ()  # (name, value) StepTimeParams overrides of the source (the framework it ran)
+    params: tuple = ()  # (name, value) StepTimeParams overrides of the source (the framework it ran), then of the row
     memory_gib: Optional[float] = None  # peak memory per GPU the source reports (GiB), where it does
 
 
@@ -94,7 +94,8 @@ def load_rows(path: Path = DATA) -> tuple[dict, list[Row]]:
                          precision=r.get("precision", "bf16"))
         rows.append(Row(r["source"], sources[r["source"]]["set"], r["name"], r["model"], shape, r["gpu"], lay,
                         r["metric"], float(r["published"]), r.get("assumed", ""),
-                        tuple(sorted((sources[r["source"]].get("params") or {}).items())), r.get("memory_gib")))
+                        tuple(sorted({**(sources[r["source"]].get("params") or {}), **(r.get("params") or {})}.items())),
+                        r.get("memory_gib")))
     return sources, rows
 
 

@@ -4,7 +4,9 @@
 ``estimate_mfu``): model FLOPs, no rematerialization. Hardware FLOPs add the recomputed
 forward: full recompute of every block adds ``2·N_blocks + 4·L·h·s`` per token; selective
 recompute (Korthikanti et al. 2022 §5: only the attention core ``softmax(QK^T)V``) adds the
-attention score/value forward ``4·L·h·s``.
+attention score/value forward ``4·L·h·s``. torchtitan's op-level selective checkpointing
+(``selective_ac_option = "op"``) instead recomputes every second matmul of a block
+(:func:`op_sac_recompute_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,24 @@ def hardware_flops_per_token(shape, recompute: str) -> int:
     if recompute == "selective":
         return model + 4 * L * h * s
     return model
+
+
+def op_sac_recompute_flops_per_token(shape) -> int:
+    """Extra hardware FLOPs per token of torchtitan's op-level selective activation checkpointing: per
+    block it saves the output of every ``aten.mm`` except every second one (counted in forward call
+    order), which backward recomputes (torchtitan ``parallelize_llama.py`` ``_custom_policy``, "Saves
+    output of all compute ops, except every second mm"; commits 0413364 and 9dec370 of its
+    docs/performance.md runs). Call order: SwiGLU blocks (torchtitan's Llama) ``wq, wk, wv, wo, w1,
+    w3, w2`` recompute ``wk`` (h x kv_dim), ``wo`` (h x h) and ``w3`` (h x f); GELU blocks with a fused
+    QKV ``qkv, proj, fc1, fc2`` recompute ``proj`` and ``fc2``. Each recomputed mm costs
+    ``2·rows·cols`` FLOPs per token: ``2·L·Σ``.
+    """
+    h, f = shape.d_model, shape.ff
+    if shape.mlp == "swiglu":
+        mms = [h * h, h * shape.kv_dim, h * shape.kv_dim, h * h, h * f, h * f, f * h]
+    else:
+        mms = [h * (h + 2 * shape.kv_dim), h * h, h * f, f * h]
+    return 2 * shape.n_layer * sum(mms[1::2])
 
 
 def flops_per_step(shape, *, global_batch_size: int) -> int:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from framework.cost.collectives import ZERO3_COLLECTIVES, Collective, layout_collectives
-from framework.cost.flops import hardware_flops_per_token
+from framework.cost.flops import hardware_flops_per_token, op_sac_recompute_flops_per_token
 from framework.cost.memory import PRECISIONS, stage_layers, stage_params
 
 
@@ -75,6 +75,9 @@ class StepTimeParams:
             token per layer falls as ``1/h`` (and grows with ``peak_flops / hbm_bandwidth``: H100 > A100).
             CALIBRATED with the achievable fractions on the fit set of ``benchmarks/published_runs.py``;
             None = the cluster file's ``elementwise_bytes_per_h`` (0 when it has none).
+        op_sac: ``recompute = selective`` is torchtitan's op-level selective checkpointing, which also
+            recomputes every second matmul of a block in backward
+            (:func:`~framework.cost.flops.op_sac_recompute_flops_per_token`), not only the attention core.
     """
 
     tp_overlap: float = 0.0
@@ -90,6 +93,7 @@ class StepTimeParams:
     step_overhead_s: float = 0.0
     replicated_head: bool = False
     elementwise_bytes_per_h: Optional[float] = None
+    op_sac: bool = False
 
 
 def latency_steps(kind: str, n: int, algorithm: str = "ring") -> float:
@@ -175,6 +179,8 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     rate = cluster.achievable_flops
     imbalance = stage_layers(shape.n_layer, p) * p / shape.n_layer  # the busiest stage's share of the layers, x p
     t_f = model_fpt / 3 * tokens_mb * imbalance / (lay.tp * p) / rate  # one micro-batch's forward on this rank
+    if params.op_sac and lay.recompute == "selective":
+        hw_fpt += op_sac_recompute_flops_per_token(shape)
     t_b = (2 * model_fpt / 3 + (hw_fpt - model_fpt)) * tokens_mb * imbalance / (lay.tp * p) / rate
     ew = params.elementwise_bytes_per_h
     ew = getattr(cluster, "elementwise_bytes_per_h", 0.0) if ew is None else ew

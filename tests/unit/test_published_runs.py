@@ -1,6 +1,7 @@
 """The published-runs table (benchmarks/published_runs.yaml) and the model terms it checks."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -150,3 +151,32 @@ def test_published_runs_are_predicted_to_fit_their_gpus(table):
     _, rows = table
     misses = sorted(r.name for r in rows if not predict(r)[1].fits)
     assert misses == ["405B 8192 GPUs", "Llama2 70B sel-op b1", "Llama3.1 8B 8xH100-96GB"]
+
+
+def test_op_sac_recomputes_every_second_matmul_of_a_block():
+    """torchtitan's op-level selective checkpointing: Llama blocks (wq, wk, wv, wo, w1, w3, w2) recompute
+    wk, wo and w3; the backward of one micro-batch grows by those FLOPs at the achievable rate."""
+    from framework.cost.flops import op_sac_recompute_flops_per_token
+
+    llama = ModelShape(n_layer=4, d_model=512, n_head=8, n_kv_head=2, d_ff=1408, mlp="swiglu", vocab_size=1000,
+                       seq_len=256, bias=False)
+    kv = 2 * 512 // 8
+    assert op_sac_recompute_flops_per_token(llama) == 2 * 4 * (512 * kv + 512 * 512 + 512 * 1408)
+    gpt = SHAPE  # qkv, proj, fc1, fc2: proj and fc2
+    assert op_sac_recompute_flops_per_token(gpt) == 2 * 8 * (1024 * 1024 + 4096 * 1024)
+    lay = PlanLayout(dp=1, tp=1, pp=1, micro_batch_size=2, global_batch_size=2, recompute="selective")
+    c = _cluster(nvlink=Link(0.0, 1e30))
+    base = step_time(llama, lay, c, StepTimeParams(elementwise_bytes_per_h=0.0))
+    sac = step_time(llama, lay, c, StepTimeParams(elementwise_bytes_per_h=0.0, op_sac=True))
+    expect = op_sac_recompute_flops_per_token(llama) * 2 * 256 / 1e14
+    assert sac.backward - base.backward == pytest.approx(expect) and sac.forward == base.forward
+    # only under selective recompute (full recompute already reruns every matmul)
+    full = replace(lay, recompute="full")
+    assert step_time(llama, full, c, StepTimeParams(op_sac=True)).total == step_time(llama, full, c, StepTimeParams()).total
+
+
+def test_h100_96gb_peak_is_derated_between_the_datasheet_points():
+    """500 W between H100 NVL (400 W, 835.5) and SXM5 (700 W, 989.4), linear in board power."""
+    c = load_cluster("h100_96gb")
+    assert c.peak_flops == pytest.approx(835.5e12 + (989.4e12 - 835.5e12) * (500 - 400) / (700 - 400), rel=1e-3)
+    assert c.power_w == 500
