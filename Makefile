@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make run` (set up, train the default experiment)
-# and `make test` (set up, run the test suite). Both create .venv when it is missing.
+# and `make test` (set up, run the test suite; `make test-fast`: the tier without processes). Both create .venv when it is missing.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
@@ -19,7 +19,7 @@ EXTRAS := dev
 TORCH_SPEC ?= torch==2.13.0+cpu
 endif
 
-.PHONY: setup run test clean
+.PHONY: setup run test test-fast clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The development tier: tests that start no process (no driver, ranks or rendezvous); docs/tests.md.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun checkpoints mlruns.db mlruns .cache

@@ -1,4 +1,7 @@
-"""Shared test fixtures.
+"""Shared test fixtures and the suite's tiers.
+
+Every test under ``tests/integration/`` (the real driver, ranks and rendezvous) is marked ``slow``, as are
+unit tests that start Python processes; ``make test-fast`` (``pytest -m "not slow"``) runs the rest.
 
 Multi-rank tests start real gloo process groups on CPU; each rank gets
 ``cores // ranks`` threads (framework.distributed), so 2 ranks on 2 cores use 1 thread each.
@@ -12,6 +15,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every integration test ``slow`` (the fast tier, ``-m "not slow"``, leaves them out)."""
+    for item in items:
+        if INTEGRATION in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture()

@@ -78,6 +78,7 @@ def test_the_package_registers_full_delta_and_dcp():
     assert get_checkpoint_kind("full").load_into_shards is None
 
 
+@pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_the_table_imports_no_torch_or_lightning():
     """The driver consults it before any rank starts."""
     code = ("import sys, framework.checkpoint.kinds as k; k.get_checkpoint_kind('dcp');"

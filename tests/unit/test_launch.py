@@ -55,6 +55,7 @@ def test_a_shrink_re_resolves_the_run_at_a_smaller_world_size(compose):
         resolve_shrunk(shrunk.run, 1)
 
 
+@pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_a_process_exits_although_a_daemonic_child_ignores_sigterm(tmp_path):
     """Loader workers ignore the preemption signals; multiprocessing's exit handler terminates (SIGTERM) and
     joins daemonic children, which then waited forever: exit_process kills them first."""

@@ -6,6 +6,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test starts Python processes (the fast tier leaves them out)
+
 CHILD = """
 import signal
 from framework.callbacks.preemption import install_handlers

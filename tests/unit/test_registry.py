@@ -61,6 +61,7 @@ def test_unknown_group_option_is_one_line_before_hydra(capsys):
     check_group_choices(["parallelism=single,ddp", "model=gpt2_124m", "experiment=null", "data.paths=[a,b]"])  # fine
 
 
+@pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_a_second_driver_on_the_same_run_is_refused(tmp_path):
     import os
     import subprocess
@@ -81,6 +82,7 @@ def test_a_second_driver_on_the_same_run_is_refused(tmp_path):
     assert proc.returncode == 0  # free again once the holder lets go
 
 
+@pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_the_driver_imports_plugins_without_lightning():
     """The driver loads the plugin of the run (pre-check, cost model) but never trains: importing a built-in
     plugin must leave Lightning (about 2.5 s of CPU per process) to the ranks."""

@@ -143,6 +143,7 @@ def test_read_cpu_jiffies(tmp_path):
     assert read_cpu_jiffies(str(tmp_path / "missing")) is None
 
 
+@pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_the_monitor_counts_a_process_outside_the_run_and_not_the_runs_own_work(tmp_path):
     """A busy loop in this process is the run's own work; a detached busy process (not a descendant) is another's."""
     spin = "import time\nt=time.time()\nwhile time.time()-t<30: pass\n"

@@ -58,6 +58,7 @@ def test_slurm_launcher_without_sbatch_is_one_line_naming_the_launcher_and_the_i
     assert check_launcher(["parallelism=ddp"], which=lambda c: None) is None
 
 
+@pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_the_driver_refuses_it_before_anything_starts(tmp_path):
     """The real command line, with a PATH that has python but no sbatch: exit 2, one line, no output folder."""
     env = {**os.environ, "PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(REPO)}

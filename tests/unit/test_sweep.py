@@ -102,6 +102,7 @@ def test_bad_sweeps_are_refused_in_one_line(capsys, sweep, message):
     assert done.value.code == 2 and err.startswith("trainlab: error: " + message) and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_a_bad_sweep_fails_before_any_job_starts(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "framework.train", "-m", "trainer.max_steps=2,abc", "tracking=none"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -139,6 +140,7 @@ def test_the_report_says_when_mfu_denominators_differ():
     assert "4e+10 .. 8e+10" in mfu_peak_note(split)
 
 
+@pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_more_than_one_task_per_node_is_refused_before_submitting(tmp_path):
     """submitit would start a second driver per node, which stops at the run lock (issue 23, item 6)."""
     proc = subprocess.run([sys.executable, "-m", "framework.train", "-m", "hydra/launcher=submitit_local",
