@@ -32,6 +32,20 @@ s = 8192 would need tens of GB for that one layer, more than the published full-
 the fp32 logits ``4·s·b·V/t`` of one micro-batch (the output layer's input and the
 cross-entropy); the first stage the embedding output ``e·s·b·h`` (+ dropout mask ``s·b·h``)
 per micro-batch in flight (§4.3).
+
+torchtitan's op-level selective checkpointing (``op_sac``; ``selective_ac_option = "op"``, its
+``parallelize_llama.py`` ``_custom_policy`` at the commits of its docs/performance.md runs, 0413364
+and 9dec370) keeps a different set: a checkpointed block keeps its input and the outputs of the
+ops its policy saves, ``aten.mm`` except every second one (forward call order) and the fused
+attention (output and log-sum-exp); every other op (norms, rotary, SwiGLU/GELU, residual adds, the
+unsaved mm's) is recomputed in backward (``torch.utils.checkpoint`` selective checkpointing caches the
+saved ops' outputs and nothing else of the region). Per token: the input ``h·e``, the saved
+mm's outputs (SwiGLU ``wq, wk, wv, wo, w1, w3, w2`` keeps ``wq`` h, ``wv`` kv_dim, ``w1`` f and
+``w2`` h; a GELU block ``qkv, proj, fc1, fc2`` keeps ``qkv`` h + 2·kv_dim and ``fc1`` f) times ``e``,
+the attention output ``h·e`` and its log-sum-exp ``4·a`` (fp32 per head); column-parallel outputs
+(Q/K/V, fc1/w1/w3) are split by ``t``, the input and row-parallel outputs by ``t`` only with SP.
+Backward rematerialises one block at a time: one layer's selective set as working memory, as
+under full recompute.
 """
 
 from __future__ import annotations
@@ -42,8 +56,10 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none", act_bytes: int = 2, dropout: bool = True) -> float:
-    """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank (module table).
+                               recompute: str = "none", act_bytes: int = 2, dropout: bool = True,
+                               op_sac: bool = False) -> float:
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank (module table;
+    with ``op_sac`` and ``recompute = "selective"``, torchtitan's op-level saved set, module docstring).
 
     Args:
         shape: a :class:`~framework.cost.shape.ModelShape` (h, a, f, kv heads, s).
@@ -53,6 +69,7 @@ def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, seq
         recompute: ``none`` | ``selective`` | ``full``.
         act_bytes: bytes per activation element (2: bf16/fp16, Table 2; 4: fp32).
         dropout: dropout layers keep 1-byte masks (Table 2); False = no dropout (p = 0).
+        op_sac: ``selective`` is torchtitan's op-level selective checkpointing (its saved set, not Table 2's).
 
     Raises:
         ValueError: unknown ``recompute``.
@@ -64,6 +81,12 @@ def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, seq
     e = act_bytes
     if recompute == "full":
         return float(e) * s * b * h / sp_div
+    if recompute == "selective" and op_sac:
+        f, kv = shape.ff, shape.kv_dim
+        # column-parallel saved outputs (/t) and the input + row-parallel saved outputs (/t only with SP)
+        split, unsplit = ((h + kv + f), 2 * h) if shape.mlp == "swiglu" else ((h + 2 * kv + f), h)
+        per_token = (split / tp + unsplit / sp_div + h / tp) * e + 4 * a / tp  # + attention output and its lse
+        return float(s * b * per_token)
     mlp = (3 if shape.mlp == "swiglu" else 2) * shape.ff
     split = (2 * h + 2 * shape.kv_dim + mlp) * e  # bytes per token, divided by t
     unsplit = 4 * h * e + (2 * h if dropout else 0)
@@ -74,24 +97,26 @@ def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, seq
 
 def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int, n_microbatches: int,
                               sequence_parallel: bool, recompute: str, schedule: str = "1F1B",
-                              virtual_stages: int = 1, act_bytes: int = 2, dropout: bool = True) -> dict[str, float]:
+                              virtual_stages: int = 1, act_bytes: int = 2, dropout: bool = True,
+                              op_sac: bool = False) -> dict[str, float]:
     """Peak activation bytes of the busiest rank, by part (module docstring).
 
     The first stage holds ``L/p`` layers' activations for :func:`~framework.cost.bubble.microbatches_in_flight`
     micro-batches (1F1B: ``min(p, m)``; GPipe: ``m``; interleaved: ``p·(1 + (p-1)/(p·v))``); with
     ``pp == 1`` one micro-batch is in flight (gradient accumulation frees each micro-batch's
     activations in its backward). Returns ``{"layers", "recompute_working", "embedding", "logits",
-    "total"}`` for the larger of the first and the last stage.
+    "total"}`` for the larger of the first and the last stage. ``op_sac``: ``selective`` is torchtitan's
+    op-level checkpointing (:func:`activation_bytes_per_layer`), with one layer rematerialised in backward.
     """
     s, b, h = shape.seq_len, micro_batch_size, shape.d_model
     kw = dict(act_bytes=act_bytes, dropout=dropout)
     per_layer = activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel,
-                                           recompute=recompute, **kw)
+                                           recompute=recompute, op_sac=op_sac, **kw)
     inflight = microbatches_in_flight(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
     layers_per_stage = -(-shape.n_layer // pp)  # the busiest stage: ceil(L/p)
     working = (activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel,
                                           recompute="selective", **kw)
-               if recompute == "full" else 0.0)  # the recomputed layer, its attention core fused (no s x s scores)
+               if recompute == "full" or (recompute == "selective" and op_sac) else 0.0)  # the recomputed layer, its attention core fused (no s x s scores)
     sp_div = tp if sequence_parallel else 1
     embedding = (act_bytes + (1 if dropout else 0)) * s * b * h / sp_div
     logits = 4.0 * s * b * shape.vocab_size / tp
