@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/published_runs.py           # the table with the cost model as configured
     PYTHONPATH=$PWD python benchmarks/published_runs.py --fit     # refit the fitted numbers on the fit sources, then the table
     PYTHONPATH=$PWD python benchmarks/published_runs.py --terms   # each model term on/off: median/worst per set, before -> after
+    PYTHONPATH=$PWD python benchmarks/published_runs.py --sensitivity  # the unpublished settings the worst misses hang on
 
 The runs, their sources (paper and table), the settings assumed where a source does not publish
 them, and the split into a ``fit`` and a ``heldout`` set BY SOURCE (one source = one publication,
@@ -100,11 +101,13 @@ def load_rows(path: Path = DATA) -> tuple[dict, list[Row]]:
 
 
 @functools.lru_cache(maxsize=None)
-def load_cluster(name: str, fraction: Optional[float] = None):
-    """``conf/cluster/<name>.yaml`` (``fraction`` replaces its achievable fraction)."""
+def load_cluster(name: str, fraction: Optional[float] = None, peak_flops: Optional[float] = None):
+    """``conf/cluster/<name>.yaml`` (``fraction`` replaces its achievable fraction, ``peak_flops`` its peak)."""
     raw = yaml.safe_load((CONF_DIR / "cluster" / f"{name}.yaml").read_text(encoding="utf-8"))
     if fraction is not None:
         raw["achievable_fraction"] = fraction
+    if peak_flops is not None:
+        raw["peak_flops"] = peak_flops
     return cluster_from_dict(raw, where=name)
 
 
@@ -114,10 +117,11 @@ def group_of(cluster: str) -> str:
 
 
 def predict(row: Row, params: StepTimeParams = StepTimeParams(), fractions: Optional[dict] = None,
-            off: tuple[str, ...] = ()):
+            off: tuple[str, ...] = (), peaks: Optional[dict] = None):
     """``(predicted metric, Estimate)`` for ``row`` (``fractions``: achievable fraction per :data:`FIT_GROUPS`
-    key; ``off``: model terms switched off for the term-by-term report, :data:`TERMS`)."""
-    c = load_cluster(row.cluster, (fractions or {}).get(group_of(row.cluster)))
+    key; ``off``: model terms switched off for the term-by-term report, :data:`TERMS`; ``peaks``: peak
+    FLOP/s per cluster file, replacing the file's, for :func:`sensitivity_report`)."""
+    c = load_cluster(row.cluster, (fractions or {}).get(group_of(row.cluster)), (peaks or {}).get(row.cluster))
     params = replace(params, **dict(row.params))
     e = estimate(row.shape, row.layout, c, params)
     if off:
@@ -249,6 +253,40 @@ def terms_report(rows: list[Row], params: StepTimeParams) -> list[str]:
     return out
 
 
+SENSITIVITY = (
+    ("MT-NLG's micro-batch (§2.4 does not publish it; the table assumes 1)", "mtnlg", "micro_batch_size", (1, 2, 4)),
+    ("H100 96GB dense peak at 500 W (torchtitan's footnote: between the NVL and SXM parts, not known; the table "
+     "assumes 886.8 TFLOP/s, linear in board power)", "h100_96gb", "peak_flops", (835.5e12, 886.8e12, 989.4e12)),
+)
+"""The settings the held-out worst rows hang on that no source publishes: (what, the source or cluster file
+whose rows it moves, the setting, its values: the table's assumption and the ends of a plausible range)."""
+
+
+def sensitivity_report(rows: list[Row], params: StepTimeParams = StepTimeParams()) -> list[str]:
+    """For each :data:`SENSITIVITY` setting and value: the moved rows' errors and the held-out median/worst
+    with that value. A report, never applied: choosing the value by these errors would fit held-out rows."""
+    out = []
+    for what, target, key, values in SENSITIVITY:
+        out.append(what + ":")
+        for v in values:
+            peaks, moved = {}, []
+            if key == "peak_flops":
+                peaks = {target: v}
+                new = rows
+                moved = [r for r in rows if r.cluster == target]
+                label = f"{v / 1e12:.1f} TFLOP/s"
+            else:
+                new = [replace(r, layout=replace(r.layout, **{key: v})) if r.source == target else r for r in rows]
+                moved = [r for r in new if r.source == target]
+                label = f"{key} {v}"
+            errs = {id(r): error(r, predict(r, params, peaks=peaks)[0]) for r in new}
+            med, worst = summary([errs[id(r)] for r in new if r.set == "heldout"])
+            fits = all(predict(r, params, peaks=peaks)[1].fits for r in moved)
+            out.append(f"  {label:<22} " + ", ".join(f"{r.name} {errs[id(r)]:+.1%}" for r in moved)
+                       + f"{'' if fits else ' (some do not fit)'}; held out: median {med:.1%}, worst {worst:.1%}")
+    return out
+
+
 def ranking_report(rows: list[Row], params: StepTimeParams = StepTimeParams()) -> tuple[list[str], dict]:
     """Two checks of the model's ordering.
 
@@ -318,8 +356,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--fit", action="store_true", help="refit the fitted numbers on the fit sources and use them")
     ap.add_argument("--terms", action="store_true", help="median/worst per set with the model terms added one at a time")
     ap.add_argument("--rankings", action="store_true", help="orderings within a source, and the authors' layout in the planner's top 3")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="the held-out worst rows under other values of the settings their sources do not publish")
     args = ap.parse_args(argv)
     sources, rows = load_rows()
+    if args.sensitivity:
+        print("\n".join(sensitivity_report(rows)))
+        return 0
     if args.terms:
         print("\n".join(terms_report(rows, StepTimeParams())))
         return 0

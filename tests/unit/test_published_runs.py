@@ -204,3 +204,24 @@ def test_h100_96gb_peak_is_derated_between_the_datasheet_points():
     c = load_cluster("h100_96gb")
     assert c.peak_flops == pytest.approx(835.5e12 + (989.4e12 - 835.5e12) * (500 - 400) / (700 - 400), rel=1e-3)
     assert c.power_w == 500
+
+
+def test_sensitivity_reports_without_changing_the_table(table):
+    """``--sensitivity``: each unpublished setting at its assumed value reproduces the table's errors for the
+    rows it moves; other values move only those rows (MT-NLG's micro-batch: its 3 rows; the H100 96GB peak:
+    the 2 rows on that file), and the table's own predictions stay as configured."""
+    from benchmarks.published_runs import SENSITIVITY, error, predict, sensitivity_report
+
+    _, rows = table
+    before = [predict(r)[0] for r in rows]
+    lines = sensitivity_report(rows)
+    assert [predict(r)[0] for r in rows] == before  # a report, never applied (the cluster cache included)
+    assert len(lines) == sum(1 + len(v) for *_, v in SENSITIVITY)
+    mt = [r for r in rows if r.source == "mtnlg"]
+    assumed = next(line for line in lines if line.strip().startswith("micro_batch_size 1 "))
+    for r in mt:
+        assert f"{r.name} {error(r, predict(r)[0]):+.1%}" in assumed
+    other = next(line for line in lines if line.strip().startswith("micro_batch_size 2 "))
+    assert all(r.name in other for r in mt) and "Llama" not in other
+    peak = next(line for line in lines if line.strip().startswith("989.4 TFLOP/s"))
+    assert peak.count("H100-96GB") == 2 and "530B" not in peak
