@@ -30,7 +30,10 @@ that layer's activations (one layer, one micro-batch, the selective size: the re
 core runs fused, FlashAttention-style, and keeps no ``s x s`` scores; a run that kept them at b = 8,
 s = 8192 would need tens of GB for that one layer, more than the published full-recompute runs had); the last stage holds
 the fp32 logits ``4·s·b·V/t`` of one micro-batch (the output layer's input and the
-cross-entropy); the first stage the embedding output ``e·s·b·h`` (+ dropout mask ``s·b·h``)
+cross-entropy: Megatron's fused vocab-parallel cross-entropy keeps one fp32 copy and computes its
+gradient in place; PyTorch's ``F.cross_entropy`` on fp32 logits, torchtitan's ``loss_fn``, holds three
+at the start of backward: log-softmax's saved output, the gradient ``nll_loss`` passes back and
+log-softmax's gradient input, ``fp32_logit_copies = 3``); the first stage the embedding output ``e·s·b·h`` (+ dropout mask ``s·b·h``)
 per micro-batch in flight (§4.3).
 
 torchtitan's op-level selective checkpointing (``op_sac``; ``selective_ac_option = "op"``, its
@@ -98,7 +101,7 @@ def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, seq
 def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int, n_microbatches: int,
                               sequence_parallel: bool, recompute: str, schedule: str = "1F1B",
                               virtual_stages: int = 1, act_bytes: int = 2, dropout: bool = True,
-                              op_sac: bool = False) -> dict[str, float]:
+                              op_sac: bool = False, fp32_logit_copies: int = 1) -> dict[str, float]:
     """Peak activation bytes of the busiest rank, by part (module docstring).
 
     The first stage holds ``L/p`` layers' activations for :func:`~framework.cost.bubble.microbatches_in_flight`
@@ -106,7 +109,8 @@ def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int,
     ``pp == 1`` one micro-batch is in flight (gradient accumulation frees each micro-batch's
     activations in its backward). Returns ``{"layers", "recompute_working", "embedding", "logits",
     "total"}`` for the larger of the first and the last stage. ``op_sac``: ``selective`` is torchtitan's
-    op-level checkpointing (:func:`activation_bytes_per_layer`), with one layer rematerialised in backward.
+    op-level checkpointing (:func:`activation_bytes_per_layer`), with one layer rematerialised in backward;
+    ``fp32_logit_copies``: fp32 copies of one micro-batch's logits the loss holds at once (module docstring).
     """
     s, b, h = shape.seq_len, micro_batch_size, shape.d_model
     kw = dict(act_bytes=act_bytes, dropout=dropout)
@@ -119,7 +123,7 @@ def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int,
                if recompute == "full" or (recompute == "selective" and op_sac) else 0.0)  # the recomputed layer, its attention core fused (no s x s scores)
     sp_div = tp if sequence_parallel else 1
     embedding = (act_bytes + (1 if dropout else 0)) * s * b * h / sp_div
-    logits = 4.0 * s * b * shape.vocab_size / tp
+    logits = 4.0 * s * b * shape.vocab_size / tp * fp32_logit_copies
     first = {"layers": per_layer * layers_per_stage * inflight, "recompute_working": working,
              "embedding": embedding * inflight, "logits": logits if pp == 1 else 0.0}
     last = {"layers": per_layer * layers_per_stage * 1.0, "recompute_working": working, "embedding": 0.0, "logits": logits}

@@ -65,10 +65,12 @@ class Estimate:
                 "energy_mwh": gpu_hours * cluster.power_w / 1e6}
 
 
-def memory_per_rank(shape, lay, op_sac: bool = False) -> tuple[StateBytes, dict]:
+def memory_per_rank(shape, lay, op_sac: bool = False, torch_cross_entropy: bool = False) -> tuple[StateBytes, dict]:
     """Model states and activations of the busiest rank (the first pipeline stage's states: the
     embedding; the larger of first/last stage's activations; ``op_sac``: ``selective`` is torchtitan's
-    op-level checkpointing, :attr:`~framework.cost.steptime.StepTimeParams.op_sac`)."""
+    op-level checkpointing, :attr:`~framework.cost.steptime.StepTimeParams.op_sac`;
+    ``torch_cross_entropy``: the loss holds three fp32 copies of the logits,
+    :attr:`~framework.cost.steptime.StepTimeParams.torch_cross_entropy`)."""
     psi = max(stage_params(shape, tp=lay.tp, pp=lay.pp, stage=0), stage_params(shape, tp=lay.tp, pp=lay.pp, stage=lay.pp - 1))
     states = model_states_per_rank(psi, dp=lay.dp, zero_stage=lay.zero_stage, precision=lay.precision,
                                    accounting=lay.state_accounting, grad_accum_steps=lay.n_microbatches)
@@ -76,13 +78,13 @@ def memory_per_rank(shape, lay, op_sac: bool = False) -> tuple[StateBytes, dict]
                                      n_microbatches=lay.n_microbatches, sequence_parallel=lay.sequence_parallel,
                                      recompute=lay.recompute, schedule=lay.schedule, virtual_stages=lay.v,
                                      act_bytes=4 if lay.precision == "fp32" else 2, dropout=shape.dropout,
-                                     op_sac=op_sac)
+                                     op_sac=op_sac, fp32_logit_copies=3 if torch_cross_entropy else 1)
     return states, acts
 
 
 def estimate(shape, lay, cluster, params: StepTimeParams = StepTimeParams()) -> Estimate:
     """The :class:`Estimate` of ``lay`` for ``shape`` (:class:`~framework.cost.shape.ModelShape`) on ``cluster``."""
-    states, acts = memory_per_rank(shape, lay, op_sac=params.op_sac)
+    states, acts = memory_per_rank(shape, lay, op_sac=params.op_sac, torch_cross_entropy=params.torch_cross_entropy)
     colls = layout_collectives(shape, lay, cluster.gpus_per_node)
     st = step_time(shape, lay, cluster, params, colls)
     tokens = lay.global_batch_size * shape.seq_len / st.total

@@ -77,7 +77,12 @@ class StepTimeParams:
             None = the cluster file's ``elementwise_bytes_per_h`` (0 when it has none).
         op_sac: ``recompute = selective`` is torchtitan's op-level selective checkpointing, which also
             recomputes every second matmul of a block in backward
-            (:func:`~framework.cost.flops.op_sac_recompute_flops_per_token`), not only the attention core.
+            (:func:`~framework.cost.flops.op_sac_recompute_flops_per_token`), not only the attention core;
+            the memory model keeps its saved set (:func:`~framework.cost.activations.activation_bytes_per_layer`).
+        torch_cross_entropy: the loss is PyTorch's ``F.cross_entropy`` on fp32 logits (torchtitan's
+            ``loss_fn``), which holds three fp32 copies of a micro-batch's logits at the start of backward;
+            False: Megatron's fused vocab-parallel cross-entropy, one (memory only,
+            :func:`~framework.cost.activations.activation_bytes_per_rank`).
     """
 
     tp_overlap: float = 0.0
@@ -94,6 +99,7 @@ class StepTimeParams:
     replicated_head: bool = False
     elementwise_bytes_per_h: Optional[float] = None
     op_sac: bool = False
+    torch_cross_entropy: bool = False
 
 
 def latency_steps(kind: str, n: int, algorithm: str = "ring") -> float:

@@ -225,3 +225,20 @@ def test_sensitivity_reports_without_changing_the_table(table):
     assert all(r.name in other for r in mt) and "Llama" not in other
     peak = next(line for line in lines if line.strip().startswith("989.4 TFLOP/s"))
     assert peak.count("H100-96GB") == 2 and "530B" not in peak
+
+
+def test_torch_cross_entropy_holds_three_fp32_copies_of_the_logits():
+    """PyTorch's F.cross_entropy on fp32 logits (torchtitan's loss_fn) holds log-softmax's saved output, the
+    gradient nll_loss passes back and log-softmax's gradient input at once: 3 x 4·s·b·V bytes on the last
+    stage, against Megatron's fused cross-entropy's one; nothing else and no step time moves."""
+    from framework.cost.estimate import estimate, memory_per_rank
+
+    lay = PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=2, global_batch_size=4, zero_stage=3, recompute="selective")
+    _, one = memory_per_rank(SHAPE, lay)
+    _, three = memory_per_rank(SHAPE, lay, torch_cross_entropy=True)
+    assert one["logits"] == 4 * 512 * 2 * 1000 and three["logits"] == 3 * one["logits"]
+    assert {k: v for k, v in three.items() if k not in ("logits", "total")} == \
+        {k: v for k, v in one.items() if k not in ("logits", "total")}
+    c = _cluster()
+    a, b = estimate(SHAPE, lay, c), estimate(SHAPE, lay, c, StepTimeParams(torch_cross_entropy=True))
+    assert b.memory_bytes - a.memory_bytes == 2 * one["logits"] and b.time == a.time
