@@ -33,8 +33,8 @@ the fp32 logits ``4·s·b·V/t`` of one micro-batch (the output layer's input an
 cross-entropy: Megatron's fused vocab-parallel cross-entropy keeps one fp32 copy and computes its
 gradient in place; PyTorch's ``F.cross_entropy`` on fp32 logits, torchtitan's ``loss_fn``, holds three
 at the start of backward: log-softmax's saved output, the gradient ``nll_loss`` passes back and
-log-softmax's gradient input, ``fp32_logit_copies = 3``); the first stage the embedding output ``e·s·b·h`` (+ dropout mask ``s·b·h``)
-per micro-batch in flight (§4.3).
+log-softmax's gradient input, ``fp32_logit_copies = 3``); the first stage the embedding output
+``e·s·b·h`` (+ dropout mask ``s·b·h``) per micro-batch in flight (§4.3).
 
 torchtitan's op-level selective checkpointing (``op_sac``; ``selective_ac_option = "op"``, its
 ``parallelize_llama.py`` ``_custom_policy`` at the commits of its docs/performance.md runs, 0413364
@@ -118,9 +118,10 @@ def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int,
                                            recompute=recompute, op_sac=op_sac, **kw)
     inflight = microbatches_in_flight(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
     layers_per_stage = -(-shape.n_layer // pp)  # the busiest stage: ceil(L/p)
+    rematerialised = recompute == "full" or (recompute == "selective" and op_sac)
     working = (activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel,
                                           recompute="selective", **kw)
-               if recompute == "full" or (recompute == "selective" and op_sac) else 0.0)  # the recomputed layer, its attention core fused (no s x s scores)
+               if rematerialised else 0.0)  # the recomputed layer, its attention core fused (no s x s scores)
     sp_div = tp if sequence_parallel else 1
     embedding = (act_bytes + (1 if dropout else 0)) * s * b * h / sp_div
     logits = 4.0 * s * b * shape.vocab_size / tp * fp32_logit_copies
