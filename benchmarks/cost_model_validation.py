@@ -255,13 +255,13 @@ def cost_model_activation_bytes(cfg: dict, lay: Layout) -> float:
 
 def local_cpu(cache_dir: Path):
     """``conf/cluster/local_cpu.yaml`` with its measured figures (GEMM rate of one rank at 1 thread, gloo alpha and
-    bandwidth by kind: :func:`framework.cost.hardware.load_or_measure_local_cpu`, cached in ``cache_dir``)."""
+    bandwidth by kind: :func:`framework.metrics.local_cpu.load_or_measure_local_cpu`, cached in ``cache_dir``)."""
     from omegaconf import OmegaConf
 
-    from framework.cost.hardware import cluster_from_dict
+    from framework.metrics.local_cpu import cluster_of
 
     raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "cluster" / "local_cpu.yaml"))
-    return cluster_from_dict(raw, where="cluster=local_cpu", cache_dir=str(cache_dir))
+    return cluster_of(raw, where="cluster=local_cpu", cache_dir=str(cache_dir))
 
 
 def plan_layout(lay: Layout):

@@ -11,7 +11,7 @@ searches layouts of a cluster with it; the studies set it beside measurement.
 - :mod:`.collectives`  the planner's collectives of a layout by group and link
 - :mod:`.bubble`       pipeline bubble (GPipe, 1F1B, interleaved 1F1B) and micro-batches in flight
 - :mod:`.flops`        FLOPs per token and per step (PaLM App. B; Narayanan et al. eq. 3)
-- :mod:`.hardware`     cluster specs from ``conf/cluster/`` and the local CPU microbenchmark
+- :mod:`.hardware`     cluster specs from ``conf/cluster/`` (the local CPU measured by :mod:`framework.metrics.local_cpu`)
 - :mod:`.steptime`     alpha-beta collective times, overlaps, step time, what-if
 - :mod:`.layout`       PlanLayout: one candidate layout (degrees, schedule, micro-batch, sharding, recompute, SP)
 - :mod:`.estimate`     everything about one layout: memory, bytes, bubble, step time, tokens/s, MFU, cost
