@@ -267,7 +267,7 @@ def test_planner_overrides_run_in_trainlab(compose, lay):
 
     from framework.config.load import load_run_config
     from framework.config.validate import validate
-    from framework.plan.search import trainlab_overrides
+    from framework.plan.runs import trainlab_overrides
 
     run_with = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "plan.yaml").plan.run_with)
     over, notes = trainlab_overrides(lay, model="gpt_tiny", seq_len=128, nodes=1, run_with=run_with)
