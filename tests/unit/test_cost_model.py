@@ -14,7 +14,8 @@ from framework.cli import CONF_DIR
 from framework.config.schema import ModelConfig
 from framework.cost import activations as A
 from framework.cost.bubble import microbatches_in_flight, pp_bubble_fraction
-from framework.cost.collectives import ZERO3_COLLECTIVES, layout_collectives
+from framework.cost.collectives import layout_collectives
+from framework.cost.comm import ZERO3_COLLECTIVES
 from framework.cost.comm import ModelStats, ddp_comm_volume, fsdp_comm_volume, tp_payload_bytes_per_microbatch
 from framework.cost.estimate import estimate
 from framework.cost.hardware import REQUIRED, ClusterError, Link, cluster_from_dict
