@@ -93,3 +93,23 @@ def test_the_declared_zero_stage_is_a_derived_mlflow_param(compose):
     for preset, stage in (("zero2", 2), ("fsdp", 3), ("ddp", 0)):
         resolved = validate(load_run_config(compose(f"parallelism={preset}", "parallelism.world_size=2", "checkpoint=none")))
         assert derived_params(resolved, Model())["derived.zero_stage"] == stage
+
+
+def test_the_planners_node_placement_is_the_runs():
+    """PlanLayout's closed form for a group crossing nodes (rank order tp, dp, pp) agrees with the run's
+    ParallelLayout, which enumerates the ranks, on every layout of up to 32 ranks on nodes of 1-8."""
+    from framework.layout import ParallelLayout
+
+    checked = 0
+    for gpn in (1, 2, 4, 8):
+        for world in (gpn, 2 * gpn, 4 * gpn):
+            for tp in (t for t in (1, 2, 4, 8) if gpn % t == 0 and world % t == 0):
+                for pp in (p for p in (1, 2, 4) if world % (tp * p) == 0):
+                    dp = world // (tp * pp)
+                    run = ParallelLayout(dp=dp, tp=tp, pp=pp, nnodes=world // gpn)
+                    plan = PlanLayout(dp=dp, tp=tp, pp=pp, micro_batch_size=1, global_batch_size=dp)
+                    for axis in ("tp", "dp", "pp"):
+                        assert plan.group_inter_node(axis, gpn) == (run.degree(axis) > 1 and run.nodes_per_group(axis) > 1), \
+                            (run.describe(), gpn, axis)
+                        checked += 1
+    assert checked > 50
