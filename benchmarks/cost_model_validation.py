@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import json
 import math
 import os
@@ -255,25 +256,32 @@ def cost_model_activation_bytes(cfg: dict, lay: Layout) -> float:
 
 def local_cpu(cache_dir: Path):
     """``conf/cluster/local_cpu.yaml`` with its measured figures (GEMM rate of one rank at 1 thread, gloo alpha and
-    bandwidth by kind: :func:`framework.cost.hardware.load_or_measure_local_cpu`, cached in ``cache_dir``)."""
+    bandwidth by kind: :func:`framework.metrics.local_cpu.load_or_measure_local_cpu`, cached in ``cache_dir``)."""
     from omegaconf import OmegaConf
 
-    from framework.cost.hardware import cluster_from_dict
+    from framework.metrics.local_cpu import cluster_of
 
     raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "cluster" / "local_cpu.yaml"))
-    return cluster_from_dict(raw, where="cluster=local_cpu", cache_dir=str(cache_dir))
+    return cluster_of(raw, where="cluster=local_cpu", cache_dir=str(cache_dir))
 
 
+@functools.lru_cache(maxsize=None)
 def plan_layout(lay: Layout):
-    """The cost model's :class:`~framework.cost.layout.PlanLayout` of a run (fp32; the ZeRO stage by plugin: FSDP
-    and the megatron plugin's FSDP on dp are stage 3)."""
-    from framework.cost.layout import PlanLayout
+    """The cost model's :class:`~framework.cost.layout.PlanLayout` of a run: its overrides composed and validated as
+    the driver does, then :func:`framework.plan.runs.plan_layout_of` with the ZeRO stage its plugin declares
+    (``ParallelPlugin.zero_stage``; fp32: the runs' ``32-true``)."""
+    from hydra import compose, initialize_config_dir
 
-    stages = {"ddp": 0, "single": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
-    zero_stage = stages.get(lay.plugin, 3 if lay.dp > 1 else 0)
-    sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[lay.schedule]
-    return PlanLayout(dp=lay.dp, tp=lay.tp, pp=lay.pp, micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch,
-                      schedule=sched, virtual_stages=lay.v, zero_stage=zero_stage, precision="fp32")
+    from framework.cli import CONF_DIR
+    from framework.config.validate import load_run_config, validate
+    from framework.plan.runs import default_run_with, plan_layout_of
+    from framework.registry import get_plugin_class
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*lay.overrides(), "checkpoint=none", "run_name=plan"])
+    resolved = validate(load_run_config(cfg))
+    plugin = get_plugin_class(resolved.plugin_name)(resolved.run.parallelism)
+    return plan_layout_of(resolved, plugin.zero_stage, run_with=default_run_with())
 
 
 def _rate_worker(cfg: dict, sizes: tuple, iters: int, out) -> None:

@@ -36,7 +36,8 @@ from framework.cost.flops import megatron_flops_per_step
 from framework.cost.hardware import cluster_from_dict
 from framework.cost.layout import PlanLayout
 from framework.cost.shape import ModelShape
-from framework.cost.collectives import ZERO3_COLLECTIVES, layout_collectives
+from framework.cost.collectives import layout_collectives
+from framework.cost.comm import ZERO3_COLLECTIVES
 from framework.cost.memory import stage_layers
 from framework.cost.steptime import StepTimeParams, step_time
 

@@ -155,6 +155,15 @@ class ParallelPlugin:
         module.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
 
     # -- cost model and measurement ---------------------------------------------------------------
+    @property
+    def zero_stage(self) -> int:
+        """What this plugin shards over the dp group, as a ZeRO stage (Rajbhandari et al. 2020 §5;
+        :data:`framework.cost.memory.ZERO_STAGES`): 0 nothing (a replica per rank, one gradient
+        all-reduce), 1 optimizer state, 2 + gradients, 3 + weights (FSDP full shard). The cost
+        model's layout of a run reads it (:func:`framework.cost.layout.plan_layout_of`), logged as
+        MLflow param ``derived.zero_stage``. Default: 0."""
+        return 0
+
     def comm_volume(self, stats: "ModelStats", resolved: "ResolvedRun") -> "CommEstimate":
         """Modelled payload bytes per rank per optimizer step, by collective kind (:mod:`framework.cost.comm`)."""
         raise NotImplementedError(f"plugin {self.name!r} does not implement comm_volume")

@@ -181,11 +181,15 @@ def _first_line(err: BaseException) -> str:
 
 
 def derived_params(resolved: Any, model: Any) -> dict[str, Any]:
-    """Values the driver derived (layout, its nodes and the mesh axes whose groups cross nodes, batch split in
-    sequences, tokens per step, checkpoint folder) and the model's size (``model``: the configured GPT, e.g. on the meta device)."""
+    """Values the driver derived (layout, its nodes and the mesh axes whose groups cross nodes, the plugin's ZeRO
+    stage, batch split in sequences, tokens per step, checkpoint folder) and the model's size (``model``: the
+    configured GPT, e.g. on the meta device)."""
+    from framework.registry import get_plugin_class
+
     lay = resolved.layout
     return {
         "derived.dp_degree": lay.dp, "derived.tp_degree": lay.tp, "derived.pp_degree": lay.pp,
+        "derived.zero_stage": get_plugin_class(resolved.plugin_name)(resolved.run.parallelism).zero_stage,
         "derived.world_size": resolved.world_size, "derived.nnodes": lay.nnodes, "derived.nproc_per_node": lay.nproc_per_node,
         "derived.cross_node_axes": ",".join(lay.cross_node_axes()) or "none",
         "derived.micro_batch_size": resolved.micro_batch_size,

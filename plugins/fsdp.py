@@ -91,6 +91,11 @@ class FSDPPlugin(ParallelPlugin):
             timeout_s=self.cfg.timeout_s,
         )
 
+    @property
+    def zero_stage(self) -> int:
+        """3: ``fully_shard`` shards weights, gradients and optimizer state over the dp group (ZeRO-3)."""
+        return 3
+
     def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
         """Payload bytes per rank per optimizer step (ZeRO §7.2: 3Ψ with resharding, 2Ψ without), on the dp group.
 

@@ -5,19 +5,24 @@ Reads the child runs of one or more ``parallelism`` sweeps from their MLflow sto
 (ring bytes on the wire per rank per optimizer step, and model-state bytes per rank: measured,
 the plugin's cost model, and the field's formula).
 
+Each run's ZeRO stage is what its plugin declares (``ParallelPlugin.zero_stage``, MLflow param
+``derived.zero_stage``; for stores logged before that param, asked of the plugin built from the
+run's ``parallelism.*`` params): 0 ddp, 1-3 DeepSpeed's stage, 3 fsdp.
+
 The field's formulas (docs/references.md §3, §5), per rank per optimizer step, N = dp ranks,
 t = tp degree, Psi parameters, a = grad_accum_steps, b = micro-batch, s = seq_len, h = d_model,
 L = n_layer; ring bytes on the wire, fp32 (4 bytes per element):
 
-- ddp, zero1, zero2: 2(N-1)/N * 4Psi (ZeRO §7.1, §7: reduce-scatter + all-gather);
-- zero3, fsdp: 3(N-1)/N * 4Psi (ZeRO §7.2, once per step: the paper has no accumulation);
+- ZeRO stage 0-2 (ddp, zero1, zero2): 2(N-1)/N * 4Psi (ZeRO §7.1, §7: reduce-scatter + all-gather);
+- ZeRO stage 3 (zero3, fsdp): 3(N-1)/N * 4Psi (ZeRO §7.2, once per step: the paper has no accumulation);
 - tp: 8 b s h (t-1)/t per layer per micro-batch * L * a * 4 (Shoeybi 2019 Fig. 4);
 - pp: b s h per micro-batch sent by each stage (activations forward, gradients backward) * a * 4
   (Narayanan §3.2); the tied embedding's gradient all-reduce is not in the formula.
 
 Model states, fp32 AdamW (params 4 + grads 4 + moments 8 = 16 bytes/param; ZeRO §3.1's count
-with K = 8): ddp 16Psi; zero1 8Psi + 8Psi/N; zero2 4Psi + 12Psi/N; zero3 and fsdp 16Psi/N;
-tp and pp: no closed form here (the embedding is replicated), '-'.
+with K = 8), :func:`framework.cost.memory.model_states_per_rank` (``precision="fp32"``, the
+paper's accounting) at the run's ZeRO stage: ddp 16Psi; zero1 8Psi + 8Psi/N; zero2 4Psi + 12Psi/N;
+zero3 and fsdp 16Psi/N; tp and pp: no closed form here (the embedding is replicated), '-'.
 
 Usage: python experiments/parallelism/analyse.py STORE.db [STORE.db ...] --out experiments/parallelism
 """
@@ -53,18 +58,36 @@ def field_figures(r) -> tuple[float, float | None]:
     s = int(r["params.data.seq_len"])
     h = int(r["params.model.d_model"])
     layers = int(r["params.model.n_layer"])
-    name = r["plugin_label"]
-    if name in ("ddp", "zero1", "zero2"):
-        wire = 2 * (n - 1) / n * 4 * psi
-    elif name in ("zero3", "fsdp"):
-        wire = 3 * (n - 1) / n * 4 * psi
-    elif name == "tp":
-        wire = 8 * b * s * h * (t - 1) / t * layers * a * 4
-    else:  # pp
-        wire = b * s * h * a * 4
-    states = {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi / n, "zero2": 4 * psi + 12 * psi / n,
-              "zero3": 16 * psi / n, "fsdp": 16 * psi / n}.get(name)
-    return wire, states
+    from framework.cost.memory import model_states_per_rank
+
+    z = int(r["zero_stage"])
+    if t > 1:
+        return 8 * b * s * h * (t - 1) / t * layers * a * 4, None
+    if int(r["params.derived.pp_degree"]) > 1:
+        return b * s * h * a * 4, None
+    wire = (3 if z == 3 else 2) * (n - 1) / n * 4 * psi
+    return wire, model_states_per_rank(psi, dp=n, zero_stage=z, precision="fp32").total
+
+
+def zero_stage_of(r) -> int:
+    """The ZeRO stage the run's plugin declares: param ``derived.zero_stage``, or (a store logged before it)
+    ``ParallelPlugin.zero_stage`` of the plugin built from the run's ``parallelism.*`` params."""
+    import dataclasses
+
+    import yaml
+
+    from framework.registry import get_plugin_class
+
+    logged = r.get("params.derived.zero_stage")
+    if isinstance(logged, str):
+        return int(logged)
+    cls = get_plugin_class(r["params.parallelism.name"])
+    kw = {}
+    for f in dataclasses.fields(cls.config_cls):
+        v = r.get(f"params.parallelism.{f.name}")
+        if isinstance(v, str):
+            kw[f.name] = None if v == "None" else yaml.safe_load(v)
+    return cls(cls.config_cls(**kw)).zero_stage
 
 
 def load(stores: list[str]):
@@ -79,9 +102,9 @@ def load(stores: list[str]):
         frames.append(df[df["tags.mlflow.parentRunId"].notna()])
     df = pd.concat(frames, ignore_index=True)
     df["ws"] = df["params.parallelism.world_size"].astype(int)
+    df["zero_stage"] = [zero_stage_of(r) for _, r in df.iterrows()]
     df["plugin_label"] = [
-        f"zero{int(z)}" if name == "deepspeed" else name
-        for name, z in zip(df["params.parallelism.name"], df["params.parallelism.zero_stage"].fillna(0))
+        f"zero{z}" if name == "deepspeed" else name for name, z in zip(df["params.parallelism.name"], df["zero_stage"])
     ]
     df["layout"] = df["tags.layout"]
     df["order"] = df["plugin_label"].map(ORDER.index)

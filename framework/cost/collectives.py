@@ -3,6 +3,9 @@
 Per rank of the busiest pipeline stage, per optimizer step; payload bytes as in
 :mod:`framework.cost.comm` (all-gather: the gathered size; reduce-scatter: the input) and ring
 bytes on the wire by :func:`~framework.cost.comm.ring_wire_bytes` (nccl-tests PERFORMANCE.md).
+This module places calls on groups and links; which calls a ZeRO stage and a TP layer make is
+:mod:`framework.cost.comm`'s (:func:`~framework.cost.comm.dp_collectives`,
+:func:`~framework.cost.comm.tp_calls_per_microbatch`), the formulas the plugins' figures use too.
 
 - **TP** (Shoeybi et al. 2019 Fig. 4; Narayanan et al. 2021 §3.2): per layer and micro-batch 2
   all-reduces of ``b·s·h`` activations forward and 2 backward; with SP each becomes an
@@ -12,7 +15,7 @@ bytes on the wire by :func:`~framework.cost.comm.ring_wire_bytes` (nccl-tests PE
   (Megatron distributed optimizer) a reduce-scatter of the gradients and an all-gather of the
   updated weights per step; 2 the reduce-scatter on every micro-batch (the gradients are kept
   sharded); 3 per micro-batch and per layer (FSDP's unit: one transformer block) an all-gather for
-  forward, one for backward and a reduce-scatter (ZeRO §7.2: 1.5x DP), named :data:`ZERO3_COLLECTIVES`:
+  forward, one for backward and a reduce-scatter (ZeRO §7.2: 1.5x DP), named :data:`~framework.cost.comm.ZERO3_COLLECTIVES`:
   ``m·L_stage`` calls of one layer's bytes each, so every layer pays the collective's latency.
 - **PP** (Narayanan et al. 2021 §3.2, §2.2.2): per micro-batch ``b·s·h`` activations to the
   next stage and the same gradient back, ``/t`` with SP (the scatter/gather optimisation),
@@ -24,12 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from framework.cost.comm import ring_wire_bytes
+from framework.cost.comm import dp_collectives, ring_wire_bytes, tp_calls_per_microbatch
 from framework.cost.memory import PRECISIONS, stage_params
-
-ZERO3_COLLECTIVES = ("zero3_fwd", "zero3_bwd", "zero3_grad")
-"""Names of ZeRO stage 3's per-micro-batch collectives (forward gather, backward gather, gradient
-reduce-scatter), the ones its prefetch overlaps with compute (:func:`~framework.cost.steptime.step_time`)."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +94,7 @@ def layout_collectives(shape, lay, gpus_per_node: int) -> list[Collective]:
         tp_inter = lay.group_inter_node("tp", gpus_per_node)
         k = lay.group_ranks_per_node("tp", gpus_per_node)
         act = b * s * h * act_bytes
-        fwd_calls = 2 * layers * (2 if lay.recompute == "full" else 1)
-        bwd_calls = 2 * layers
+        fwd_calls, bwd_calls = tp_calls_per_microbatch(n_layer=layers, recompute=lay.recompute)
         if lay.sequence_parallel:
             for name, calls in (("tp_fwd", fwd_calls), ("tp_bwd", bwd_calls)):
                 out.append(Collective(name + "_ag", "allgather", "tp", t, tp_inter, act, calls * m, True, k))
@@ -109,19 +107,12 @@ def layout_collectives(shape, lay, gpus_per_node: int) -> list[Collective]:
         dpi = lay.group_inter_node("dp", gpus_per_node)
         k = lay.group_ranks_per_node("dp", gpus_per_node)
         g, w = psi * prec.grad_bytes, psi * prec.weight_bytes
-        if lay.zero_stage == 0:
-            out.append(Collective("dp_grad", "allreduce", "dp", d, dpi, g, 1, False, k))
-        elif lay.zero_stage == 1:
-            out.append(Collective("dp_grad", "reduce_scatter", "dp", d, dpi, g, 1, False, k))
-            out.append(Collective("dp_param", "allgather", "dp", d, dpi, w, 1, False, k))
-        elif lay.zero_stage == 2:
-            out.append(Collective("dp_grad", "reduce_scatter", "dp", d, dpi, g, m, True, k))
-            out.append(Collective("dp_param", "allgather", "dp", d, dpi, w, 1, False, k))
-        else:
-            fwd, bwd, grad = ZERO3_COLLECTIVES
-            out.append(Collective(fwd, "allgather", "dp", d, dpi, w / layers, m * layers, True, k))
-            out.append(Collective(bwd, "allgather", "dp", d, dpi, w / layers, m * layers, True, k))
-            out.append(Collective(grad, "reduce_scatter", "dp", d, dpi, g / layers, m * layers, True, k))
+        for c in dp_collectives(lay.zero_stage, grad_reduce="reduce_scatter"):
+            size = w if c.tensor == "params" else g
+            if lay.zero_stage == 3:  # FSDP's unit is one transformer block: every layer pays the collective's latency
+                out.append(Collective(c.name, c.kind, "dp", d, dpi, size / layers, m * layers, True, k))
+            else:
+                out.append(Collective(c.name, c.kind, "dp", d, dpi, size, m if c.per_microbatch else 1, c.per_microbatch, k))
     if p > 1:
         ppi = lay.group_inter_node("pp", gpus_per_node)
         act = b * s * h * act_bytes / (t if lay.sequence_parallel else 1)

@@ -1,5 +1,13 @@
 """Closed-form communication volumes per optimizer step: the plugins' ``comm_volume`` and the planner.
 
+Every communication formula of the cost model is here: ring bytes on the wire
+(:func:`ring_wire_bytes`), the collectives each ZeRO stage runs on the dp group
+(:func:`dp_collectives`) and the TP collectives per layer (:func:`tp_calls_per_microbatch`). The
+plugins' per-kind payloads (below) and the planner's per-call, per-link list of a layout
+(:func:`framework.cost.collectives.layout_collectives`) are both sums over these; only the
+implementation choice differs, and it is an argument: how a stage 1/2 reduces gradients
+(``grad_reduce``: the paper's and Megatron's reduce-scatter, DeepSpeed's bucketed all-reduce).
+
 A plugin states what it *should* communicate with ``comm_volume(stats, resolved) ->
 CommEstimate``; :class:`~framework.callbacks.breakdown.StepBreakdown` logs that next to what
 its collectives actually carried (``perf/comm_bytes_model`` vs ``perf/comm_bytes``).
@@ -127,11 +135,77 @@ class CommEstimate:
         return self.wire_bytes(self.payload_bytes)
 
 
+ZERO3_COLLECTIVES = ("zero3_fwd", "zero3_bwd", "zero3_grad")
+"""Names of ZeRO stage 3's per-micro-batch collectives (forward gather, backward gather, gradient
+reduce-scatter), the ones its prefetch overlaps with compute (:func:`~framework.cost.steptime.step_time`)."""
+
+GRAD_REDUCE = ("reduce_scatter", "allreduce")
+"""How ZeRO stages 1 and 2 reduce the gradients (:func:`dp_collectives`): ``reduce_scatter`` (ZeRO §7.1,
+Megatron's distributed optimizer: each rank receives its partition) or ``allreduce`` (DeepSpeed 0.19's
+bucketed all-reduce, each rank keeping its partition: ``use_multi_rank_bucket_allreduce``)."""
+
+
+@dataclass(frozen=True)
+class DPCollective:
+    """One collective the dp group runs for a ZeRO stage (:func:`dp_collectives`).
+
+    Attributes:
+        name: ``dp_grad``, ``dp_param`` or one of :data:`ZERO3_COLLECTIVES`.
+        kind: a :data:`KINDS` entry.
+        tensor: what it moves: ``grads`` (Ψ gradient elements) or ``params`` (Ψ weight elements).
+        per_microbatch: it runs on every micro-batch (else once per optimizer step).
+    """
+
+    name: str
+    kind: str
+    tensor: str
+    per_microbatch: bool
+
+
+def dp_collectives(zero_stage: int, *, grad_reduce: str = "reduce_scatter", keeps_gathered: bool = False) -> tuple[DPCollective, ...]:
+    """The collectives a rank's dp group runs per optimizer step for ZeRO stage ``zero_stage`` (ZeRO §7; each
+    moves all Ψ elements of ``tensor``; payload convention as :func:`ring_wire_bytes`).
+
+    Stage 0: one all-reduce of the gradients per step (DDP; ``no_sync`` during accumulation). Stage 1:
+    the gradients reduced once per step (``grad_reduce``) and the updated weights all-gathered. Stage 2:
+    the gradient reduction on every micro-batch, the weights' all-gather once. Stage 3, per micro-batch:
+    an all-gather of the weights for forward, another for backward unless ``keeps_gathered`` (parameters
+    kept from forward to backward), and a reduce-scatter of the gradients (§7.2).
+
+    Raises:
+        ValueError: ``zero_stage`` not in 0-3, or ``grad_reduce`` not in :data:`GRAD_REDUCE`.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage} is not allowed; allowed: 0, 1, 2, 3")
+    if grad_reduce not in GRAD_REDUCE:
+        raise ValueError(f"grad_reduce={grad_reduce!r} is not allowed; allowed: {', '.join(GRAD_REDUCE)}")
+    if zero_stage == 0:
+        return (DPCollective("dp_grad", "allreduce", "grads", False),)
+    if zero_stage in (1, 2):
+        return (DPCollective("dp_grad", grad_reduce, "grads", zero_stage == 2),
+                DPCollective("dp_param", "allgather", "params", False))
+    fwd, bwd, grad = ZERO3_COLLECTIVES
+    gathers = (DPCollective(fwd, "allgather", "params", True),) + (() if keeps_gathered else (DPCollective(bwd, "allgather", "params", True),))
+    return gathers + (DPCollective(grad, "reduce_scatter", "grads", True),)
+
+
+def dp_payload_bytes(calls: tuple[DPCollective, ...], *, params_bytes: int, grads_bytes: int, grad_accum_steps: int) -> dict[str, int]:
+    """Payload bytes per optimizer step by kind of the dp collectives ``calls``: each moves ``params_bytes`` or
+    ``grads_bytes`` (all Ψ elements), ``grad_accum_steps`` times when it runs per micro-batch."""
+    out: dict[str, int] = {}
+    for c in calls:
+        size = params_bytes if c.tensor == "params" else grads_bytes
+        out[c.kind] = out.get(c.kind, 0) + size * (grad_accum_steps if c.per_microbatch else 1)
+    return out
+
+
 def ddp_comm_volume(stats: ModelStats, dp_degree: int) -> CommEstimate:
     """DDP: one all-reduce of every gradient per optimizer step; nothing when ``dp_degree == 1``."""
     if dp_degree <= 1:
         return CommEstimate(group_size=1)
-    return CommEstimate(payload_bytes={"allreduce": stats.num_params * stats.grad_bytes}, group_size=dp_degree)
+    payload = dp_payload_bytes(dp_collectives(0), params_bytes=stats.num_params * stats.param_bytes,
+                               grads_bytes=stats.num_params * stats.grad_bytes, grad_accum_steps=1)
+    return CommEstimate(payload_bytes=payload, group_size=dp_degree)
 
 
 def fsdp_padded_numel(stats: ModelStats, n: int) -> int:
@@ -141,7 +215,7 @@ def fsdp_padded_numel(stats: ModelStats, n: int) -> int:
 
 
 def fsdp_comm_volume(stats: ModelStats, *, dp_degree: int, grad_accum_steps: int, reshard_after_forward: bool) -> CommEstimate:
-    """FSDP2 / ZeRO-3 payload bytes per rank per optimizer step on the dp group (ZeRO §7.2).
+    """FSDP2 / ZeRO-3 payload bytes per rank per optimizer step on the dp group (ZeRO §7.2; :func:`dp_collectives` stage 3).
 
     Every micro-batch all-gathers the full parameters for forward (Ψ) and, with
     ``reshard_after_forward``, again for backward (Ψ: 3Ψ per micro-batch with the reduce-scatter,
@@ -153,18 +227,16 @@ def fsdp_comm_volume(stats: ModelStats, *, dp_degree: int, grad_accum_steps: int
     if n <= 1:
         return CommEstimate(group_size=1)
     psi = fsdp_padded_numel(stats, n)
-    gathers = 2 if reshard_after_forward else 1
-    a = grad_accum_steps
-    return CommEstimate(
-        payload_bytes={"allgather": gathers * psi * stats.param_bytes * a, "reduce_scatter": psi * stats.grad_bytes * a},
-        group_size=n,
-    )
+    payload = dp_payload_bytes(dp_collectives(3, keeps_gathered=not reshard_after_forward), params_bytes=psi * stats.param_bytes,
+                               grads_bytes=psi * stats.grad_bytes, grad_accum_steps=grad_accum_steps)
+    return CommEstimate(payload_bytes=payload, group_size=n)
 
 
 def zero_comm_volume(
     stats: ModelStats, *, zero_stage: int, dp_degree: int, grad_accum_steps: int, stage3_keeps_gathered: bool = False
 ) -> CommEstimate:
-    """DeepSpeed ZeRO payload bytes per rank per optimizer step, by collective, on the dp group.
+    """DeepSpeed ZeRO payload bytes per rank per optimizer step, by collective, on the dp group
+    (:func:`dp_collectives` with DeepSpeed's ``grad_reduce="allreduce"``).
 
     Stage 0: all-reduce of the gradients (Ψ·grad_bytes, once per step). Stage 1: that all-reduce
     at the boundary + an all-gather of the updated parameters. Stage 2: the all-reduce on every
@@ -176,25 +248,25 @@ def zero_comm_volume(
     Raises:
         ValueError: ``zero_stage`` not in 0-3.
     """
-    n, a = dp_degree, grad_accum_steps
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage} is not allowed; allowed: 0, 1, 2, 3")
-    if n <= 1:
+    calls = dp_collectives(zero_stage, grad_reduce="allreduce", keeps_gathered=stage3_keeps_gathered)  # ValueError first
+    if dp_degree <= 1:
         return CommEstimate(group_size=1)
-    params = stats.num_params * stats.param_bytes
-    grads = stats.num_params * stats.grad_bytes
-    if zero_stage == 0:
-        payload = {"allreduce": grads}
-    elif zero_stage == 1:
-        payload = {"allreduce": grads, "allgather": params}
-    elif zero_stage == 2:
-        payload = {"allreduce": a * grads, "allgather": params}
-    else:
-        payload = {"allgather": a * params * (1 if stage3_keeps_gathered else 2), "reduce_scatter": a * grads}
-    return CommEstimate(payload_bytes=payload, group_size=n)
+    payload = dp_payload_bytes(calls, params_bytes=stats.num_params * stats.param_bytes,
+                               grads_bytes=stats.num_params * stats.grad_bytes, grad_accum_steps=grad_accum_steps)
+    return CommEstimate(payload_bytes=payload, group_size=dp_degree)
 
 
 # --- Tensor and pipeline parallelism (plugins/megatron) ---------------------------------------
+
+
+def tp_calls_per_microbatch(*, n_layer: int, recompute: str = "none") -> tuple[int, int]:
+    """``(forward, backward)`` TP collectives one rank runs per micro-batch (Shoeybi et al. 2019 Fig. 4;
+    Narayanan et al. 2021 §3.2): per layer two in forward (after the attention and MLP row-parallel
+    projections) and two in backward (the column-parallel inputs' gradients), each of the ``b·s·h``
+    activations; ``recompute="full"`` runs the forward's again in backward (Megatron recomputes the whole
+    layer). Each is an all-reduce, or with sequence parallelism an all-gather + a reduce-scatter
+    (Korthikanti et al. 2022 §4.2.2)."""
+    return 2 * n_layer * (2 if recompute == "full" else 1), 2 * n_layer
 
 
 def tp_payload_bytes_per_microbatch(
@@ -202,9 +274,8 @@ def tp_payload_bytes_per_microbatch(
 ) -> dict[str, int]:
     """Tensor-parallel payload bytes one rank hands to collectives for one micro-batch (forward + backward).
 
-    Megatron-LM (Shoeybi et al. 2019, Fig. 4; Narayanan et al. 2021 §3.2): per layer two
-    all-reduces of the ``b·s·h`` activations in forward (after the attention and MLP
-    row-parallel projections) and two in backward (the column-parallel inputs' gradients):
+    Megatron-LM (Shoeybi et al. 2019, Fig. 4; Narayanan et al. 2021 §3.2; :func:`tp_calls_per_microbatch`): per
+    layer two all-reduces of the ``b·s·h`` activations in forward and two in backward:
     ``4·L·b·s·h`` elements. With sequence parallelism (Korthikanti et al. 2022 §4.2.2) each
     all-reduce becomes an all-gather + a reduce-scatter of the same ``b·s·h`` payload: ``4·L``
     of each, plus two all-gathers at the ends of the sequence-sharded region in trainlab's GPT
@@ -215,9 +286,10 @@ def tp_payload_bytes_per_microbatch(
     if tp <= 1:
         return {}
     act = micro_batch_size * seq_len * d_model * elem_bytes
+    calls = sum(tp_calls_per_microbatch(n_layer=n_layer))
     if not sequence_parallel:
-        return {"allreduce": 4 * n_layer * act}
-    return {"allgather": (4 * n_layer + 2) * act, "reduce_scatter": 4 * n_layer * act}
+        return {"allreduce": calls * act}
+    return {"allgather": (calls + 2) * act, "reduce_scatter": calls * act}
 
 
 def pp_p2p_bytes_per_step(

@@ -1,5 +1,4 @@
-"""Hardware as config: a cluster's per-GPU figures (``conf/cluster/*.yaml``) and the local CPU,
-measured.
+"""Hardware as config: a cluster's per-GPU figures (``conf/cluster/*.yaml``), pure.
 
 A cluster file names, per GPU: the dense BF16 peak and the fraction of it dense transformer
 GEMMs achieve, HBM size and bandwidth, NVLink bandwidth per direction inside a node and the NIC
@@ -7,20 +6,14 @@ bandwidth between nodes (with a per-step latency alpha for each), power and a pr
 GPU-hour (every assumption labelled as one in the file); optionally ``elementwise_bytes_per_h``, the
 memory-bound traffic per layer per token per unit of hidden size (:class:`~framework.cost.steptime.StepTimeParams`;
 0 when absent: the local CPU's measured GEMM rate absorbs it). ``local_cpu`` says ``measured`` for
-what :func:`measure_local_cpu` fills in: the fp32 GEMM rate of one rank
-(:func:`framework.metrics.flops.peak_flops`) and, per collective kind, gloo's alpha and bus
-bandwidth from a 2-rank microbenchmark (all-reduce, all-gather, reduce-scatter, send/recv over 4 KiB-32 MiB,
-least-squares fit of ``t = alpha_fit + wire_bytes / bw``), cached in
-``<cache_dir>/local_cpu.json``.
-
-Run ``python -m framework.cost.hardware`` to re-measure (2 processes: wrap in flock).
+what a measurement of this machine fills in: the record of
+:func:`framework.metrics.local_cpu.load_or_measure_local_cpu` (the fp32 GEMM rate of one rank and,
+per collective kind, gloo's alpha and bus bandwidth), passed to :func:`cluster_from_dict` as
+``measured``. Nothing here measures or reads a file.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -30,7 +23,6 @@ REQUIRED = ("name", "gpus_per_node", "peak_flops", "achievable_fraction", "hbm_g
 """Fields every ``conf/cluster/*.yaml`` must set (``measured`` allowed for the local CPU's)."""
 
 KINDS = ("allreduce", "allgather", "reduce_scatter", "p2p")
-CACHE_FILE = "local_cpu.json"
 
 
 class ClusterError(ValueError):
@@ -99,21 +91,30 @@ def _num(raw: Mapping[str, Any], key: str, where: str) -> float:
     return x
 
 
-def cluster_from_dict(raw: Mapping[str, Any], *, where: str = "cluster", cache_dir: str = ".cache/cost",
-                      measure: bool = True) -> Cluster:
-    """A :class:`Cluster` from a ``conf/cluster`` mapping; ``measured`` values come from
-    :func:`measure_local_cpu` (cached in ``cache_dir``; measured when absent and ``measure``).
+def needs_measurement(raw: Mapping[str, Any]) -> bool:
+    """Whether the ``conf/cluster`` mapping ``raw`` says ``measured`` for a required field (``local_cpu``)."""
+    return any(raw.get(k) == "measured" for k in REQUIRED)
+
+
+def cluster_from_dict(raw: Mapping[str, Any], *, where: str = "cluster", measured: Optional[Mapping[str, Any]] = None) -> Cluster:
+    """A :class:`Cluster` from a ``conf/cluster`` mapping; fields that say ``measured`` come from the
+    record ``measured`` (:func:`framework.metrics.local_cpu.load_or_measure_local_cpu`: ``gemm_flops``,
+    ``memory_gib``, ``links`` ``{kind: [alpha_s, bus_bandwidth]}``).
 
     Raises:
-        ClusterError: a missing field (all listed, one line) or a non-numeric / negative value.
+        ClusterError: a missing field (all listed, one line), a non-numeric / negative value, or a
+            ``measured`` field without a ``measured`` record.
     """
     missing = [k for k in REQUIRED if k not in raw or raw[k] is None]
     if missing:
         raise ClusterError(f"{where}: missing field(s) {', '.join('cluster.' + k for k in missing)}; required: {', '.join(REQUIRED)}")
     raw = dict(raw)
     kinds: dict[str, tuple[float, float]] = {}
-    if any(raw[k] == "measured" for k in REQUIRED):
-        m = load_or_measure_local_cpu(cache_dir, ranks=int(raw["gpus_per_node"]), measure=measure)
+    if needs_measurement(raw):
+        if measured is None:
+            raise ClusterError(f"{where}: fields say 'measured' but no measurement was given; "
+                               "measure with python -m framework.metrics.local_cpu")
+        m = measured
         for k, v in (("peak_flops", m["gemm_flops"]), ("hbm_gib", m["memory_gib"] / int(raw["gpus_per_node"]))):
             if raw[k] == "measured":
                 raw[k] = v
@@ -140,133 +141,3 @@ def cluster_from_dict(raw: Mapping[str, Any], *, where: str = "cluster", cache_d
         power_w=vals["power_w"], price_per_gpu_hour=vals["price_per_gpu_hour"],
         elementwise_bytes_per_h=_num(raw, "elementwise_bytes_per_h", where) if raw.get("elementwise_bytes_per_h") is not None else 0.0,
     )
-
-
-# --- the local CPU microbenchmark ------------------------------------------------------------
-
-SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20)  # payload bytes per call (32 MiB: DDP's 25 MB buckets, ZeRO-3's layer gathers)
-
-
-def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``t = a + x / bw`` over ``(x wire bytes, t seconds)``: returns ``(a, bw)``
-    (a clamped at 0; a non-positive slope, i.e. noise, at 1e-15 s/byte)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    mt = sum(t for _, t in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (t - mt) for x, t in points) / sxx
-    slope = max(slope, 1e-15)
-    return max(mt - slope * mx, 0.0), 1.0 / slope
-
-
-def _bench_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    res: dict[str, list] = {k: [] for k in ("allreduce", "allgather", "reduce_scatter", "p2p")}
-    for size in SIZES:
-        x = torch.zeros(size // 4)
-        gathered = torch.zeros(world * (size // 4 // world) or 1)
-        shard = torch.zeros(max(size // 4 // world, 1))
-        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        for kind in res:
-            def op():
-                if kind == "allreduce":
-                    dist.all_reduce(x)
-                elif kind == "allgather":
-                    ag(gathered, shard)
-                elif kind == "reduce_scatter":
-                    rs(shard, gathered)  # the all-gather's output size is the reduce-scatter's input
-                elif rank == 0:  # ping-pong: one send each way, halved below
-                    dist.send(x, 1)
-                    dist.recv(x, 1)
-                elif rank == 1:
-                    dist.recv(x, 0)
-                    dist.send(x, 0)
-            for _ in range(3):
-                op()
-            reps = 10 if size < (1 << 20) else 4
-            best = float("inf")
-            for _ in range(3):  # best of 3: other processes share the cores
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    op()
-                dist.barrier()
-                best = min(best, (time.perf_counter() - t0) / reps)
-            res[kind].append((size, best / (2 if kind == "p2p" else 1)))
-    if rank == 0:
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump(res, f)
-    dist.destroy_process_group()
-
-
-def measure_local_cpu(cache_dir: str, *, ranks: int = 2) -> dict:
-    """Measure this machine (module docstring) and cache it; returns the cached record.
-
-    ``{"gemm_flops", "memory_gib", "ranks", "links": {kind: [alpha_s, bus_bandwidth]}}``, alpha
-    per ring step and bandwidth in wire bytes/s (:func:`framework.cost.comm.ring_wire_bytes`).
-    """
-    import socket
-    import tempfile
-
-    import torch
-    import torch.multiprocessing as mp
-
-    from framework.cost.comm import ring_wire_bytes
-    from framework.metrics.flops import peak_flops
-
-    flops, _ = peak_flops(torch.device("cpu"), dtype="fp32", threads=1, cache_dir=cache_dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "bench.json")
-        mp.start_processes(_bench_rank, args=(ranks, port, out), nprocs=ranks, start_method="spawn")
-        with open(out, encoding="utf-8") as f:
-            raw = json.load(f)
-    links = {}
-    for kind, pts in raw.items():
-        steps = {"allreduce": 2 * (ranks - 1), "allgather": ranks - 1, "reduce_scatter": ranks - 1, "p2p": 1}[kind]
-        a, bw = _fit([(ring_wire_bytes(kind, s, ranks), t) for s, t in pts])
-        links[kind] = [a / steps, bw]
-    mem_kib = 0
-    with open("/proc/meminfo", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem_kib = int(line.split()[1])
-    rec = {"gemm_flops": flops, "memory_gib": mem_kib / 2**20, "ranks": ranks, "links": links, "raw": raw,
-           "measured_at": time.time()}
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(os.path.join(cache_dir, CACHE_FILE), "w", encoding="utf-8") as f:
-        json.dump(rec, f, indent=2)
-    return rec
-
-
-def load_or_measure_local_cpu(cache_dir: str, *, ranks: int = 2, measure: bool = True) -> dict:
-    """The cached local-CPU record, measured first when absent (``measure``).
-
-    Raises:
-        ClusterError: no cache and ``measure`` is False.
-    """
-    path = os.path.join(cache_dir, CACHE_FILE)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    if not measure:
-        raise ClusterError(f"cluster=local_cpu: no measurement cached at {path}; run python -m framework.cost.hardware")
-    return measure_local_cpu(cache_dir, ranks=ranks)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m framework.cost.hardware",
-                                 description="Measure this machine's GEMM rate and gloo collectives (2 ranks) for cluster=local_cpu "
-                                             "and cache them (wrap in flock: it starts 2 processes).")
-    ap.add_argument("cache_dir", nargs="?", default=".cache/cost", help="where local_cpu.json is written (default .cache/cost)")
-    rec = measure_local_cpu(ap.parse_args().cache_dir)
-    print(json.dumps({k: v for k, v in rec.items() if k != "raw"}, indent=2))

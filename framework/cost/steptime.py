@@ -40,7 +40,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from framework.cost.collectives import ZERO3_COLLECTIVES, Collective, layout_collectives
+from framework.cost.collectives import Collective, layout_collectives
+from framework.cost.comm import ZERO3_COLLECTIVES
 from framework.cost.flops import hardware_flops_per_token, op_sac_recompute_flops_per_token
 from framework.cost.memory import PRECISIONS, stage_layers, stage_params
 

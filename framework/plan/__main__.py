@@ -164,9 +164,10 @@ def check_degrees(p, shape, cluster, world: int) -> list[str]:
 def load_inputs(cfg):
     """``(ModelShape, Cluster, SearchSpace, StepTimeParams)`` from the composed config; bad input exits (one line)."""
     from framework.config.schema import ConfigError, ModelConfig
-    from framework.cost.hardware import ClusterError, cluster_from_dict
+    from framework.cost.hardware import ClusterError
     from framework.cost.shape import ModelShape
     from framework.cost.steptime import StepTimeParams
+    from framework.metrics.local_cpu import cluster_of
     from framework.plan.search import SearchSpace
 
     p = cfg.plan
@@ -186,8 +187,8 @@ def load_inputs(cfg):
     if shape.seq_len > model.max_seq_len and model.learned_positions:
         fail(f"data.seq_len={shape.seq_len} is longer than model.max_seq_len={model.max_seq_len}")
     try:
-        cluster = cluster_from_dict(OmegaConf.to_container(cfg.cluster, resolve=True),
-                                    where=f"conf/cluster/{cfg.cluster.get('name', '?')}.yaml", cache_dir=p.cache_dir)
+        cluster = cluster_of(OmegaConf.to_container(cfg.cluster, resolve=True),
+                             where=f"conf/cluster/{cfg.cluster.get('name', '?')}.yaml", cache_dir=p.cache_dir)
     except ClusterError as err:
         fail(str(err))
     check_search_space(p)

@@ -38,7 +38,7 @@ def print_plan(cfg, shape, cluster, result, *, world: int, wall_s: float) -> Non
     from rich.console import Console
     from rich.table import Table
 
-    from framework.plan.search import trainlab_overrides
+    from framework.plan.runs import trainlab_overrides
 
     con = Console(width=None if os.isatty(1) else 240)
     p = cfg.plan

@@ -244,6 +244,11 @@ class DeepSpeedPlugin(ParallelPlugin):
             deepspeed.zero.register_external_parameter(model, model.lm_head_weight)
         return model
 
+    @property
+    def zero_stage(self) -> int:
+        """``parallelism.zero_stage``: what DeepSpeed shards over the dp group (0-3)."""
+        return self.cfg.zero_stage
+
     def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
         """Payload bytes per rank per optimizer step, by collective (see :mod:`plugins.deepspeed.cost`)."""
         from plugins.deepspeed.cost import zero_comm_volume

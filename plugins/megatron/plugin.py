@@ -267,6 +267,11 @@ class MegatronPlugin(ParallelPlugin):
                 (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
 
     # -- cost model and metering ------------------------------------------------------------
+    @property
+    def zero_stage(self) -> int:
+        """The dp dimension's sharding: 3 with ``parallelism.data_parallel=fsdp`` (FSDP2 full shard), 0 with ``ddp``."""
+        return 3 if self.cfg.data_parallel == "fsdp" else 0
+
     def comm_volume(self, stats: ModelStats, resolved: Any) -> CommEstimate:
         """TP payload x micro-batches + this rank's PP sends + the tied-embedding all-reduce + FSDP on dp, each kind
         with its group's size (see the module docstring)."""

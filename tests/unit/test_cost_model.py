@@ -14,10 +14,12 @@ from framework.cli import CONF_DIR
 from framework.config.schema import ModelConfig
 from framework.cost import activations as A
 from framework.cost.bubble import microbatches_in_flight, pp_bubble_fraction
-from framework.cost.collectives import ZERO3_COLLECTIVES, layout_collectives
+from framework.cost.collectives import layout_collectives
+from framework.cost.comm import ZERO3_COLLECTIVES
 from framework.cost.comm import ModelStats, ddp_comm_volume, fsdp_comm_volume, tp_payload_bytes_per_microbatch
 from framework.cost.estimate import estimate
 from framework.cost.hardware import REQUIRED, ClusterError, Link, cluster_from_dict
+from framework.metrics.local_cpu import cluster_of
 from framework.cost.layout import PlanLayout
 from framework.cost.memory import (
     ZERO_STAGES,
@@ -196,10 +198,12 @@ def test_every_cluster_file_loads_and_a_missing_field_is_one_line(tmp_path):
     (tmp_path / "local_cpu.json").write_text(json.dumps({"gemm_flops": 5e10, "memory_gib": 16.0, "ranks": 2,
                                                          "links": {"allreduce": [1e-4, 1e9], "allgather": [2e-4, 5e8], "p2p": [5e-5, 2e9]}}))
     for path in sorted((CONF_DIR / "cluster").glob("*.yaml")):
-        c = cluster_from_dict(yaml.safe_load(path.read_text()), cache_dir=str(tmp_path), measure=False)
+        c = cluster_of(yaml.safe_load(path.read_text()), cache_dir=str(tmp_path), measure=False)
         assert c.peak_flops > 0 and c.usable_memory_bytes > 0
         if path.stem == "local_cpu":
             assert c.nic.params("allgather") == (2e-4, 5e8) and c.peak_flops == 5e10 and c.hbm_bytes == 8 * 2**30
+    with pytest.raises(ClusterError, match="python -m framework.metrics.local_cpu"):  # the cost model measures nothing
+        cluster_from_dict(yaml.safe_load((CONF_DIR / "cluster" / "local_cpu.yaml").read_text()), where="local_cpu")
     raw = yaml.safe_load((CONF_DIR / "cluster" / "b200.yaml").read_text())
     del raw["nic_bandwidth"]
     with pytest.raises(ClusterError) as info:
@@ -264,7 +268,7 @@ def test_planner_overrides_run_in_trainlab(compose, lay):
 
     from framework.config.load import load_run_config
     from framework.config.validate import validate
-    from framework.plan.search import trainlab_overrides
+    from framework.plan.runs import trainlab_overrides
 
     run_with = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "plan.yaml").plan.run_with)
     over, notes = trainlab_overrides(lay, model="gpt_tiny", seq_len=128, nodes=1, run_with=run_with)
@@ -294,3 +298,17 @@ def test_breakdown_from_trainlab_metrics():
     assert b.step_time() == pytest.approx(0.002 + 0.030 + 0.001 + 0.004 + 0.003)
     g = whatif(b)
     assert g["dp_grad_reduction"] == pytest.approx(0) and g["backward"] == pytest.approx(1e-3) and g["other"] == pytest.approx(1e-3)
+
+
+def test_the_cost_package_measures_nothing():
+    """framework/cost is pure formulas: no module imports torch or a clock (measurement lives in framework/metrics)."""
+    import ast
+    from pathlib import Path
+
+    import framework.cost
+
+    for path in sorted(Path(framework.cost.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not names & {"torch", "time"}, f"{path.name} imports {sorted(names & {'torch', 'time'})}"

@@ -17,7 +17,7 @@ def test_help_prints_usage_and_the_plan_keys(capsys):
 
 
 @pytest.mark.parametrize("module", ["framework.plan", "framework.train", "framework.compare", "framework.checkpoint",
-                                    "framework.cost.whatif", "framework.cost.hardware"])
+                                    "framework.cost.whatif", "framework.metrics.local_cpu"])
 @pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_every_entry_point_prints_help(module):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)

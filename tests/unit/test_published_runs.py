@@ -14,7 +14,8 @@ from benchmarks.published_runs import (
     ranking_report,
     summary,
 )
-from framework.cost.collectives import ZERO3_COLLECTIVES, Collective, layout_collectives
+from framework.cost.collectives import Collective, layout_collectives
+from framework.cost.comm import ZERO3_COLLECTIVES
 from framework.cost.hardware import Cluster, Link
 from framework.cost.layout import PlanLayout
 from framework.cost.shape import ModelShape
