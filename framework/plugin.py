@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from framework.config.resolved import ResolvedRun
     from framework.layout import ParallelLayout
     from framework.cost.comm import CommEstimate, ModelStats
+    from framework.metrics.memory import HeldState
     from framework.metrics.timing import CommMeter
     from framework.parallelize import ParallelPlan
 
@@ -76,7 +77,10 @@ class ParallelPlugin:
 
     Must implement: :meth:`build_strategy`, :meth:`comm_volume`, :meth:`model_states_bytes`.
     A plugin that splits, shards or wraps the model returns a plan from :meth:`parallel_plan`.
-    Everything else has a default that is right for a plugin that does nothing special there.
+    Everything else has a default that is right for a plugin that does nothing special there
+    (plain torch modules, DDP, DTensor parameters); the measurement hooks (:meth:`held_state`,
+    :meth:`full_param_shape`, :meth:`inner_optimizer`) are how the framework reads what a backend
+    holds, so it never probes a backend's own attributes.
     """
 
     name: ClassVar[str]
@@ -171,6 +175,30 @@ class ParallelPlugin:
     def model_states_bytes(self, stats: "ModelStats", resolved: "ResolvedRun") -> int:
         """Modelled bytes of parameters + gradients + optimizer state on one rank (ZeRO §3.1)."""
         raise NotImplementedError(f"plugin {self.name!r} does not implement model_states_bytes")
+
+    def held_state(self, module: "torch.nn.Module", optimizer: Any) -> "HeldState":
+        """The model-state tensors this rank holds now (parameters, gradients, optimizer tensors), measured as
+        ``mem/model_states_bytes`` by :func:`framework.metrics.memory.model_states_bytes`. ``module``: the
+        LightningModule; ``optimizer``: the one the Trainer steps (``trainer.optimizers[0]``), or None.
+        Default (:func:`~framework.metrics.memory.torch_held_state`): the module's parameters (DTensor
+        shards count their local part), their gradients, and a torch optimizer's parameters, gradients and
+        state. Override when the backend keeps state elsewhere (partitions beside the parameters, flat
+        buffers in an optimizer wrapper)."""
+        from framework.metrics.memory import torch_held_state
+
+        return torch_held_state(module.parameters(), self.inner_optimizer(optimizer) if optimizer is not None else None)
+
+    def full_param_shape(self, param: "torch.nn.Parameter") -> tuple[int, ...]:
+        """The full (unpartitioned) shape of a parameter of the model, for the cost model's
+        :class:`~framework.cost.comm.ModelStats`. Default ``param.shape`` (a DTensor's is already the global
+        shape). Override when the backend empties or replaces the parameter's data by a partition."""
+        return tuple(param.shape)
+
+    def inner_optimizer(self, optimizer: Any) -> "torch.optim.Optimizer":
+        """The torch optimizer that updates the parameters (its step post-hook marks the end of the
+        update): ``optimizer`` itself by default; the torch optimizer inside when the backend hands the
+        Trainer a wrapper of its own (which may do more after the inner step, e.g. gather parameters)."""
+        return optimizer
 
     def install_comm_meter(self, model: Any, meter: "CommMeter") -> None:
         """Make this plugin's training collectives report to ``meter`` (``model``: the strategy-wrapped

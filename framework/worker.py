@@ -253,8 +253,8 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     # The folder CheckpointIO plugin and its callbacks; on_time_spent gets the seconds the step was held;
     # a step's metrics so far are sent before its checkpoint is saved.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(
-        resolved, is_global_zero=rank == 0, sinks=sinks, on_time_spent=clock.add_checkpoint,
-        before_save=flush.flush if flush is not None else None,
+        resolved, is_global_zero=rank == 0, sinks=sinks, checkpoint_kind=plugin.capabilities.checkpoint_format,
+        on_time_spent=clock.add_checkpoint, before_save=flush.flush if flush is not None else None,
     )
     callbacks += ckpt_callbacks
     from framework.callbacks.preemption import Preemption

@@ -108,7 +108,8 @@ class StepBreakdown(pl.Callback):
 
     Args:
         clock: the run's step clock (step ends, warm-up, validation and checkpoint seconds).
-        plugin: the run's parallelism plugin (``comm_volume``, ``model_states_bytes``,
+        plugin: the run's parallelism plugin (``comm_volume``, ``model_states_bytes``, ``held_state``,
+            ``full_param_shape``, ``inner_optimizer``,
             ``install_comm_meter``).
         resolved: the validated run (passed to the plugin's cost model).
         log_every_n_steps: optimizer steps between logged points.
@@ -164,7 +165,7 @@ class StepBreakdown(pl.Callback):
                 sink(metrics, step)
 
     def _states_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-        return model_states_bytes(pl_module.parameters(), trainer.optimizers[0] if trainer.optimizers else None)["total"]
+        return model_states_bytes(self.plugin.held_state(pl_module, trainer.optimizers[0] if trainer.optimizers else None))["total"]
 
     def _sample_states(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep the largest model-state bytes seen within a step that will be logged.
@@ -194,11 +195,10 @@ class StepBreakdown(pl.Callback):
         self.plugin.install_comm_meter(trainer.strategy.model, self.meter)
         if trainer.optimizers:
             opt = trainer.optimizers[0]
-            self._unhook_step_end = _after_step(opt, self.meter.close)
-            if not hasattr(opt, "register_step_post_hook"):  # a wrapper (DeepSpeed ZeRO): time the torch optimizer inside
-                opt = opt.optimizer
-            self._hook_handle = opt.register_step_post_hook(self._after_optimizer_step)
-        stats = model_stats(pl_module)
+            inner = self.plugin.inner_optimizer(opt)  # a wrapper's (DeepSpeed ZeRO's) torch optimizer is timed
+            self._unhook_step_end = _after_step(opt, self.meter.close, hookable=inner is opt)
+            self._hook_handle = inner.register_step_post_hook(self._after_optimizer_step)
+        stats = model_stats(pl_module, self.plugin.full_param_shape)
         est = self.plugin.comm_volume(stats, self.resolved)
         self.estimate: CommEstimate = est
         self.model_figures = {
@@ -341,14 +341,15 @@ class StepBreakdown(pl.Callback):
         self._emit(trainer, metrics, trainer.global_step)
 
 
-def _after_step(optimizer: Any, fn: Callable[[], None]) -> Callable[[], None]:
+def _after_step(optimizer: Any, fn: Callable[[], None], *, hookable: bool) -> Callable[[], None]:
     """Call ``fn()`` each time ``optimizer.step`` returns; returns the function that undoes it.
 
-    A torch optimizer: a step post-hook (public API). A wrapper without hooks (DeepSpeed's ZeRO
+    ``hookable``: a torch optimizer: a step post-hook (public API). Otherwise a plugin's wrapper
+    (:meth:`~framework.plugin.ParallelPlugin.inner_optimizer` is another object; e.g. DeepSpeed's ZeRO
     optimizers, which all-gather the updated parameters after their inner optimizer's step):
     its ``step`` is wrapped on the instance.
     """
-    if hasattr(optimizer, "register_step_post_hook"):
+    if hookable:
         handle = optimizer.register_step_post_hook(lambda *args: fn())
         return handle.remove
     had_own = "step" in vars(optimizer)

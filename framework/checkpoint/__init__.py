@@ -9,7 +9,7 @@ consult the table before any rank starts.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from framework.checkpoint.kinds import CheckpointKind, register_checkpoint_kind
 
@@ -40,7 +40,14 @@ def _load_dcp_shards(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     return load_shards(path, tensors)
 
 
+def _save_dcp(dirpath: Path, step: int, checkpoint: dict[str, Any], manifest: dict[str, Any]) -> Optional[Path]:
+    from framework.checkpoint.dcp import save_sharded
+
+    return save_sharded(dirpath, step, checkpoint, manifest)
+
+
 register_checkpoint_kind(CheckpointKind("full", "full checkpoints", load_full_state=_load_full))
 register_checkpoint_kind(CheckpointKind("delta", "delta checkpoints", load_full_state=_load_delta))
 register_checkpoint_kind(CheckpointKind("dcp", "sharded (DCP) checkpoints",  # framework.checkpoint.dcp.KIND
-                                        load_full_state=_load_dcp_full, load_into_shards=_load_dcp_shards))
+                                        load_full_state=_load_dcp_full, load_into_shards=_load_dcp_shards,
+                                        save_shards=_save_dcp))

@@ -71,25 +71,6 @@ KIND = "dcp"  # manifest "kind" of a sharded checkpoint
 DCP_DIR = "dcp"  # sub-folder holding DCP's files
 MODEL_KEY = "state_dict"  # Lightning's key of the LightningModule state
 OPTIM_KEY = "optimizer_states"  # Lightning's key of the list of optimizer states
-SHARDED_KEY = "trainlab_sharded"  # set by ShardedCheckpointing: save as DCP even without DTensors (pipeline stages)
-
-
-def is_dtensor(x: Any) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor``."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(x, DTensor)
-
-
-def holds_dtensors(checkpoint: dict[str, Any]) -> bool:
-    """True when the model state of a Lightning checkpoint dict holds any DTensor (a sharded plugin's)."""
-    return any(is_dtensor(v) for v in checkpoint.get(MODEL_KEY, {}).values())
-
-
-def wants_sharded(checkpoint: dict[str, Any]) -> bool:
-    """True when ``checkpoint`` is to be saved as DCP: it holds DTensors, or its strategy marked it
-    (:data:`SHARDED_KEY`, removed here: ranks that hold different plain tensors, e.g. pipeline stages)."""
-    return bool(checkpoint.pop(SHARDED_KEY, False)) or holds_dtensors(checkpoint)
 
 
 # -- flat DCP dict <-> Lightning's checkpoint dict ---------------------------------------------

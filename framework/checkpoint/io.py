@@ -14,10 +14,10 @@ Policies:
   training step waits for) and a background thread writes, fsyncs, renames and prunes. At most
   one save is in flight: a new save first waits for the previous one. A failed background save
   leaves no folder behind and is reported through :meth:`pop_results`.
-- sharded state (the model state holds DTensors: FSDP2, TP; or the strategy marked it
-  ``SHARDED_KEY``: pipeline stages holding plain tensors): every rank calls
-  ``save_checkpoint`` and writes its own shards with torch DCP
-  (:mod:`framework.checkpoint.dcp`); synchronous, full saves only.
+- sharded state: the plugin declares a checkpoint kind that saves in shards
+  (``PluginCapabilities.checkpoint_format``, e.g. ``dcp`` for FSDP2, TP and pipeline stages;
+  :mod:`framework.checkpoint.kinds`): every rank calls ``save_checkpoint`` and writes its own
+  shards (:mod:`framework.checkpoint.dcp`); synchronous, full saves only.
 - ``full_every_n_saves = K > 1`` (incremental): the first save of a process and then every
   K-th is a full base; the ones between are XOR+zlib deltas against the newest base
   (:mod:`framework.checkpoint.delta`), which stays in CPU memory for that purpose.
@@ -35,10 +35,9 @@ from typing import Any, Optional
 import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from framework.checkpoint.dcp import KIND as DCP_KIND
-from framework.checkpoint.dcp import save_sharded, wants_sharded
 from framework.checkpoint.delta import child_of, encode_delta
 from framework.checkpoint.format import load_state, prune, write_checkpoint
+from framework.checkpoint.kinds import get_checkpoint_kind
 
 
 @dataclass
@@ -46,7 +45,7 @@ class SaveResult:
     """Outcome of one save: ``save_s`` is wall seconds from the call to the renamed folder."""
 
     step: int
-    kind: str  # full | delta | dcp (sharded)
+    kind: str  # full | delta | a sharded kind (dcp)
     save_s: float
     bytes: int = 0  # bytes on disk of the checkpoint folder's files
     path: Optional[Path] = None  # None when the save failed
@@ -84,6 +83,12 @@ class FolderCheckpointIO(CheckpointIO):
         full_every_n_saves: 1 = every save is full; K > 1 = a full base every K saves, deltas between.
         manifest_fields: extra manifest entries (layout, config_hash, versions).
         tokens_per_step: tokens per optimizer step, for the manifest's ``tokens_seen``.
+        kind: the checkpoint kind the run's plugin declares it writes
+            (``PluginCapabilities.checkpoint_format``); a kind with a ``save_shards``
+            (:class:`~framework.checkpoint.kinds.CheckpointKind`) is saved by every rank through it.
+
+    Raises:
+        CheckpointError: ``kind`` is not registered.
     """
 
     def __init__(
@@ -94,7 +99,9 @@ class FolderCheckpointIO(CheckpointIO):
         full_every_n_saves: int,
         manifest_fields: dict[str, Any],
         tokens_per_step: int,
+        kind: str = "full",
     ) -> None:
+        self.kind = get_checkpoint_kind(kind)
         self.keep_last_k = keep_last_k
         self.asynchronous = asynchronous
         self.full_every = full_every_n_saves
@@ -118,7 +125,7 @@ class FolderCheckpointIO(CheckpointIO):
         t0 = time.perf_counter()
         path = Path(path)
         step = int(checkpoint["global_step"])
-        if wants_sharded(checkpoint):  # a sharded plugin: every rank writes its shards (DCP), synchronously
+        if self.kind.save_shards is not None:  # the plugin saves in shards: every rank writes its part, synchronously
             self._save_sharded(path.parent, step, checkpoint, t0)
             return
         if self.asynchronous or self.full_every > 1:
@@ -166,10 +173,12 @@ class FolderCheckpointIO(CheckpointIO):
         return result
 
     def _save_sharded(self, dirpath: Path, step: int, checkpoint: dict[str, Any], t0: float) -> None:
-        """Collective save of a DTensor state (:func:`framework.checkpoint.dcp.save_sharded`); rank 0 prunes and reports."""
-        result = SaveResult(step=step, kind=DCP_KIND, save_s=0.0)
+        """Collective save through the kind's ``save_shards`` (e.g. :func:`framework.checkpoint.dcp.save_sharded`);
+        rank 0 prunes and reports."""
+        result = SaveResult(step=step, kind=self.kind.name, save_s=0.0)
         try:
-            final = save_sharded(dirpath, step, checkpoint, {**self.manifest_fields, "tokens_seen": step * self.tokens_per_step})
+            final = self.kind.save_shards(dirpath, step, checkpoint,
+                                          {**self.manifest_fields, "tokens_seen": step * self.tokens_per_step})
         except Exception as err:
             raise OSError(f"checkpoint save of step {step} failed: {type(err).__name__}: {err}") from err
         if final is None:  # not rank 0: rank 0 commits the folder and reports

@@ -1,4 +1,4 @@
-"""Checkpoint kinds: how a checkpoint of each manifest ``kind`` loads, in one table that plugins register into.
+"""Checkpoint kinds: how a checkpoint of each manifest ``kind`` loads (and a sharded one saves), in one table that plugins register into.
 
 Every checkpoint folder's manifest names its ``kind`` (:mod:`framework.checkpoint.format`). The
 checkpoint package registers the kinds trainlab itself writes (``full``, ``delta``, ``dcp``: see
@@ -10,7 +10,10 @@ checkpoint module is imported. Loading code asks this table, never compares kind
 - a sharded plugin reads a kind with a ``load_into_shards`` straight into its live shards
   (:func:`framework.checkpoint.dcp.load_into_sharded`), and any other kind through its full state;
 - the driver decides with :func:`can_load` whether a plugin can resume from a checkpoint
-  (:mod:`framework.checkpoint.resume`), before any rank starts.
+  (:mod:`framework.checkpoint.resume`), before any rank starts;
+- saving dispatches on the kind the plugin declares it writes
+  (:class:`framework.checkpoint.io.FolderCheckpointIO`'s ``kind``): a kind with a ``save_shards``
+  is written by every rank, any other as one full state (or by the plugin's own strategy).
 
 This module imports neither torch nor Lightning (the driver imports it); loaders import what
 they need when they are called.
@@ -41,12 +44,20 @@ class CheckpointKind:
             shards included) in place from the checkpoint, resharding as needed, and return the
             rest of the state (everything but model and optimizer tensors). Collective (every
             rank calls it). None: sharded plugins load the kind through ``load_full_state``.
+        save_shards: ``(dirpath, step, checkpoint, manifest) -> folder``: the save of a plugin that
+            declares this kind (``PluginCapabilities.checkpoint_format``) when every rank holds a
+            different part of the state: collective, every rank writes its part of Lightning's
+            ``checkpoint`` dict as folder ``dirpath/step%08d`` with the manifest entries
+            ``manifest``; returns the final folder on rank 0, None elsewhere. None: the
+            checkpoint IO writes one full state on the rank Lightning saves on (``full`` and
+            ``delta`` folders), or the plugin's strategy writes its own files.
     """
 
     name: str
     description: str
     load_full_state: Optional[Callable[[Path], dict[str, Any]]] = None
     load_into_shards: Optional[Callable[[Path, dict[str, Any]], dict[str, Any]]] = None
+    save_shards: Optional[Callable[[Path, int, dict[str, Any], dict[str, Any]], Optional[Path]]] = None
 
 
 _KINDS: dict[str, CheckpointKind] = {}

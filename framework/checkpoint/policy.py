@@ -53,10 +53,14 @@ def build_checkpointing(
     *,
     is_global_zero: bool,
     sinks: list[MetricSink],
+    checkpoint_kind: str,
     on_time_spent: Optional[Callable[[float], None]] = None,
     before_save: Optional[Callable[[], None]] = None,
 ) -> tuple[list[Any], list[pl.Callback]]:
     """``(plugins, callbacks)`` for ``pl.Trainer`` implementing ``resolved.run.checkpoint``.
+
+    ``checkpoint_kind``: the kind the run's plugin declares it writes
+    (``plugin.capabilities.checkpoint_format``); saves dispatch on it (:class:`FolderCheckpointIO`).
 
     ``before_save`` is called on every rank right before each save (the worker sends the step's
     buffered metrics, so that no checkpoint covers a step missing from MLflow).
@@ -71,6 +75,7 @@ def build_checkpointing(
         full_every_n_saves=ck.full_every_n_saves,
         manifest_fields=manifest_fields(resolved, is_global_zero=is_global_zero),
         tokens_per_step=resolved.tokens_per_step,
+        kind=checkpoint_kind,
     )
     callbacks: list[pl.Callback] = []
     if ck.memory_every_n_steps > 0:

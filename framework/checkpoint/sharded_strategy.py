@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from framework.checkpoint.dcp import SHARDED_KEY, load_into_sharded
+from framework.checkpoint.dcp import load_into_sharded
 from framework.checkpoint.format import CheckpointError, verify
 
 
@@ -51,7 +51,7 @@ class ShardedCheckpointing:
         return get_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))  # keyed by parameter name
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        checkpoint[SHARDED_KEY] = True  # every rank writes its part, DTensors or not
+        # every rank writes its part (DTensors or not): the IO saves the plugin's declared sharded kind
         self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

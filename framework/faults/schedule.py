@@ -16,8 +16,7 @@ import random
 from typing import Any
 
 from framework.config.schema import ConfigError, FaultEventConfig, RunConfig
-
-HANG_DEFAULT_S = 3600.0  # a random hang lasts "forever": only the watchdog ends it
+from framework.faults.kinds import fault_kind_names, fault_kinds
 
 
 def build_schedule(run: RunConfig, world_size: int) -> list[dict[str, Any]]:
@@ -34,9 +33,7 @@ def build_schedule(run: RunConfig, world_size: int) -> list[dict[str, Any]]:
                 break
             kind = rng.choice(list(f.random_kinds))
             e = dataclasses.asdict(FaultEventConfig(kind=kind, step=step, ranks=[rng.randrange(world_size)]))
-            if kind == "hang":
-                e["delay_s"] = HANG_DEFAULT_S
-            events.append({"id": f"r{i}", **e})
+            events.append({"id": f"r{i}", **fault_kinds()[kind].random_event(e)})
             i += 1
     return sorted(events, key=lambda e: e["step"])
 
@@ -44,13 +41,23 @@ def build_schedule(run: RunConfig, world_size: int) -> list[dict[str, Any]]:
 def check_fault_config(run: RunConfig, world_size: int, tp_degree: int = 1, pp_degree: int = 1) -> None:
     """Cross-field rules of ``fault`` and ``resilience`` (one line per problem, joined by ``; ``).
 
+    Fault kinds are those registered in :mod:`framework.faults.kinds`; each kind the run schedules
+    (listed, or drawn at random) adds its own rules (:meth:`~framework.faults.kinds.FaultKind.check`).
+
     Raises:
-        ConfigError: an event after ``trainer.max_steps`` or on a rank that does not exist, a hang
-            without a watchdog, rollback without in-memory snapshots, shrink of a non-DP layout.
+        ConfigError: a kind that is not registered, an event after ``trainer.max_steps`` or on a rank
+            that does not exist, a kind's own rule (a hang without a watchdog), rollback without
+            in-memory snapshots, shrink of a non-DP layout.
     """
     errors = []
     r, max_steps = run.resilience, run.trainer.max_steps
+    registry, allowed = fault_kinds(), ", ".join(fault_kind_names())
+    bad_random = [k for k in run.fault.random_kinds if k not in registry]
+    if bad_random:
+        errors.append(f"fault.random_kinds has {bad_random[0]!r}, which is not a fault kind; allowed: {allowed}")
     for i, e in enumerate(run.fault.events):
+        if e.kind not in registry:
+            errors.append(f"fault.events[{i}].kind={e.kind!r} is not a fault kind; allowed: {allowed}")
         if e.step > max_steps:
             errors.append(f"fault.events[{i}].step={e.step} is after trainer.max_steps={max_steps}")
         bad = [k for k in e.ranks if k >= world_size]
@@ -58,9 +65,8 @@ def check_fault_config(run: RunConfig, world_size: int, tp_degree: int = 1, pp_d
             errors.append(f"fault.events[{i}].ranks={list(e.ranks)}: rank {bad[0]} does not exist (world_size={world_size};"
                           f" allowed: 0..{world_size - 1})")
     kinds = {e.kind for e in run.fault.events} | (set(run.fault.random_kinds) if run.fault.mtbf_steps > 0 else set())
-    if "hang" in kinds and r.hang_timeout_s <= 0:
-        errors.append("fault kind 'hang' needs the watchdog: set resilience.hang_timeout_s > 0 (seconds without"
-                      " step progress before a rank is declared hung)")
+    for kind in sorted(kinds & registry.keys()):
+        errors.extend(registry[kind].check(run))
     if r.policy == "rollback":
         ck = run.checkpoint
         if ck.memory_every_n_steps <= 0:

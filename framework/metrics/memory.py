@@ -6,7 +6,9 @@
   torch libraries (a few hundred MB before any tensor).
 - :func:`model_states_bytes`: parameters + gradients + optimizer state, summed over *distinct*
   tensor storages, so a tied weight, or gradients that are views into DDP's buckets, count once.
-  The cost model for it is the plugin's ``model_states_bytes`` (ZeRO §3.1).
+  Which tensors a rank holds is the plugin's answer (:meth:`~framework.plugin.ParallelPlugin.held_state`;
+  :func:`torch_held_state` for plain torch modules and optimizers). The cost model for it is the
+  plugin's ``model_states_bytes`` (ZeRO §3.1).
 - :class:`SavedTensorMeter`: activation memory, the bytes of the tensors autograd saves for
   backward (``torch.autograd.graph.saved_tensors_hooks``), live and peak; parameters (and views
   of them, e.g. a Linear's transposed weight) are model state and not counted. Independent of
@@ -16,9 +18,11 @@
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -49,68 +53,75 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) 
     return total
 
 
-def _held_tensors(obj: object, depth: int = 0) -> Iterable[torch.Tensor]:
+def held_tensors(obj: object, depth: int = 0) -> Iterable[torch.Tensor]:
     """Tensors in ``obj`` when it is a tensor or a (nested, up to 3 deep) list/tuple/dict of them."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 3 and isinstance(obj, dict):
         for v in obj.values():
-            yield from _held_tensors(v, depth + 1)
+            yield from held_tensors(v, depth + 1)
     elif depth < 3 and isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _held_tensors(v, depth + 1)
+            yield from held_tensors(v, depth + 1)
 
 
-def _optimizer_tensors(optimizer: object) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(gradient-like, state)`` tensors an optimizer holds beyond the module's parameters.
+@dataclass
+class HeldState:
+    """The model-state tensors one rank holds, by part, as a plugin reports them
+    (:meth:`framework.plugin.ParallelPlugin.held_state`). Lists may repeat a tensor or hold views
+    into one buffer: :func:`model_states_bytes` counts each storage once.
 
-    A torch optimizer holds its ``param_groups`` (the module's parameters, or the fp32 master
-    partitions a ZeRO optimizer hands it), their gradients and its ``state``. A wrapper that
-    owns such an optimizer in ``.optimizer`` (DeepSpeed's ZeRO optimizers) also holds flat
-    buffers as attributes (partitioned master weights and gradients); those are walked too.
-    The caller dedupes by storage, so views into the same buffer count once.
+    Attributes:
+        params: parameters (and any partition of them a sharding backend keeps beside them).
+        grads: gradients (of the parameters, and of whatever the optimizer steps).
+        optimizer: every other tensor the optimizer holds (its parameters, e.g. fp32 master
+            copies, and its state: AdamW's moments and step counters).
     """
-    grads: list[torch.Tensor] = []
-    state: list[torch.Tensor] = []
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):  # a wrapper: its own flat buffers, then the inner optimizer
-        for value in vars(optimizer).values():
-            state.extend(_held_tensors(value))
-        optimizer = inner
+
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    optimizer: list[torch.Tensor] = field(default_factory=list)
+
+
+def torch_held_state(params: Iterable[torch.nn.Parameter], optimizer: object | None) -> HeldState:
+    """:class:`HeldState` of ``params`` and a torch optimizer (None: no optimizer yet): the parameters, their
+    gradients, and the optimizer's ``param_groups`` tensors, their gradients and its ``state`` tensors.
+    The right answer for plain modules, DDP and DTensor (FSDP2, TP) parameters; an object that is not a
+    ``torch.optim.Optimizer`` contributes nothing."""
+    params = list(params)
+    held = HeldState(params=params, grads=[q.grad for q in params if q.grad is not None])
     if isinstance(optimizer, torch.optim.Optimizer):
         for group in optimizer.param_groups:
             for q in group["params"]:
-                state.append(q)
+                held.optimizer.append(q)
                 if q.grad is not None:
-                    grads.append(q.grad)
-        state.extend(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-    return grads, state
+                    held.grads.append(q.grad)
+        held.optimizer.extend(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return held
 
 
-def model_states_bytes(params: Iterable[torch.nn.Parameter], optimizer: object | None) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state held by this rank.
-
-    Counts the module's parameters (a ZeRO-3 parameter's partition, ``ds_tensor``, included),
-    their gradients, and every tensor the optimizer holds (see :func:`_optimizer_tensors`).
+def model_states_bytes(held: HeldState) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held by this rank (see :class:`HeldState`).
 
     Returns:
         ``{"params", "grads", "optimizer", "total"}`` in bytes; each tensor storage counted once
-        over all three (a gradient that is a view into a DDP bucket counts the bucket once).
+        over all three, in that order (a gradient that is a view into a DDP bucket counts the
+        bucket once; a DTensor counts its local shard; meta tensors count nothing).
     """
-    params = list(params)
     seen: set[tuple[str, int]] = set()
-    p = _storage_bytes(params, seen) + _storage_bytes((q.ds_tensor for q in params if hasattr(q, "ds_tensor")), seen)
-    g = _storage_bytes((q.grad for q in params if q.grad is not None), seen)
-    o = 0
-    if optimizer is not None:
-        opt_grads, opt_state = _optimizer_tensors(optimizer)
-        g += _storage_bytes(opt_grads, seen)
-        o = _storage_bytes(opt_state, seen)
+    p = _storage_bytes(held.params, seen)
+    g = _storage_bytes(held.grads, seen)
+    o = _storage_bytes(held.optimizer, seen)
     return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
 
 
-def model_stats(module: torch.nn.Module) -> ModelStats:
+def model_stats(module: torch.nn.Module,
+                full_shape: Callable[[torch.nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape)) -> ModelStats:
     """:class:`ModelStats` of ``module``'s trainable parameters (a shared tensor counted once), with their full shapes.
+
+    ``full_shape``: a parameter's unpartitioned shape (the plugin's
+    :meth:`~framework.plugin.ParallelPlugin.full_param_shape`; default ``p.shape``, which is already
+    the global shape for a DTensor).
 
     Raises:
         ValueError: ``module`` has no trainable parameters.
@@ -118,12 +129,13 @@ def model_stats(module: torch.nn.Module) -> ModelStats:
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the module has no trainable parameters")
+    shapes = tuple(tuple(full_shape(p)) for p in params)
     return ModelStats(
-        num_params=sum(getattr(p, "ds_numel", p.numel()) for p in params),  # ZeRO-3: the full size (p.data is empty)
+        num_params=sum(math.prod(s) for s in shapes),
         num_param_tensors=len(params),
         param_bytes=params[0].element_size(),
         grad_bytes=params[0].element_size(),
-        param_shapes=tuple(tuple(getattr(p, "ds_shape", p.shape)) for p in params),  # DTensor: the global shape
+        param_shapes=shapes,
     )
 
 

@@ -261,6 +261,29 @@ class DeepSpeedPlugin(ParallelPlugin):
 
         return zero_model_states_bytes(stats, self.cfg, resolved)
 
+    def inner_optimizer(self, optimizer: Any) -> Any:
+        """The torch AdamW DeepSpeed's ZeRO optimizers step on their fp32 partitions (``optimizer.optimizer``);
+        ``optimizer`` itself when the engine hands the Trainer a torch optimizer."""
+        import torch
+
+        return optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+
+    def held_state(self, module: Any, optimizer: Any) -> Any:
+        """The framework's default (:meth:`ParallelPlugin.held_state`) plus what DeepSpeed keeps outside it: each
+        ZeRO-3 parameter's partition (``ds_tensor``; the parameter's own data is empty between uses) and the
+        ZeRO optimizer's flat buffers (partitioned fp32 master weights and gradients, attributes of the wrapper)."""
+        from framework.metrics.memory import held_tensors
+
+        held = super().held_state(module, optimizer)
+        held.params += [q.ds_tensor for q in held.params if hasattr(q, "ds_tensor")]
+        if optimizer is not None and self.inner_optimizer(optimizer) is not optimizer:
+            held.optimizer[:0] = [t for value in vars(optimizer).values() for t in held_tensors(value)]
+        return held
+
+    def full_param_shape(self, param: Any) -> tuple[int, ...]:
+        """ZeRO-3 empties a parameter's data between uses; its full shape is ``ds_shape``."""
+        return tuple(getattr(param, "ds_shape", param.shape))
+
     def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
         """Report every collective DeepSpeed's communication backend runs to ``meter``."""
         from plugins.deepspeed.cost import meter_deepspeed_comm

@@ -136,6 +136,39 @@ def test_load_state_dispatches_on_the_manifest_kind(table, tmp_path):
     assert torch.equal(load_state(full)["state_dict"]["w"], torch.full((4,), 2.0)) and calls == [mine]
 
 
+def test_saves_dispatch_on_the_declared_kind_not_on_the_state(table, tmp_path):
+    """The checkpoint IO saves the kind the plugin declares: a kind with ``save_shards`` goes to it on every rank
+    (even when the state holds plain tensors, as pipeline stages do); ``full`` writes one state file; the
+    on-disk result of a dcp save is the same folder as before (manifest kind ``dcp``, loadable as a full state)."""
+    from framework.checkpoint.io import FolderCheckpointIO
+
+    def io(kind):
+        return FolderCheckpointIO(keep_last_k=3, asynchronous=False, full_every_n_saves=1, manifest_fields={},
+                                  tokens_per_step=10, kind=kind)
+
+    calls = []
+    register_checkpoint_kind(CheckpointKind("shards", "my shards", save_shards=lambda d, s, c, m: calls.append((s, m)) or None))
+    io("shards").save_checkpoint({"global_step": 3, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a" / "step00000003")
+    assert calls == [(3, {"tokens_seen": 30})] and not (tmp_path / "a").exists()  # not rank 0's folder here: nothing reported
+
+    model, opt = _trained_linear()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {"global_step": 4, "state_dict": get_model_state_dict(model), "optimizer_states": [get_optimizer_state_dict(model, opt)]}
+    dcp_io = io("dcp")
+    dcp_io.save_checkpoint(state, tmp_path / "b" / "step00000004")
+    (done,) = dcp_io.pop_results()
+    assert done.kind == "dcp" and read_manifest(done.path)["kind"] == "dcp" and verify(done.path) == []
+    assert torch.equal(load_state(done.path)["state_dict"]["weight"], model.weight.detach())
+
+    full_io = io("full")
+    full_io.save_checkpoint({"global_step": 5, "state_dict": {"w": torch.ones(2)}}, tmp_path / "c" / "step00000005")
+    (done,) = full_io.pop_results()
+    assert done.kind == "full" and read_manifest(done.path)["kind"] == "full"
+    with pytest.raises(CheckpointError, match="unknown checkpoint kind 'nope'"):
+        io("nope")
+
+
 def test_a_kind_without_a_full_state_is_refused_by_load_state(table, tmp_path):
     register_checkpoint_kind(CheckpointKind("own", "my plugin's own files"))
     path = _own_kind_folder(tmp_path, 3, "own")

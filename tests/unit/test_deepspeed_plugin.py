@@ -138,3 +138,33 @@ def test_an_unreadable_deepspeed_json_is_a_one_line_error(compose, tmp_path):
         with pytest.raises(ConfigError) as info:
             validate(load_run_config(compose("parallelism=zero2", f"parallelism.ds_config_path={path}")))
         assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_held_state_hooks_count_what_zero_keeps_outside_the_parameters():
+    """The framework measures model state through the plugin's hooks (no ``ds_*`` probing in framework/): the
+    DeepSpeed plugin adds a ZeRO-3 partition (``ds_tensor``), a wrapper's flat buffers and the full ``ds_shape``."""
+    import torch
+
+    from framework.metrics.memory import model_states_bytes, model_stats
+    from framework.plugin import ParallelPlugin
+    from plugins.deepspeed import DeepSpeedPlugin
+
+    module = torch.nn.Linear(4, 2, bias=False)
+    w = module.weight
+    w.ds_tensor, w.ds_shape = torch.zeros(3), (2, 4)  # a partition of 3 fp32 elements; the full shape
+    adamw = torch.optim.AdamW(module.parameters())
+
+    class Wrapper:  # like a ZeRO optimizer: an inner torch AdamW and flat fp32 buffers of its own
+        def __init__(self) -> None:
+            self.optimizer, self.flat = adamw, [torch.zeros(5)]
+
+    wrapper = Wrapper()
+    ds, base = DeepSpeedPlugin(DeepSpeedConfig(zero_stage=3)), ParallelPlugin(None)
+    assert ds.inner_optimizer(wrapper) is adamw and ds.inner_optimizer(adamw) is adamw and base.inner_optimizer(adamw) is adamw
+    plain = model_states_bytes(base.held_state(module, adamw))
+    assert plain == {"params": 32, "grads": 0, "optimizer": 0, "total": 32}  # AdamW's params are the module's
+    zero = model_states_bytes(ds.held_state(module, wrapper))
+    assert zero == {"params": 32 + 12, "grads": 0, "optimizer": 20, "total": 64}
+    assert model_stats(module, ds.full_param_shape).param_shapes == ((2, 4),)
+    w.data = torch.empty(0)  # ZeRO-3 between uses: the full size comes from ds_shape only
+    assert model_stats(module, ds.full_param_shape).num_params == 8 and model_stats(module).num_params == 0

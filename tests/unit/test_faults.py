@@ -48,11 +48,15 @@ def test_issue_default_scenarios(compose):
 def test_fault_recovery_preset_sweeps_kinds_by_policies(compose):
     from omegaconf import OmegaConf
 
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     preset = OmegaConf.load(CONF_DIR / "experiment" / "fault_recovery.yaml")
     sweep = preset.hydra.sweeper.params
-    assert set(sweep["fault"].split(",")) == set(_options("fault")) - {"none", "random"}
+    (glob,) = OverridesParser.create().parse_overrides([f"fault={sweep['fault']}"])
+    faults = glob.value().filter(_options("fault"))  # every fault preset but none and random, a new kind's too
+    assert set(faults) == set(_options("fault")) - {"none", "random"} and len(faults) >= 9
     assert set(sweep["resilience"].split(",")) == set(_options("resilience")) - {"none"}
-    for fault in sweep["fault"].split(","):  # every sweep point is a valid run (one line each, else)
+    for fault in faults:  # every sweep point is a valid run (one line each, else)
         for policy in sweep["resilience"].split(","):
             run = validate(load_run_config(compose("experiment=fault_recovery", f"fault={fault}", f"resilience={policy}"))).run
             assert run.checkpoint.every_n_steps == 25 and run.experiment_name == "fault_recovery"
@@ -61,7 +65,9 @@ def test_fault_recovery_preset_sweeps_kinds_by_policies(compose):
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["fault.events=[{kind:nan_grud,step:3}]"], "fault.events.kind='nan_grud' is not a fault kind; allowed: nan_grad"),
+        (["fault.events=[{kind:nan_grud,step:3}]"], "fault.events[0].kind='nan_grud' is not a fault kind; allowed: bad_batch,"),
+        (["fault.mtbf_steps=5", "fault.random_kinds=[rank_crash,oom]"],
+         "fault.random_kinds has 'oom', which is not a fault kind; allowed: bad_batch,"),
         (["fault.events=[{kind:nan_grad,step:0}]"], "fault.events.step=0 must be >= 1"),
         (["fault.events=[{kind:nan_grad,step:9999}]"], "fault.events[0].step=9999 is after trainer.max_steps=800"),
         (["fault.events=[{kind:rank_crash,step:3,ranks:[5]}]"], "rank 5 does not exist (world_size=2"),

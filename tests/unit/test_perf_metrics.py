@@ -16,7 +16,7 @@ from framework.cost.comm import (
     ring_wire_bytes,
 )
 from framework.cost.memory import replicated_adamw_model_states_bytes
-from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
+from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes, torch_held_state
 from framework.metrics.timing import WORLD, CommMeter, HostClock, call_group, comm_paused, group_spans_nodes, make_clock
 from framework.model import GPT
 from framework.registry import get_plugin_class
@@ -121,7 +121,7 @@ def test_measured_model_states_equal_the_model_after_an_adamw_step():
     x = torch.randint(0, 300, (2, 16))
     model(x, x).backward()
     opt.step()
-    measured = model_states_bytes(model.parameters(), opt)
+    measured = model_states_bytes(torch_held_state(model.parameters(), opt))
     assert measured["params"] == measured["grads"] == 4 * stats.num_params
     assert measured["optimizer"] == 8 * stats.num_params + 4 * stats.num_param_tensors
     for name in ("single", "ddp"):
@@ -133,7 +133,7 @@ def test_views_into_one_buffer_count_once():
     flat = torch.zeros(10)
     a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(6))
     a.grad, b.grad = flat[:4], flat[4:]  # like DDP's gradient_as_bucket_view
-    measured = model_states_bytes([a, b], None)
+    measured = model_states_bytes(torch_held_state([a, b], None))
     assert measured == {"params": 40, "grads": 40, "optimizer": 0, "total": 80}
 
 
