@@ -15,7 +15,7 @@ from framework.plan.search import SearchSpace, enumerate_layouts
 from framework.registry import get_plugin_class
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "parallelism").glob("*.yaml"))
-PER_PRESET = 4  # layouts round-tripped per preset (spread over the enumeration; each composes a config)
+PER_PRESET = 3  # layouts round-tripped per preset (spread over the enumeration; each composes a config)
 
 
 def _plugin(run):
