@@ -138,10 +138,18 @@ def test_warmup_cosine_schedule():
 
 
 def _grid_points(params: dict) -> list[list[str]]:
-    """The overrides of every point of a basic-sweeper grid (``key: a,b,c``; no range()/choice())."""
+    """The overrides of every point of a basic-sweeper grid (``key: a,b,c``, or ``glob(..)`` over a config
+    group's presets; no range()/choice())."""
     import itertools
 
-    axes = [[f"{k}={v.strip()}" for v in str(vals).split(",")] for k, vals in params.items()]
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    axes = []
+    for k, vals in params.items():
+        value = OverridesParser.create().parse_overrides([f"{k}={vals}"])[0].value()
+        values = value.filter(_options(k)) if isinstance(value, Glob) else [v.strip() for v in str(vals).split(",")]
+        axes.append([f"{k}={v}" for v in values])
     return [list(p) for p in itertools.product(*axes)]
 
 
