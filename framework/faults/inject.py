@@ -9,7 +9,8 @@ What each kind does on the faulty ranks:
 - ``nan_grad``: after backward (gradients already all-reduced), this rank's gradients become
   NaN, as after an ECC error in the optimizer's input.
 - ``inf_loss`` / ``loss_spike``: the step's micro-batch losses are multiplied by ``inf`` /
-  ``factor`` (through :attr:`LMModule.loss_transform`), so the logged loss and the gradients show it.
+  ``factor`` (through ``StepState.loss_transform``, :mod:`framework.step`), so the logged loss
+  and the gradients show it.
 - ``bad_batch``: the step's input and target tokens are replaced by uniform random tokens.
 - ``rank_crash``: the process SIGKILLs itself (no Python cleanup, like a machine failure).
 - ``hang``: the rank sleeps ``delay_s`` inside the step (its peers block in the next collective).
@@ -97,13 +98,14 @@ class FaultInjector(pl.Callback):
         print(f"trainlab: fault: injecting {e['kind']} on rank {self.rank} in step {step}", file=sys.stderr, flush=True)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if getattr(pl_module, "end_epoch_requested", False):
+        state = pl_module.step_state
+        if state.end_epoch_requested:
             return  # a batch dropped by a rollback: it does not run
         step = trainer.global_step + 1
         if step != self._step:  # first micro-batch of a step
             self._step = step
             self._active = []
-            pl_module.loss_transform = None
+            state.loss_transform = None
             for e in self.mine:
                 if e["step"] == step and f"{e['id']}@{self.rank}" not in self.fired:
                     self._fire(e, step)
@@ -124,9 +126,9 @@ class FaultInjector(pl.Callback):
             self._slow_until, self._slow_s = e["step"] + e["duration_steps"] - 1, e["delay_s"]
         elif kind == "loss_spike":
             factor = e["factor"]
-            pl_module.loss_transform = lambda loss: loss * factor
+            pl_module.step_state.loss_transform = lambda loss: loss * factor
         elif kind == "inf_loss":
-            pl_module.loss_transform = lambda loss: loss * float("inf")
+            pl_module.step_state.loss_transform = lambda loss: loss * float("inf")
         elif kind == "ckpt_corrupt":
             folder = corrupt_newest_checkpoint(self.checkpoint_dir)
             print(f"trainlab: fault: corrupted {folder}", file=sys.stderr, flush=True)
@@ -148,5 +150,5 @@ class FaultInjector(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._step:  # the step is done: its faults stop acting
-            pl_module.loss_transform = None
+            pl_module.step_state.loss_transform = None
             self._active = []
