@@ -106,3 +106,36 @@ def test_the_emitter_writes_on_rank_0_only_and_sends_buffered_sinks():
     rank0.discard_after(1)  # step 2 was rolled back before it was sent
     rank0.flush()
     assert buffered.sent == [(1, {"train/loss": 1.0})]
+
+
+def test_the_worker_puts_every_part_of_a_run_in_its_documented_phase(compose, tmp_path):
+    """The program order of a run with every optional part (host syncs, profiler, faults with rollback,
+    in-memory snapshots, a buffering sink): the table of docs/training_step.md."""
+    from types import SimpleNamespace
+
+    from framework.config.validate import load_run_config, validate
+    from framework.faults.guard import FaultGuard
+    from framework.faults.schedule import build_schedule
+    from framework.launch import LaunchSpec
+    from framework.registry import get_plugin_class
+    from framework.worker import _build_step
+
+    resolved = validate(load_run_config(compose(
+        "tracking=none", "fault=nan_grad", "resilience=rollback", "checkpoint.memory_every_n_steps=5",
+        "trainer.count_host_syncs=true", "trainer.profile_steps=[2,3]", f"checkpoint.dir={tmp_path}/ckpt")))
+    launch = LaunchSpec(resolved=resolved, run_dir=tmp_path, mlflow_run_id=None, resume_from=None,
+                        token_cache_dir=str(tmp_path), fault_schedule=build_schedule(resolved.run, resolved.world_size))
+    plugin = get_plugin_class(resolved.run.parallelism.name)(resolved.run.parallelism)
+    buffered = _Buffered()
+    flops = SimpleNamespace(per_token=1, hardware_per_token=1, peak=1.0)
+    state = StepState()
+    _, step, _ = _build_step(launch, plugin, 0, state, MetricEmitter([buffered]), flops, {})
+    assert step.state is state
+    assert [(phase, type(cb).__name__) for phase, cb in step.parts] == [
+        ("probe", "HostSyncs"), ("probe", "StepProfiler"), ("boundary", "StepClock"),
+        ("metrics", "StepMetrics"), ("metrics", "ValidationLoss"), ("metrics", "ActivationMemory"),
+        ("faults", "FaultInjector"), ("faults", "FaultGuard"),
+        ("checkpoint", "MemorySnapshot"), ("checkpoint", "PeriodicCheckpoint"), ("checkpoint", "Preemption"),
+        ("accounting", "StepBreakdown"), ("accounting", "RunTimeline"), ("send", "FlushMetrics")]
+    guard = step.part(FaultGuard)
+    assert guard.snapshot is step.parts[8][1] and guard.clock is step.parts[2][1]
