@@ -15,10 +15,11 @@ valid targets more than one of a full micro-batch. Without ignored targets the d
 ``micro_batch_size * seq_len`` and the loss is bit-identical to the plain mean.
 
 A step's update can be dropped (the fault guard, :mod:`framework.faults.guard`, sets
-``drop_update``): the optimizer step then changes no parameter and no optimizer state, and the
-LR schedule does not advance. The schedule counts *applied* updates, as DeepSpeed's engine (no
-scheduler step on a skipped step) and Megatron-LM/NeMo (the scheduler advances only when the
-update succeeded) do, so ``optimizer_updates`` can be below ``trainer.global_step`` (steps attempted).
+``StepState.drop_update``, :mod:`framework.step`): the optimizer step then changes no parameter
+and no optimizer state, and the LR schedule does not advance. The schedule counts *applied*
+updates, as DeepSpeed's engine (no scheduler step on a skipped step) and Megatron-LM/NeMo (the
+scheduler advances only when the update succeeded) do, so ``optimizer_updates`` can be below
+``trainer.global_step`` (steps attempted).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from framework.faults.lightning_adapter import closes_optimizer_step
 from framework.model import build_model
 from framework.parallelize import parallelize_gpt
 from framework.plugin import ParallelPlugin
+from framework.step import StepState
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -130,21 +132,9 @@ class LMModule(pl.LightningModule):
         self.vocab_size = vocab_size
         self.plugin = plugin
         self.model: torch.nn.Module | None = None
-        # Sum of this rank's micro-batch losses in the current optimizer step (for logging).
-        self.step_loss_sum = torch.zeros(())
-        self.step_micro_batches = 0
-        self.last_grad_norm: float | torch.Tensor = float("nan")  # a device tensor until a logging step reads it
-        self.last_lr = float("nan")
-        # The norm of the step being closed, when a callback measured (and judged) it first: the
-        # fault guard puts there the value its decision rests on (e.g. one rank's NaN).
-        self.step_grad_norm: float | None = None
-        # Set (on every rank, at the step's last micro-batch) to drop this step's update: the
-        # optimizer step changes nothing and the LR schedule stays (reset after the batch).
-        self.drop_update = False
-        # Fault-injection hooks (framework/faults): a loss -> loss map applied to every micro-batch
-        # loss (inf_loss, loss_spike), and a request to end the epoch at the next batch (rollback).
-        self.loss_transform: Any = None
-        self.end_epoch_requested = False
+        # What the step's phases tell each other (loss sum, dropped update, grad norm, LR, fault
+        # transforms, a rollback's end of epoch): framework.step, shared with the TrainStep callback.
+        self.step_state = StepState()
 
     def configure_model(self) -> None:
         """Build the decoder (seeded, identical on every rank) and parallelize it by the plugin's plan.
@@ -176,32 +166,17 @@ class LMModule(pl.LightningModule):
         x, y, n = batch
         r = self.resolved
         loss = self.model(x, y, n, r.grad_accum_steps * r.layout.dp)  # sum(CE) / (n / micro-batches of the step)
-        if self.loss_transform is not None:
-            loss = self.loss_transform(loss)
-        self.step_loss_sum = self.step_loss_sum.to(loss.device) + loss.detach().float()
-        self.step_micro_batches += 1
-        return loss
+        return self.step_state.add_loss(loss)  # a scheduled loss fault applied; summed for the step's logged loss
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         # -1 tells Lightning to end the epoch here; the next one re-iterates the loader (rollback).
-        return -1 if self.end_epoch_requested else None
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # After the optimizer step, the scheduler and every callback's batch end (callbacks run first).
-        self.drop_update = False
+        return -1 if self.step_state.end_epoch_requested else None
 
     @property
     def optimizer_updates(self) -> int:
         """Optimizer updates applied so far (dropped steps excluded): the LR schedule's own count,
         saved in checkpoints and snapshots with it (``LambdaLR.last_epoch``)."""
         return int(self.lr_schedulers().last_epoch)
-
-    def take_step_loss(self) -> torch.Tensor:
-        """This rank's mean micro-batch loss over the optimizer step just finished; resets the sum."""
-        mean = self.step_loss_sum / max(1, self.step_micro_batches)
-        self.step_loss_sum = torch.zeros((), device=mean.device)
-        self.step_micro_batches = 0
-        return mean
 
     @torch.no_grad()
     def eval_loss_sum(self, batches) -> torch.Tensor:
@@ -228,12 +203,13 @@ class LMModule(pl.LightningModule):
         # the plugin knows how its gradients are split over ranks (ParallelPlugin.grad_norm).
         if not closes_optimizer_step(self.trainer):
             return  # a strategy that accumulates itself calls this on every micro-batch
-        norm, self.step_grad_norm = self.step_grad_norm, None
-        self.last_grad_norm = self.plugin.grad_norm(self) if norm is None else norm
-        self.last_lr = float(optimizer.param_groups[0]["lr"])
+        s = self.step_state
+        norm, s.judged_grad_norm = s.judged_grad_norm, None
+        s.grad_norm = self.plugin.grad_norm(self) if norm is None else norm
+        s.lr = float(optimizer.param_groups[0]["lr"])
 
     def _drop_if_requested(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-        """Step pre-hook of the module's optimizer: with ``drop_update`` set, no parameter has a
+        """Step pre-hook of the module's optimizer: with ``step_state.drop_update`` set, no parameter has a
         gradient when the update runs, so AdamW changes neither weights nor moments nor its step count.
 
         Two ways the optimizer is stepped, one hook: Lightning passes a closure that runs the
@@ -245,7 +221,7 @@ class LMModule(pl.LightningModule):
         first case only.
         """
         def clear() -> None:
-            if self.drop_update:
+            if self.step_state.drop_update:
                 for group in optimizer.param_groups:
                     for p in group["params"]:
                         p.grad = None
@@ -266,7 +242,7 @@ class LMModule(pl.LightningModule):
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any = None) -> None:
         """Advance the LR schedule by one applied update; a dropped step leaves it (and the LR) as it was."""
-        if not self.drop_update:
+        if not self.step_state.drop_update:
             scheduler.step()
             return
         # The LR the schedule set, undoing any in-step scaling (the post-shrink re-warm-up).

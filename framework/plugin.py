@@ -120,8 +120,11 @@ class ParallelPlugin:
         is :func:`~framework.parallelize.parallelize_gpt`'s result. Default: ``model`` unchanged."""
         return model
 
-    def callbacks(self, resolved: "ResolvedRun", sinks: list) -> list:
-        """Extra Lightning callbacks of this plugin (e.g. a pipeline-bubble meter). Default: none."""
+    def callbacks(self, resolved: "ResolvedRun", emit: Any) -> list:
+        """Extra Lightning callbacks of this plugin (e.g. a pipeline-bubble meter), sending their metrics
+        through ``emit`` (:class:`~framework.metrics.emit.MetricEmitter`, ``emit(metrics, step)``;
+        writes on rank 0 only). They run at the plugin's place in the step's order
+        (:mod:`framework.step`). Default: none."""
         return []
 
     @property

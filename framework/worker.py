@@ -78,6 +78,7 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     from framework.data import TextDataModule, TokenCache
     from framework.distributed import cap_threads, resolve_accelerator, threads_per_rank
     from framework.faults.restart import resume_path
+    from framework.metrics.emit import MetricEmitter
     from framework.module import LMModule
     from framework.registry import get_plugin_class
 
@@ -104,10 +105,11 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     )
     module = LMModule(resolved, vocab_size=vocab_size, plugin=plugin)
     sinks, mlflow_sink = _metric_sinks(launch, rank)
+    emit = MetricEmitter(sinks, enabled=rank == 0)  # the one way this rank sends metrics
     flops = _flops_setup(run, vocab_size, accelerator, mlflow_sink)
     marks = {} if marks is None else marks
-    step_metrics, callbacks, ckpt_plugins = _build_callbacks(launch, plugin, rank, sinks, flops, marks)
-    trainer = _build_trainer(resolved, plugin, accelerator, callbacks, ckpt_plugins, launch.run_dir)
+    step_metrics, train_step, ckpt_plugins = _build_step(launch, plugin, rank, module.step_state, emit, flops, marks)
+    trainer = _build_trainer(resolved, plugin, accelerator, [train_step], ckpt_plugins, launch.run_dir)
     ckpt_path = resume_path(launch, rank)  # after an elastic restart: the newest valid checkpoint
     marks["t_fit"] = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -192,101 +194,91 @@ def _peak_dtype(run: Any) -> str:
     return "bf16" if p.startswith("bf16") else ("fp16" if p.startswith("16") else "fp32")
 
 
-def _step_metrics(resolved: Any, clock: Any, flops: _Flops, sinks: list) -> Any:
+def _step_metrics(resolved: Any, clock: Any, flops: _Flops, emit: Any) -> Any:
     """The step-metrics callback (loss, LR, tokens/s, MFU, grad norm, elastic figures) of this launch."""
     from framework.callbacks.step_metrics import StepMetrics
 
     t = resolved.run.trainer
     return StepMetrics(clock=clock, tokens_per_step=resolved.tokens_per_step, flops_per_token=flops.per_token,
                        peak_flops=flops.peak, num_devices=resolved.world_size, log_every_n_steps=t.log_every_n_steps,
-                       warmup_steps_excluded=t.warmup_steps_excluded, sinks=sinks, progress_bar=t.progress_bar,
+                       warmup_steps_excluded=t.warmup_steps_excluded, emit=emit, progress_bar=t.progress_bar,
                        hardware_flops_per_token=flops.hardware_per_token, dp_degree=resolved.layout.dp,
                        grad_accum_steps=resolved.grad_accum_steps)
 
 
-def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, flops: _Flops,
-                     marks: dict[str, float]) -> tuple[Any, list, list]:
-    """``(step_metrics, callbacks, checkpoint_plugins)`` in the order they must run.
-
-    Profiler first, then the step clock both metric callbacks read; step metrics, validation,
-    activation memory (saved-tensor meter),
-    fault injection/guard, checkpointing (after the others: a save happens once everything else
-    of a step is done; it first sends the step's buffered metrics), preemption (a stop after the step, with its
-    save), the plugin's own, the step breakdown (checkpoint and validation run
-    inside the step it times), the run's timeline (goodput; it must see a step's save,
-    validation and rollback before it records the step), and last the flush of the buffered
-    tracking sink (one request per logged step).
+def _build_step(launch: LaunchSpec, plugin: Any, rank: int, state: Any, emit: Any, flops: _Flops,
+                marks: dict[str, float]) -> tuple[Any, Any, list]:
+    """``(step_metrics, train_step, checkpoint_plugins)``: the step's parts, each in its phase
+    (:data:`framework.step.PHASES`; the order within a phase is the order below), in one
+    :class:`~framework.step.TrainStep`, the Trainer's only callback; ``state``: the module's
+    :class:`~framework.step.StepState`; ``emit``: the run's :class:`~framework.metrics.emit.MetricEmitter`.
     """
     from framework.callbacks.activation_memory import ActivationMemory
-    from framework.distributed import resolve_accelerator
     from framework.callbacks.breakdown import StepBreakdown
     from framework.callbacks.clock import StepClock
-    from framework.callbacks.metric_flush import FlushMetrics
     from framework.callbacks.goodput import RunTimeline
+    from framework.callbacks.metric_flush import FlushMetrics
+    from framework.callbacks.preemption import Preemption
     from framework.callbacks.validation import ValidationLoss
+    from framework.checkpoint.memory import MemorySnapshot
+    from framework.checkpoint.periodic import PeriodicCheckpoint
     from framework.checkpoint.policy import build_checkpointing
+    from framework.distributed import resolve_accelerator
     from framework.faults.events import FaultLog
     from framework.faults.guard import build_fault_callbacks
+    from framework.step import TrainStep
 
     resolved, trainer_cfg = launch.resolved, launch.resolved.run.trainer
     segment = f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # which (re)start of the ranks this is
-    clock = StepClock()  # step ends and the seconds outside training, for both metric callbacks
-    step_metrics = _step_metrics(resolved, clock, flops, sinks)
-    breakdown = StepBreakdown(
-        clock=clock,
-        plugin=plugin,
-        resolved=resolved,
-        log_every_n_steps=trainer_cfg.log_every_n_steps,
-        warmup_steps_excluded=trainer_cfg.warmup_steps_excluded,
-        sinks=sinks,
-    )
-    callbacks = [
-        clock,  # first: it decides whether a batch closed a step before the others ask
-        step_metrics,
-        ValidationLoss(every_n_steps=trainer_cfg.val_every_n_steps, sinks=sinks, on_time_spent=clock.add_validation),
-    ]
-    if not trainer_cfg.compile:  # compiled graphs save their own tensors (see the callback's docstring)
-        callbacks.append(ActivationMemory(clock=clock, log_every_n_steps=trainer_cfg.log_every_n_steps, sinks=sinks))
-    callbacks += build_fault_callbacks(launch, rank=rank)  # [] without faults/policy; before checkpointing
-    buffered = [s for s in sinks if hasattr(s, "flush")]
-    flush = FlushMetrics(clock=clock, sinks=buffered, on_time_spent=breakdown.add_logging_time) if buffered else None
-    # The folder CheckpointIO plugin and its callbacks; on_time_spent gets the seconds the step was held;
+    clock = StepClock()  # step ends and the seconds outside training, for every part that reads them
+    step_metrics = _step_metrics(resolved, clock, flops, emit)
+    log_every = trainer_cfg.log_every_n_steps
+    breakdown = StepBreakdown(clock=clock, plugin=plugin, resolved=resolved, log_every_n_steps=log_every,
+                              warmup_steps_excluded=trainer_cfg.warmup_steps_excluded, emit=emit)
+    flush = FlushMetrics(clock=clock, emit=emit, on_time_spent=breakdown.add_logging_time) if emit.buffered else None
+    # The folder CheckpointIO plugin and the checkpoint parts; on_time_spent gets the seconds the step was held;
     # a step's metrics so far are sent before its checkpoint is saved.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(
-        resolved, is_global_zero=rank == 0, sinks=sinks, checkpoint_kind=plugin.capabilities.checkpoint_format,
-        on_time_spent=clock.add_checkpoint, before_save=flush.flush if flush is not None else None,
+        resolved, is_global_zero=rank == 0, emit=emit, checkpoint_kind=plugin.capabilities.checkpoint_format,
+        on_time_spent=clock.add_checkpoint,
+        before_save=flush.flush if flush is not None else None,
     )
-    callbacks += ckpt_callbacks
-    from framework.callbacks.preemption import Preemption
-    from framework.checkpoint.periodic import PeriodicCheckpoint
-
+    snapshot = next((cb for cb in ckpt_callbacks if isinstance(cb, MemorySnapshot)), None)
     (periodic,) = [cb for cb in ckpt_callbacks if isinstance(cb, PeriodicCheckpoint)]
-    callbacks.append(Preemption(clock=clock, checkpoint=periodic, log=FaultLog(launch.run_dir) if rank == 0 else None,
-                                segment=segment))
+    parts: list[tuple[str, Any]] = []
+    if trainer_cfg.count_host_syncs:  # first of all: its window opens before any other part's batch start
+        from framework.callbacks.host_syncs import HostSyncs
+
+        parts.append(("probe", HostSyncs(log_every_n_steps=log_every,
+                                         val_every_n_steps=trainer_cfg.val_every_n_steps, emit=emit,
+                                         out_dir=launch.run_dir if rank == 0 else None,
+                                         cuda=resolve_accelerator(trainer_cfg.accelerator) == "cuda")))
     if trainer_cfg.profile_steps is not None:
         from framework.callbacks.profiler import StepProfiler
 
         first, last = trainer_cfg.profile_steps
-        callbacks.insert(0, StepProfiler(first=first, last=last, out_dir=launch.run_dir / "profile"))
-    if trainer_cfg.count_host_syncs:  # first of all: its window opens before any other callback's batch start
-        from framework.callbacks.host_syncs import HostSyncs
-
-        callbacks.insert(0, HostSyncs(log_every_n_steps=trainer_cfg.log_every_n_steps, val_every_n_steps=trainer_cfg.val_every_n_steps,
-                                      sinks=sinks, out_dir=launch.run_dir if rank == 0 else None,
-                                      cuda=resolve_accelerator(trainer_cfg.accelerator) == "cuda"))
-    callbacks += plugin.callbacks(resolved, sinks)  # plugin-specific metrics (e.g. pipeline bubble)
-    callbacks.append(breakdown)  # after the others: checkpoint and validation run inside the step it times
-    callbacks.append(RunTimeline(log=FaultLog(launch.run_dir), clock=clock, launch_index=launch.launch_index,
-                                 segment=segment,
-                                 marks=marks, enabled=rank == 0))  # goodput and recovery counters: sees the step whole
-    if flush is not None:  # last: one tracking request per logged step, once every callback wrote its metrics
-        callbacks.append(flush)
-    return step_metrics, callbacks, ckpt_plugins
+        parts.append(("probe", StepProfiler(first=first, last=last, out_dir=launch.run_dir / "profile")))
+    validation = ValidationLoss(every_n_steps=trainer_cfg.val_every_n_steps, emit=emit, on_time_spent=clock.add_validation)
+    # compiled graphs save their own tensors (see ActivationMemory's docstring)
+    activation = None if trainer_cfg.compile else ActivationMemory(clock=clock, log_every_n_steps=log_every, emit=emit)
+    preemption = Preemption(clock=clock, checkpoint=periodic, log=FaultLog(launch.run_dir) if rank == 0 else None,
+                            segment=segment)
+    parts += [("boundary", clock), ("metrics", step_metrics), ("metrics", validation), ("metrics", activation)]
+    parts += [("faults", cb) for cb in build_fault_callbacks(launch, rank=rank, clock=clock, snapshot=snapshot)]  # [] w/o faults
+    parts += [("checkpoint", cb) for cb in ckpt_callbacks] + [("checkpoint", preemption)]
+    parts += [("plugin", cb) for cb in plugin.callbacks(resolved, emit)]  # plugin-specific metrics (e.g. pipeline bubble)
+    parts += [
+        ("accounting", breakdown),
+        ("accounting", RunTimeline(log=FaultLog(launch.run_dir), clock=clock, launch_index=launch.launch_index, segment=segment,
+                                   marks=marks, enabled=rank == 0)),  # goodput and recovery counters
+        ("send", flush),
+    ]
+    return step_metrics, TrainStep(state, parts), ckpt_plugins
 
 
 def _build_trainer(resolved: Any, plugin: Any, accelerator: str, callbacks: list, ckpt_plugins: list, run_dir: Path) -> Any:
     """The Lightning ``Trainer``: the plugin's strategy, the run's precision, steps and accumulation;
-    Lightning's own logging, checkpointing, validation loop and sampler are off (trainlab's callbacks do them)."""
+    Lightning's own logging, checkpointing, validation loop and sampler are off (the step's parts do them)."""
     import pytorch_lightning as pl
 
     run = resolved.run

@@ -22,7 +22,7 @@ import pytorch_lightning as pl
 import torch
 
 from framework.callbacks.clock import StepClock
-from framework.callbacks.step_metrics import MetricSink
+from framework.metrics.emit import MetricEmitter
 from framework.metrics.memory import SavedTensorMeter
 from framework.metrics.timing import comm_paused
 
@@ -33,13 +33,13 @@ class ActivationMemory(pl.Callback):
     Args:
         clock: the run's step clock (whether a batch closed an optimizer step).
         log_every_n_steps: optimizer steps between logged points.
-        sinks: callables ``(metrics, step)`` called on rank 0.
+        emit: the run's metric emitter (writes on rank 0).
     """
 
-    def __init__(self, *, clock: StepClock, log_every_n_steps: int, sinks: list[MetricSink]) -> None:
+    def __init__(self, *, clock: StepClock, log_every_n_steps: int, emit: MetricEmitter) -> None:
         self.clock = clock
         self.log_every = log_every_n_steps
-        self.sinks = sinks
+        self.emit = emit
         self.meter = SavedTensorMeter()
         self._run_peak = 0.0
 
@@ -54,20 +54,15 @@ class ActivationMemory(pl.Callback):
         peak = self._reduce_max(trainer, pl_module, self.meter.peak_bytes)
         self.meter.reset_peak()
         self._run_peak = max(self._run_peak, peak)
-        self._emit(trainer, {"mem/activation_peak_bytes": peak}, step)
+        self.emit({"mem/activation_peak_bytes": peak}, step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.meter.stop()
         peak = max(self._run_peak, self._reduce_max(trainer, pl_module, self.meter.peak_bytes))
-        self._emit(trainer, {"mem/activation_peak_bytes": peak}, trainer.global_step)
+        self.emit({"mem/activation_peak_bytes": peak}, trainer.global_step)
 
     @staticmethod
     def _reduce_max(trainer: pl.Trainer, pl_module: pl.LightningModule, value: int) -> float:
         local = torch.tensor([float(value)], dtype=torch.float64, device=pl_module.device)
         with comm_paused():
             return float(trainer.strategy.reduce(local, reduce_op="max"))
-
-    def _emit(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-        if trainer.is_global_zero:
-            for sink in self.sinks:
-                sink(metrics, step)

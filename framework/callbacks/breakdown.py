@@ -28,7 +28,8 @@ other          everything else: Lightning bookkeeping between hooks, LR schedule
 **What counts as communication** is the framework's decision, not the plugin's: the plugin's
 meter hooks report every collective they see (``install_comm_meter``), and the
 :class:`~framework.metrics.timing.CommMeter` counts them only inside the training window this
-callback keeps (it is the last metric callback, so its hooks run after the others' of the same name):
+callback keeps (it runs in the step's ``accounting`` phase, :mod:`framework.step`, so its hooks run after the
+others' of the same name):
 
 - open from ``on_train_batch_start`` (the training forward) to ``on_after_backward`` (the end of
   the backward, after the gradient reductions a backward waits for);
@@ -42,9 +43,9 @@ callback keeps (it is the last metric callback, so its hooks run after the other
   checkpoints), and validation, which also pauses every meter
   (:func:`~framework.metrics.timing.comm_paused`).
 
-Validation passes are left out of the step (as from throughput). The callback must come after
-every other callback but :class:`~framework.callbacks.metric_flush.FlushMetrics` (which only
-sends what the others wrote), so that the checkpoint and validation callbacks run inside the
+Validation passes are left out of the step (as from throughput). Its ``accounting`` phase comes
+after every other part but :class:`~framework.callbacks.metric_flush.FlushMetrics` (phase ``send``:
+it only sends what the others wrote), so that the checkpoint and validation parts run inside the
 step they belong to. The spans partition the step, so the fractions add to 1 up to clock
 error; ``perf/breakdown_step_s`` (their sum) can be checked against ``perf/step_time_s``.
 
@@ -79,8 +80,8 @@ import pytorch_lightning as pl
 import torch
 
 from framework.callbacks.clock import StepClock
-from framework.callbacks.step_metrics import MetricSink
 from framework.cost.comm import CommEstimate
+from framework.metrics.emit import MetricEmitter
 from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
 from framework.metrics.timing import CommMeter, CommRecord, comm_paused, make_clock
 
@@ -114,17 +115,17 @@ class StepBreakdown(pl.Callback):
         resolved: the validated run (passed to the plugin's cost model).
         log_every_n_steps: optimizer steps between logged points.
         warmup_steps_excluded: steps after a (re)start left out.
-        sinks: callables ``(metrics, step)`` called on rank 0.
+        emit: the run's metric emitter (writes on rank 0).
     """
 
     def __init__(self, *, clock: StepClock, plugin: Any, resolved: Any, log_every_n_steps: int, warmup_steps_excluded: int,
-                 sinks: list[MetricSink]) -> None:
+                 emit: MetricEmitter) -> None:
         self.step_clock = clock
         self.plugin = plugin
         self.resolved = resolved
         self.log_every = log_every_n_steps
         self.warmup = warmup_steps_excluded
-        self.sinks = sinks
+        self.emit = emit
         self.model_figures: dict[str, float] = {}
         self._totals: dict[str, float] = defaultdict(float)
         self._timed_steps = 0
@@ -158,11 +159,6 @@ class StepBreakdown(pl.Callback):
         sec["ckpt_blocking"] = step.ckpt_s
         inflight = sum(self.clock.seconds(r.launched, r.completed) for r in step.comm if r.completed is not None)
         return sec, inflight
-
-    def _emit(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-        if trainer.is_global_zero:
-            for sink in self.sinks:
-                sink(metrics, step)
 
     def _states_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
         return model_states_bytes(self.plugin.held_state(pl_module, trainer.optimizers[0] if trainer.optimizers else None))["total"]
@@ -269,7 +265,7 @@ class StepBreakdown(pl.Callback):
         if self._window:
             self.clock.wait(t)
             metrics.update(self._window_metrics())
-        self._emit(trainer, metrics, step)
+        self.emit(metrics, step)
         self._window = []
         self._carry_s = time.perf_counter() - t0  # this logging delays the next batch: count it as "other"
 
@@ -338,7 +334,7 @@ class StepBreakdown(pl.Callback):
             metrics.update({f"perf/{k}_s_mean": v / self._timed_steps for k, v in self._totals.items()})
             metrics["perf/breakdown_step_s_mean"] = total / self._timed_steps
             metrics["perf/step_time_std_s_run"] = statistics.stdev(self._walls) if len(self._walls) > 1 else 0.0
-        self._emit(trainer, metrics, trainer.global_step)
+        self.emit(metrics, trainer.global_step)
 
 
 def _after_step(optimizer: Any, fn: Callable[[], None], *, hookable: bool) -> Callable[[], None]:

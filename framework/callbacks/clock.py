@@ -15,8 +15,8 @@ training:
   a reader takes the difference of a total between two of its own marks, so the readers need
   not be told one by one.
 
-It must come first in the Trainer's callback list: its ``on_train_batch_end`` decides whether
-the batch closed a step before the readers' hooks ask.
+It is the step's ``boundary`` phase (:mod:`framework.step`), before every reader: its
+``on_train_batch_end`` decides whether the batch closed a step before the readers' hooks ask.
 """
 
 from __future__ import annotations

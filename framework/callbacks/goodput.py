@@ -17,9 +17,9 @@
 - ``end`` when training finished (``on_train_end``; ``c``/``v`` of the final save/validation).
 
 :func:`framework.faults.accounting.recovery_figures` turns these records into ``goodput``, its
-parts and the ``recovery/*`` counters. It must be the last callback: a step's save and
-validation run in the hooks of callbacks before it, and a rollback rewinds the step counter
-before it looks.
+parts and the ``recovery/*`` counters. It runs in the step's ``accounting`` phase
+(:mod:`framework.step`), after the parts that save, validate and roll back: a step's save and
+validation run before it, and a rollback rewinds the step counter before it looks.
 """
 
 from __future__ import annotations

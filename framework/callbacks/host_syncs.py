@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import pytorch_lightning as pl
 
+from framework.metrics.emit import MetricEmitter
 from framework.metrics.syncs import CudaSyncCounter, HostSyncCounter, summarize
 
 
@@ -30,15 +31,15 @@ class HostSyncs(pl.Callback):
 
     Args:
         log_every_n_steps, val_every_n_steps: the run's logging and validation intervals (for the report).
-        sinks: callables ``(metrics, step)`` called on rank 0.
+        emit: the run's metric emitter (writes on rank 0).
         out_dir: where rank 0 writes ``host_syncs.json`` (None: nowhere).
         cuda: count with the CUDA runtime's sync reports instead of the function mode.
     """
 
-    def __init__(self, *, log_every_n_steps: int, val_every_n_steps: int, sinks: list, out_dir: Optional[Path],
+    def __init__(self, *, log_every_n_steps: int, val_every_n_steps: int, emit: MetricEmitter, out_dir: Optional[Path],
                  cuda: bool = False) -> None:
         self.log_every, self.val_every = log_every_n_steps, val_every_n_steps
-        self.sinks = sinks
+        self.emit = emit
         self.out_dir = out_dir
         self.counter = CudaSyncCounter() if cuda else HostSyncCounter()
         self.per_step: dict[int, list[tuple[str, str]]] = {}
@@ -50,9 +51,8 @@ class HostSyncs(pl.Callback):
             return
         records = self.counter.take()
         self.per_step.setdefault(self._step, []).extend(records)
-        if trainer.is_global_zero and trainer.global_step >= self._step:  # the step is complete
-            for sink in self.sinks:
-                sink({"perf/host_syncs": float(len(self.per_step[self._step]))}, self._step)
+        if trainer.global_step >= self._step:  # the step is complete
+            self.emit({"perf/host_syncs": float(len(self.per_step[self._step]))}, self._step)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step + 1

@@ -2,7 +2,7 @@
 
 The metric callbacks (step metrics, validation, checkpoints, breakdown, plugin callbacks) each
 write a step's metrics to the buffering sinks (:class:`~framework.tracking.MLflowMetricSink`);
-:class:`FlushMetrics`, the last callback of the Trainer, sends them once all of them ran:
+:class:`FlushMetrics`, the step's last part (phase ``send``, :mod:`framework.step`), sends them once all of them ran:
 
 - at the start of training (a fresh run's ``val/loss`` of step 0);
 - at the end of every optimizer step, except the last one, whose metrics go out at the end of
@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import pytorch_lightning as pl
 
 from framework.callbacks.clock import StepClock
+from framework.metrics.emit import MetricEmitter
 
 
 class FlushMetrics(pl.Callback):
@@ -36,13 +37,14 @@ class FlushMetrics(pl.Callback):
 
     Args:
         clock: the run's step clock (whether a batch closed an optimizer step).
-        sinks: objects with ``flush()`` and ``discard_after(step)`` (e.g. ``MLflowMetricSink``).
+        emit: the run's metric emitter (its buffering sinks, e.g. ``MLflowMetricSink``, are sent).
         on_time_spent: called with the seconds each flush took; None = not reported.
     """
 
-    def __init__(self, *, clock: StepClock, sinks: list[Any], on_time_spent: Optional[Callable[[float], None]] = None) -> None:
+    def __init__(self, *, clock: StepClock, emit: MetricEmitter,
+                 on_time_spent: Optional[Callable[[float], None]] = None) -> None:
         self.clock = clock
-        self.sinks = sinks
+        self.emit = emit
         self.on_time_spent = on_time_spent
 
     def flush(self) -> None:
@@ -53,8 +55,7 @@ class FlushMetrics(pl.Callback):
         breakdown counts as ``other``; only the end-of-step flush, which runs after the
         breakdown closed the step, is carried into the next step.
         """
-        for sink in self.sinks:
-            sink.flush()
+        self.emit.flush()
 
     def _flush(self) -> None:
         t0 = time.perf_counter()
@@ -66,8 +67,7 @@ class FlushMetrics(pl.Callback):
         self._flush()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        for sink in self.sinks:
-            sink.discard_after(trainer.global_step)  # a rollback in this batch's hooks rewound the step
+        self.emit.discard_after(trainer.global_step)  # a rollback in this batch's hooks rewound the step
         if self.clock.step_ended and trainer.global_step < trainer.max_steps:
             self._flush()
 

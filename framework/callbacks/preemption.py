@@ -91,7 +91,7 @@ def ignore_in_loader_worker(worker_id: int) -> None:
 class Preemption(pl.Callback):
     """Stop after the optimizer step in progress when a preempting signal arrived (module docstring).
 
-    Must come after the checkpoint callback in the Trainer's list (a periodic save of the same
+    Runs after the checkpoint callback in the step's ``checkpoint`` phase (a periodic save of the same
     step is then reused, not repeated) and after the :class:`StepClock`.
 
     Args:

@@ -21,15 +21,14 @@ not a figure: it is not logged, and ``calibration_error`` holds the achieved FLO
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
 from framework.callbacks.clock import StepClock
+from framework.metrics.emit import MetricEmitter
 from framework.metrics.flops import check_mfu, hfu, mfu
-
-MetricSink = Callable[[dict[str, float], int], None]
 
 
 class StepMetrics(pl.Callback):
@@ -43,7 +42,7 @@ class StepMetrics(pl.Callback):
         num_devices: devices the run uses (world size).
         log_every_n_steps: optimizer steps between logged points.
         warmup_steps_excluded: steps after a (re)start left out of throughput.
-        sinks: callables ``(metrics, step)`` called on rank 0 (MLflow, JSONL file).
+        emit: the run's metric emitter (writes on rank 0: MLflow, JSONL file).
         progress_bar: show a tqdm bar on rank 0.
         hardware_flops_per_token: FLOPs per token the hardware runs (recompute included);
             None = ``flops_per_token`` (no activation recomputation).
@@ -63,7 +62,7 @@ class StepMetrics(pl.Callback):
         num_devices: int,
         log_every_n_steps: int,
         warmup_steps_excluded: int,
-        sinks: list[MetricSink],
+        emit: MetricEmitter,
         progress_bar: bool = True,
         hardware_flops_per_token: float | None = None,
         dp_degree: int = 1,
@@ -77,7 +76,7 @@ class StepMetrics(pl.Callback):
         self.num_devices = num_devices
         self.log_every = log_every_n_steps
         self.warmup = warmup_steps_excluded
-        self.sinks = sinks
+        self.emit = emit
         self.show_bar = progress_bar
         self._bar = None
         # Periods are (start time, clock.excluded_s at the start): elapsed = now - t0 - excluded since.
@@ -97,11 +96,6 @@ class StepMetrics(pl.Callback):
     def _sync(self, pl_module: pl.LightningModule) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
-
-    def _emit(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-        if trainer.is_global_zero:
-            for sink in self.sinks:
-                sink(metrics, step)
 
     def _utilization(self, tps: float, prefix: str, suffix: str = "") -> dict[str, float]:
         """``{prefix}mfu{suffix}`` and ``{prefix}hfu{suffix}`` at ``tps`` tokens/s (whole job)."""
@@ -144,7 +138,8 @@ class StepMetrics(pl.Callback):
         if not self.clock.step_ended:
             return  # inside gradient accumulation
         step = trainer.global_step
-        local_loss = pl_module.take_step_loss()
+        state = pl_module.step_state
+        local_loss = state.take_loss()
         steps_since_start = self.clock.steps_since_start
         if self.warmup > 0 and steps_since_start == self.warmup:
             self._sync(pl_module)
@@ -162,7 +157,7 @@ class StepMetrics(pl.Callback):
         self.last_loss = float(loss)
         self._sync(pl_module)
         now = time.perf_counter()
-        metrics = {"train/loss": self.last_loss, "train/lr": pl_module.last_lr, "train/grad_norm": float(pl_module.last_grad_norm),
+        metrics = {"train/loss": self.last_loss, "train/lr": state.lr, "train/grad_norm": float(state.grad_norm),
                    # Both counters: a dropped update (fault guard) counts as attempted, not applied.
                    "train/steps_attempted": float(step), "train/optimizer_updates": float(pl_module.optimizer_updates),
                    **self.elastic}
@@ -178,7 +173,7 @@ class StepMetrics(pl.Callback):
                 }
             )
             self._window_t0, self._window_excl, self._window_steps = now, self.clock.excluded_s, 0
-        self._emit(trainer, metrics, step)
+        self.emit(metrics, step)
         if self._bar is not None:
             self._bar.set_postfix(
                 loss=f"{self.last_loss:.3f}", tok_s=f"{metrics.get('perf/tokens_per_sec', float('nan')):,.0f}", refresh=False
@@ -198,4 +193,4 @@ class StepMetrics(pl.Callback):
             summary["perf/step_time_s_mean"] = elapsed / self._timed_steps
             summary.update(self._utilization(tps, "perf/", "_mean"))
         self.summary = summary
-        self._emit(trainer, summary, trainer.global_step)
+        self.emit(summary, trainer.global_step)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from framework.callbacks.step_metrics import MetricSink
+from framework.metrics.emit import MetricEmitter
 from framework.metrics.timing import comm_paused
 
 
@@ -23,13 +23,13 @@ class ValidationLoss(pl.Callback):
 
     Args:
         every_n_steps: optimizer steps between evaluations.
-        sinks: callables ``(metrics, step)`` called on rank 0.
+        emit: the run's metric emitter (writes on rank 0).
         on_time_spent: called with the seconds each evaluation took (e.g. ``StepClock.add_validation``).
     """
 
-    def __init__(self, *, every_n_steps: int, sinks: list[MetricSink], on_time_spent=None) -> None:
+    def __init__(self, *, every_n_steps: int, emit: MetricEmitter, on_time_spent=None) -> None:
         self.every = every_n_steps
-        self.sinks = sinks
+        self.emit = emit
         self.on_time_spent = on_time_spent  # told the seconds spent, to keep them out of throughput
         self._last_step = -1
         self.history: list[tuple[int, float]] = []
@@ -47,18 +47,13 @@ class ValidationLoss(pl.Callback):
         self.history.append((step, loss))
         if self.on_time_spent is not None:
             self.on_time_spent(time.perf_counter() - t0)
-        if trainer.is_global_zero:
-            metrics = {"val/loss": loss, **(extra or {})}
-            for sink in self.sinks:
-                sink(metrics, step)
+        self.emit({"val/loss": loss, **(extra or {})}, step)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = -1 if trainer.global_step == 0 else trainer.global_step
         if trainer.global_step == 0:
             self._evaluate(trainer, pl_module)
-            if trainer.is_global_zero:
-                for sink in self.sinks:
-                    sink({"val/loss_initial": self.history[-1][1]}, 0)
+            self.emit({"val/loss_initial": self.history[-1][1]}, 0)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
@@ -69,6 +64,4 @@ class ValidationLoss(pl.Callback):
         if trainer.global_step < trainer.max_steps:
             return  # stopped early (preempted): the resumed run evaluates at its end
         self._evaluate(trainer, pl_module)
-        if trainer.is_global_zero:
-            for sink in self.sinks:
-                sink({"val/loss_final": self.history[-1][1]}, trainer.global_step)
+        self.emit({"val/loss_final": self.history[-1][1]}, trainer.global_step)

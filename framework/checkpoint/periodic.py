@@ -4,8 +4,9 @@ A save is ``trainer.save_checkpoint(<dir>/step%08d)``: Lightning collects the st
 rank and the strategy hands it to :class:`~framework.checkpoint.io.FolderCheckpointIO`, which
 writes the folder (synchronously or in the background). This callback
 
-- saves after every ``every_n_steps``-th optimizer step and at the end (``save_last``); it must
-  be the last callback, so that a save sees the state after everything else of that step;
+- saves after every ``every_n_steps``-th optimizer step and at the end (``save_last``); it runs
+  in the step's ``checkpoint`` phase (:mod:`framework.step`), after the metric and fault parts,
+  so that a save sees the state after everything else of that step;
 - adds every rank's RNG states (python, numpy, torch CPU/CUDA) to the state, and restores this
   rank's on resume at ``on_train_start`` (at another world size see
   :mod:`framework.checkpoint.reshard`): the data loader's iterator (which draws one number
@@ -28,11 +29,11 @@ from typing import Any, Callable, Optional
 import pytorch_lightning as pl
 import torch.distributed as dist
 
-from framework.callbacks.step_metrics import MetricSink
 from framework.checkpoint.format import checkpoint_name, remove_partial
 from framework.checkpoint.io import FolderCheckpointIO
 from framework.checkpoint.reshard import rescale_batch_progress, rng_state_for_rank
 from framework.checkpoint.rng import capture_rng_state, restore_rng_state
+from framework.metrics.emit import MetricEmitter
 
 STATE_KEY = "trainlab"  # top-level key of trainlab's own entries in the checkpoint dict
 
@@ -45,7 +46,7 @@ class PeriodicCheckpoint(pl.Callback):
         io: the Trainer's checkpoint plugin (its results feed the metrics).
         every_n_steps: optimizer steps between saves; 0 = only at the end.
         save_last: also save when training ends.
-        sinks: called on rank 0 with the ``ckpt/`` metrics.
+        emit: the run's metric emitter (the ``ckpt/`` metrics; writes on rank 0).
         on_time_spent: told the seconds each save held the step, to keep them out of throughput.
         before_save: called right before each save (not timed as part of it), e.g. to send the
             step's buffered metrics first: a kill after the save then loses no metric of a step
@@ -59,7 +60,7 @@ class PeriodicCheckpoint(pl.Callback):
         io: FolderCheckpointIO,
         every_n_steps: int,
         save_last: bool,
-        sinks: list[MetricSink],
+        emit: MetricEmitter,
         on_time_spent: Optional[Callable[[float], None]] = None,
         before_save: Optional[Callable[[], None]] = None,
     ) -> None:
@@ -67,7 +68,7 @@ class PeriodicCheckpoint(pl.Callback):
         self.io = io
         self.every = every_n_steps
         self.save_last = save_last
-        self.sinks = sinks
+        self.emit = emit
         self.on_time_spent = on_time_spent
         self.before_save = before_save
         self._last_saved = -1
@@ -132,7 +133,7 @@ class PeriodicCheckpoint(pl.Callback):
         blocking = time.perf_counter() - t0
         if self.on_time_spent is not None:
             self.on_time_spent(blocking)
-        self._emit(trainer, {"ckpt/blocking_s": blocking, "ckpt/interval_steps": float(interval)}, step)
+        self.emit({"ckpt/blocking_s": blocking, "ckpt/interval_steps": float(interval)}, step)
         self._report(trainer)
 
     def _report(self, trainer: pl.Trainer) -> None:
@@ -144,9 +145,4 @@ class PeriodicCheckpoint(pl.Callback):
             metrics = {"ckpt/save_s": r.save_s, "ckpt/bytes": float(r.bytes)}
             if r.delta_ratio is not None:
                 metrics["ckpt/delta_ratio"] = r.delta_ratio
-            self._emit(trainer, metrics, r.step)
-
-    def _emit(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-        if trainer.is_global_zero:
-            for sink in self.sinks:
-                sink(metrics, step)
+            self.emit(metrics, r.step)

@@ -1,7 +1,8 @@
 """Build a run's checkpointing from ``checkpoint.*``: the Trainer plugin and the callbacks.
 
 Kept out of :mod:`framework.worker` so that the worker stays one call: ``plugins, callbacks =
-build_checkpointing(...)``; both go to ``pl.Trainer`` (the callbacks last in the list).
+build_checkpointing(...)``; the plugins go to ``pl.Trainer``, the callbacks into the step's
+``checkpoint`` phase (:mod:`framework.step`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from typing import Any, Callable, Optional
 import pytorch_lightning as pl
 import torch
 
-from framework.callbacks.step_metrics import MetricSink
 from framework.checkpoint.io import FolderCheckpointIO
 from framework.checkpoint.memory import MemorySnapshot
 from framework.checkpoint.periodic import PeriodicCheckpoint
 from framework.checkpoint.resume import resume_config
 from framework.config.resolved import ResolvedRun
 from framework.config.validate import run_to_dict
+from framework.metrics.emit import MetricEmitter
 
 
 def config_hash(resolved: ResolvedRun) -> str:
@@ -52,12 +53,12 @@ def build_checkpointing(
     resolved: ResolvedRun,
     *,
     is_global_zero: bool,
-    sinks: list[MetricSink],
+    emit: MetricEmitter,
     checkpoint_kind: str,
     on_time_spent: Optional[Callable[[float], None]] = None,
     before_save: Optional[Callable[[], None]] = None,
 ) -> tuple[list[Any], list[pl.Callback]]:
-    """``(plugins, callbacks)`` for ``pl.Trainer`` implementing ``resolved.run.checkpoint``.
+    """``(plugins, callbacks)`` implementing ``resolved.run.checkpoint`` (``emit``: the run's metric emitter).
 
     ``checkpoint_kind``: the kind the run's plugin declares it writes
     (``plugin.capabilities.checkpoint_format``); saves dispatch on it (:class:`FolderCheckpointIO`).
@@ -87,7 +88,7 @@ def build_checkpointing(
             io=io,
             every_n_steps=ck.every_n_steps,
             save_last=ck.save_last,
-            sinks=sinks,
+            emit=emit,
             on_time_spent=on_time_spent,
             before_save=before_save,
         )

@@ -6,8 +6,8 @@
 ``resilience.policy``:
 
 - ``skip_step`` (also ``restart``/``shrink``, whose own business is crashes): drop the update on
-  every rank (``LMModule.drop_update``: the module's optimizer finds no gradient when it steps,
-  whatever wraps it, so weights, AdamW moments and step counts stay; the LR schedule does not
+  every rank (``StepState.drop_update``, :mod:`framework.step`: the module's optimizer finds no
+  gradient when it steps, whatever wraps it, so weights, AdamW moments and step counts stay; the LR schedule does not
   advance, it counts applied updates); the data position advances (the batch is consumed, as in
   a skipped iteration of Megatron-LM or an overflow step of DeepSpeed).
 - ``rollback``: drop the update, then go back to the in-memory snapshot
@@ -50,19 +50,17 @@ class FaultAbort(RuntimeError):
     """The resilience policy gave up: more faults than ``resilience.max_faults``."""
 
 
-def rewind_to_snapshot(trainer: pl.Trainer, step: int) -> None:
+def rewind_to_snapshot(trainer: pl.Trainer, step: int, clock: StepClock) -> None:
     """Rewind training to optimizer step ``step``: Lightning's step counter and the data stream
     (:func:`~framework.faults.lightning_adapter.set_optimizer_step`), and the run's step clock
     (:class:`~framework.callbacks.clock.StepClock`, which the metric callbacks read).
 
-    The caller then ends the epoch (``LMModule.end_epoch_requested``): the next epoch re-iterates
+    The caller then ends the epoch (``StepState.end_epoch_requested``): the next epoch re-iterates
     the loader from ``step`` with fresh in-epoch counters, so gradient accumulation stays
     aligned to step boundaries.
     """
     set_optimizer_step(trainer, step)
-    for cb in trainer.callbacks:
-        if isinstance(cb, StepClock):
-            cb.on_rollback(step)
+    clock.on_rollback(step)
 
 
 class FaultGuard(pl.Callback):
@@ -75,9 +73,12 @@ class FaultGuard(pl.Callback):
         segment: ``"<launch>.<restart>"``, which (re)start of the ranks this is.
         launch_index: driver relaunch count (0 until the first shrink).
         shrunk_at_step: step the run resumed from after its last shrink (LR re-warm-up), or None.
+        clock: the run's step clock (rewound with a rollback).
+        snapshot: the run's in-memory snapshot (what a rollback restores), or None.
     """
 
     def __init__(self, *, cfg: ResilienceConfig, rank: int, log: FaultLog, segment: str, launch_index: int,
+                 clock: StepClock, snapshot: Optional[MemorySnapshot] = None,
                  shrunk_at_step: Optional[int] = None) -> None:
         self.cfg = cfg
         self.rank = rank
@@ -92,7 +93,8 @@ class FaultGuard(pl.Callback):
         self.loss_stat = RunningMean(cfg.stat_beta, cfg.stat_warmup_steps)
         self.grad_stat = RunningMean(cfg.stat_beta, cfg.stat_warmup_steps)
         self.watchdog = Watchdog(cfg.hang_timeout_s, self._hung) if cfg.hang_timeout_s > 0 else None
-        self.snapshot: Optional[MemorySnapshot] = None
+        self.clock = clock
+        self.snapshot = snapshot
         self._trainer: Optional[pl.Trainer] = None
         self._step = -1
         self._t_step = 0.0
@@ -118,19 +120,18 @@ class FaultGuard(pl.Callback):
     # -- hooks ------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
-        self.snapshot = next((c for c in trainer.callbacks if isinstance(c, MemorySnapshot)), None)
         if self.watchdog is not None:
             self.watchdog.start()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.end_epoch_requested = False  # a new epoch began (the old one may have ended by itself)
+        # a new epoch began (TrainStep cleared StepState.end_epoch_requested)
         if self._restore == "await_epoch":
             self._restore = "next_batch"
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.watchdog is not None:
             self.watchdog.beat()
-        if pl_module.end_epoch_requested:
+        if pl_module.step_state.end_epoch_requested:
             return  # this batch is dropped: the module ends the epoch (rollback)
         if self._step == -1 and self._restore is None and align_batch_counter(trainer) and self.rank == 0:
             print(f"trainlab: resumed at grad_accum_steps={trainer.accumulate_grad_batches}: micro-batch counter"
@@ -150,9 +151,10 @@ class FaultGuard(pl.Callback):
         if not closes_optimizer_step(trainer):
             return  # a micro-batch inside accumulation (a strategy that accumulates itself calls this hook)
         step = self._step
-        n = max(1, pl_module.step_micro_batches)
+        state = pl_module.step_state
+        n = max(1, state.micro_batches)
         grad_norm = float(pl_module.plugin.grad_norm(pl_module))  # the one gradient-norm function (the run logs it too)
-        health = gather_health(grad_norm=grad_norm, loss=float(pl_module.step_loss_sum) / n,
+        health = gather_health(grad_norm=grad_norm, loss=float(state.loss_sum) / n,
                                busy_s=time.perf_counter() - self._t_step, device=pl_module.device)
         if self.watchdog is not None:
             self.watchdog.beat()
@@ -170,7 +172,7 @@ class FaultGuard(pl.Callback):
             detector = "grad_spike"
         # The norm logged for this step (the module's hook, which runs after this one, takes it):
         # on a detection the value the decision rests on, e.g. rank 1's NaN where rank 0's norm is finite.
-        pl_module.step_grad_norm = health.reported_grad_norm if detector is not None else grad_norm
+        state.judged_grad_norm = health.reported_grad_norm if detector is not None else grad_norm
         if detector is not None:
             self._on_fault(detector, step, health, pl_module)
         elif step in self.skip_steps:
@@ -206,7 +208,7 @@ class FaultGuard(pl.Callback):
     def _drop_update(self, pl_module: Any, step: int, reason: str) -> None:
         if self.cfg.audit_skips:
             self._audit_before = local_state(pl_module.trainer)
-        pl_module.drop_update = True  # the optimizer step finds no gradients; the LR schedule stays
+        pl_module.step_state.drop(reason)  # the optimizer step finds no gradients; the LR schedule stays
         self._skipped = True
         self.fault_log.append("skipped", step=step, rank=self.rank, reason=reason, seg=self.segment)
 
@@ -225,8 +227,8 @@ class FaultGuard(pl.Callback):
             if self.cfg.rollback_skip_window:
                 self.skip_steps.add(self._step)
             self._record("rollback", from_step=self._step, to_step=to)
-            rewind_to_snapshot(trainer, to)
-            pl_module.end_epoch_requested = True
+            rewind_to_snapshot(trainer, to, self.clock)
+            pl_module.step_state.end_epoch_requested = True
             self._restore = "await_epoch"
             self._step = -1
             return
@@ -240,12 +242,15 @@ class FaultGuard(pl.Callback):
             self.watchdog.stop()
 
 
-def build_fault_callbacks(launch: Any, *, rank: int) -> list[pl.Callback]:
+def build_fault_callbacks(launch: Any, *, rank: int, clock: StepClock,
+                          snapshot: Optional[MemorySnapshot] = None) -> list[pl.Callback]:
     """``[FaultInjector, FaultGuard]`` for this rank, or ``[]`` when the run has no faults and no policy.
 
     ``launch``: the driver's :class:`~framework.launch.LaunchSpec` (the run, its fault schedule,
-    which launch this is). Put them after the metric callbacks and before the checkpoint
-    callbacks (a rollback must rewind the step before a save or snapshot of that step is taken).
+    which launch this is); ``clock``, ``snapshot``: the run's step clock and in-memory snapshot
+    (None without one). Both run in the step's ``faults`` phase (:mod:`framework.step`): after the
+    metric callbacks and before the checkpoint ones (a rollback must rewind the step before a save
+    or snapshot of that step is taken).
     """
     from framework.faults.inject import FaultInjector
     from framework.faults.schedule import faults_enabled
@@ -258,5 +263,5 @@ def build_fault_callbacks(launch: Any, *, rank: int) -> list[pl.Callback]:
     return [
         FaultInjector(schedule=launch.fault_schedule, rank=rank, log=log, checkpoint_dir=launch.resolved.checkpoint_dir),
         FaultGuard(cfg=run.resilience, rank=rank, log=log, segment=segment, launch_index=launch.launch_index,
-                   shrunk_at_step=launch.shrunk_at_step),
+                   clock=clock, snapshot=snapshot, shrunk_at_step=launch.shrunk_at_step),
     ]

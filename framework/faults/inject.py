@@ -8,7 +8,7 @@ What each kind does is its own module in :mod:`framework.faults.kinds` (the regi
 injector calls the kind's ``start`` when the event fires and, while the returned
 :class:`~framework.faults.kinds.Acting` lasts, its ``on_batch`` on every micro-batch and its
 ``before_optimizer_step`` after the gradient sync. A loss transform a kind sets
-(:attr:`LMModule.loss_transform`) lasts for the event's step.
+(``StepState.loss_transform``, :mod:`framework.step`) lasts for the event's step.
 """
 
 from __future__ import annotations
@@ -51,13 +51,14 @@ class FaultInjector(pl.Callback):
         print(f"trainlab: fault: injecting {e['kind']} on rank {self.rank} in step {step}", file=sys.stderr, flush=True)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if getattr(pl_module, "end_epoch_requested", False):
+        state = pl_module.step_state
+        if state.end_epoch_requested:
             return  # a batch dropped by a rollback: it does not run
         step = trainer.global_step + 1
         if step != self._step:  # first micro-batch of a step
             self._step = step
             self._acting = [a for a in self._acting if a.last_step >= step]
-            pl_module.loss_transform = None
+            pl_module.step_state.loss_transform = None
             for e in self.mine:
                 if e["step"] == step and f"{e['id']}@{self.rank}" not in self.fired:
                     self._fire(e, step)
@@ -73,5 +74,5 @@ class FaultInjector(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._step:  # the step is done: faults acting only in it stop
-            pl_module.loss_transform = None
+            pl_module.step_state.loss_transform = None
             self._acting = [a for a in self._acting if a.last_step > self._step]

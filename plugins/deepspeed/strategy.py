@@ -13,7 +13,7 @@ subclassing (neither library is patched):
 - ``backward`` calls ``engine.backward(loss, scale_wrt_gas=False)``: Lightning already divides
   each micro-batch loss by ``accumulate_grad_batches``, and DeepSpeed would divide again
   (gradients 1/grad_accum_steps too small, which changes clipping and AdamW's epsilon);
-- after each optimizer step the module's ``last_grad_norm`` is DeepSpeed's global gradient
+- after each optimizer step the step's ``grad_norm`` (``LMModule.step_state``) is DeepSpeed's global gradient
   norm (partitioned gradients are not on the parameters, so the module cannot compute it);
 - checkpoints are DeepSpeed's own, inside trainlab's step folders
   (:mod:`plugins.deepspeed.checkpoint`).
@@ -159,7 +159,7 @@ class ZeroStrategy(DeepSpeedStrategy):
         before = engine.global_steps
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if engine.global_steps != before and engine.get_global_grad_norm() is not None:
-            self.lightning_module.last_grad_norm = float(engine.get_global_grad_norm())
+            self.lightning_module.step_state.grad_norm = float(engine.get_global_grad_norm())
         return out
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:

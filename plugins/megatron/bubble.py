@@ -18,15 +18,15 @@ from framework.cost.bubble import pp_bubble_fraction
 
 
 class PipelineBubble(pl.Callback):
-    """Args: ``runner`` getter (the rank's PipelineRunner once built), degrees, cadence and sinks."""
+    """Args: ``runner`` getter (the rank's PipelineRunner once built), degrees, cadence and the run's metric emitter."""
 
     def __init__(self, *, runner: Any, pp: int, n_microbatches: int, virtual_stages: int, log_every_n_steps: int,
-                 warmup_steps_excluded: int, sinks: list) -> None:
+                 warmup_steps_excluded: int, emit: Any) -> None:
         self.runner = runner
         self.model = pp_bubble_fraction(pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
         self.log_every = log_every_n_steps
         self.warmup = warmup_steps_excluded
-        self.sinks = sinks
+        self.emit = emit
         self._busy = self._wall = 0.0
         self._start_step = 0
 
@@ -48,7 +48,6 @@ class PipelineBubble(pl.Callback):
         mean = float(trainer.strategy.reduce(local.clone(), reduce_op="mean"))
         top = float(trainer.strategy.reduce(local.clone(), reduce_op="max"))
         self._busy = self._wall = 0.0
-        if trainer.is_global_zero and idle == idle:
-            metrics = {"perf/pp_bubble_frac": mean, "perf/pp_bubble_frac_max": top, "perf/pp_bubble_frac_model": self.model}
-            for sink in self.sinks:
-                sink(metrics, step)
+        if idle == idle:  # the emitter writes on rank 0 only
+            self.emit({"perf/pp_bubble_frac": mean, "perf/pp_bubble_frac_max": top, "perf/pp_bubble_frac_model": self.model},
+                      step)

@@ -206,7 +206,7 @@ class MegatronPlugin(ParallelPlugin):
         defaults to foreach). None = torch's choice."""
         return False if self.cfg.tp_degree > 1 else None
 
-    def callbacks(self, resolved: Any, sinks: list) -> list:
+    def callbacks(self, resolved: Any, emit: Any) -> list:
         """Extra callbacks: the pipeline bubble meter when ``pp > 1``."""
         if resolved.layout.pp == 1:
             return []
@@ -215,7 +215,7 @@ class MegatronPlugin(ParallelPlugin):
         run = resolved.run
         return [PipelineBubble(runner=lambda: self.runner, pp=resolved.layout.pp, n_microbatches=resolved.grad_accum_steps,
                                virtual_stages=self.cfg.virtual_stages, log_every_n_steps=run.trainer.log_every_n_steps,
-                               warmup_steps_excluded=run.trainer.warmup_steps_excluded, sinks=sinks)]
+                               warmup_steps_excluded=run.trainer.warmup_steps_excluded, emit=emit)]
 
     # -- gradient norm and clipping (global over tp shards, pipeline stages and dp shards) --
     def _params(self, module: Any) -> list[torch.nn.Parameter]:

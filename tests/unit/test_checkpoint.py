@@ -261,11 +261,12 @@ def test_buffered_metrics_are_sent_before_the_checkpoint_that_covers_their_step(
     """A kill right after a save must not lose the saved step's metrics (the resumed run does not replay
     that step): ``before_save`` (the worker's metric flush) runs before the folder is written."""
     from framework.checkpoint.periodic import PeriodicCheckpoint
+    from framework.metrics.emit import MetricEmitter
 
     order = []
     io = FolderCheckpointIO(keep_last_k=1, asynchronous=False, full_every_n_saves=1, manifest_fields={}, tokens_per_step=1)
     cb = PeriodicCheckpoint(dirpath=str(tmp_path), io=io, every_n_steps=2, save_last=False,
-                            sinks=[lambda m, step: order.append(("metrics", step, sorted(m)))],
+                            emit=MetricEmitter([lambda m, step: order.append(("metrics", step, sorted(m)))]),
                             before_save=lambda: order.append(("flush", trainer.global_step)))
     trainer = SimpleNamespace(global_step=0, is_global_zero=True,
                               save_checkpoint=lambda path: order.append(("save", pathlib.Path(path).name)))

@@ -16,6 +16,7 @@ import torch
 
 from framework.callbacks.breakdown import StepBreakdown
 from framework.callbacks.clock import StepClock
+from framework.metrics.emit import MetricEmitter
 from framework.callbacks.validation import ValidationLoss
 from framework.cost.comm import CommEstimate
 from framework.layout import ParallelLayout
@@ -101,12 +102,12 @@ def test_only_training_collectives_count_even_on_steps_with_validation(tmp_path)
     sink = lambda metrics, step: records.append((step, dict(metrics)))  # noqa: E731
     clock = StepClock()
     breakdown = StepBreakdown(plugin=_EveryForwardPlugin(), resolved=SimpleNamespace(layout=ParallelLayout(dp=1)), log_every_n_steps=1,
-                              warmup_steps_excluded=0, sinks=[sink], clock=clock)
+                              warmup_steps_excluded=0, emit=MetricEmitter([sink]), clock=clock)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=ACCUM, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(tmp_path),
                          callbacks=[clock, _FrameworkReductions(),
-                                    ValidationLoss(every_n_steps=1, sinks=[sink], on_time_spent=clock.add_validation), breakdown])
+                                    ValidationLoss(every_n_steps=1, emit=MetricEmitter([sink]), on_time_spent=clock.add_validation), breakdown])
     trainer.fit(_Module(), datamodule=_Data())
     validated = {step for step, m in records if "val/loss" in m}
     comm = {step: m for step, m in records if "perf/comm_bytes" in m}

@@ -190,7 +190,7 @@ def _train(module, opt, sched, steps: int, dropped: set[int]) -> list[float]:
         def closure():
             loss = module.model(x).square().mean()
             loss.backward()
-            module.drop_update = step in dropped
+            module.step_state.drop_update = step in dropped
             return loss
 
         if step % 2:
@@ -204,7 +204,7 @@ def _train(module, opt, sched, steps: int, dropped: set[int]) -> list[float]:
         moved = max_abs_diff(before, after)
         assert (moved == 0.0) == (step in dropped), f"step {step}: max |after - before| = {moved}"
         opt.zero_grad()
-        module.drop_update = False
+        module.step_state.drop_update = False
     return lrs
 
 
@@ -234,7 +234,7 @@ def test_a_dropped_step_leaves_the_lr_the_schedule_set(compose):
     module, opt, sched = _module_and_optimizer(compose, "optim.warmup_steps=0", "optim.lr=1e-3", "trainer.max_steps=10")
     module.model(torch.randn(5, 4)).sum().backward()
     opt.param_groups[0]["lr"] *= 0.5
-    module.drop_update = True
+    module.step_state.drop_update = True
     opt.step()
     module.lr_scheduler_step(sched)
     assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 1e-3 and sched.last_epoch == 0

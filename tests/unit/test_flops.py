@@ -161,9 +161,10 @@ def test_a_peak_measured_under_load_is_measured_again_later_and_the_cache_keeps_
 
 def test_an_mfu_above_1_is_a_calibration_error_not_a_figure():
     from framework.callbacks.step_metrics import StepMetrics
+    from framework.metrics.emit import MetricEmitter
 
     sm = StepMetrics(clock=None, tokens_per_step=256, flops_per_token=100, peak_flops=1000.0, num_devices=2,
-                     log_every_n_steps=1, warmup_steps_excluded=0, sinks=[])
+                     log_every_n_steps=1, warmup_steps_excluded=0, emit=MetricEmitter())
     assert sm._utilization(10.0, "perf/") == {"perf/mfu": 0.5, "perf/hfu": 0.5}
     assert sm.calibration_error is None
     assert sm._utilization(40.0, "perf/", "_mean") == {}  # MFU 2.0: not logged

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from framework.callbacks.clock import StepClock
+from framework.metrics.emit import MetricEmitter
 from framework.callbacks.metric_flush import FlushMetrics
 from framework.tracking import MLflowMetricSink
 
@@ -30,7 +31,7 @@ class CountingClient:
 def _drive(sink: MLflowMetricSink, steps: range, *, accum: int, max_steps: int, log_every: int = 1) -> None:
     """What the Trainer does with the callbacks: micro-batches, step ends, the callbacks' writes, the flush."""
     clock = StepClock()
-    flush = FlushMetrics(clock=clock, sinks=[sink])
+    flush = FlushMetrics(clock=clock, emit=MetricEmitter([sink]))
     trainer = SimpleNamespace(global_step=steps[0] - 1, max_steps=max_steps)
     clock.on_train_start(trainer, None)
     flush.on_train_start(trainer, None)
@@ -75,7 +76,7 @@ def test_a_rolled_back_step_is_discarded_and_its_replay_sent_once():
     client = CountingClient()
     sink = MLflowMetricSink("unused", "run", client=client)
     clock = StepClock()
-    flush = FlushMetrics(clock=clock, sinks=[sink])
+    flush = FlushMetrics(clock=clock, emit=MetricEmitter([sink]))
     trainer = SimpleNamespace(global_step=0, max_steps=10)
     clock.on_train_start(trainer, None)
     for step, value in [(1, 1.0), (2, 2.0), (3, 99.0), (2, 2.0), (3, 3.0), (4, 4.0)]:  # a spike in step 3 -> back to 1
@@ -98,7 +99,7 @@ def test_only_the_end_of_step_flush_is_carried_into_the_next_step():
     sink = MLflowMetricSink("unused", "run", client=client)
     reported = []
     clock = StepClock()
-    flush = FlushMetrics(clock=clock, sinks=[sink], on_time_spent=reported.append)
+    flush = FlushMetrics(clock=clock, emit=MetricEmitter([sink]), on_time_spent=reported.append)
     trainer = SimpleNamespace(global_step=0, max_steps=4)
     clock.on_train_start(trainer, None)
     trainer.global_step = 1

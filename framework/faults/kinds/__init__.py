@@ -10,7 +10,7 @@ framework.faults.kinds`` lists the registered kinds with their one-line summarie
 A kind acts in three places of a step on its ranks (all optional):
 
 - :meth:`FaultKind.start`: once, in the first micro-batch of the event's step, after the event
-  is recorded in the fault log (crash, hang, corrupt a file, set the module's ``loss_transform``);
+  is recorded in the fault log (crash, hang, corrupt a file, set the step state's ``loss_transform``);
   it may return a :class:`Acting` that keeps acting until its ``last_step``;
 - :meth:`Acting.on_batch`: every micro-batch while acting (e.g. replace the batch);
 - :meth:`Acting.before_optimizer_step`: at each ``on_before_optimizer_step`` while acting, after

@@ -1,5 +1,5 @@
 """``inf_loss``: the step's micro-batch losses on the rank are multiplied by ``inf`` (through
-``LMModule.loss_transform``), so the logged loss and the gradients show it."""
+``StepState.loss_transform``), so the logged loss and the gradients show it."""
 
 from __future__ import annotations
 
@@ -14,4 +14,4 @@ class InfLoss(FaultKind):
     summary = "the rank's loss (and so its gradients) becomes Inf in the step"
 
     def start(self, event: dict[str, Any], ctx: FaultContext) -> None:
-        ctx.module.loss_transform = lambda loss: loss * float("inf")
+        ctx.module.step_state.loss_transform = lambda loss: loss * float("inf")

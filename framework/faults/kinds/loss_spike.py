@@ -1,5 +1,5 @@
 """``loss_spike``: the step's micro-batch losses on the rank are multiplied by the event's ``factor`` (through
-``LMModule.loss_transform``), so the logged loss and the gradients show it."""
+``StepState.loss_transform``), so the logged loss and the gradients show it."""
 
 from __future__ import annotations
 
@@ -15,4 +15,4 @@ class LossSpike(FaultKind):
 
     def start(self, event: dict[str, Any], ctx: FaultContext) -> None:
         factor = event["factor"]
-        ctx.module.loss_transform = lambda loss: loss * factor
+        ctx.module.step_state.loss_transform = lambda loss: loss * factor
