@@ -41,7 +41,7 @@ run: setup
 	$(PY) -m framework.train $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The development tier: tests that start no process (no driver, ranks or rendezvous); docs/tests.md.
 test-fast: setup

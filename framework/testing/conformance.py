@@ -174,6 +174,67 @@ class Conformance:
         """The plugin's uninterrupted run, checkpointed at ``SAVE_AT`` and at the end."""
         return self.run(f"{case.name}-full", case.select, env=case.env, model=case.model)
 
+    def round_trip_run(self, case: PluginCase) -> RunResult:
+        """The plugin resumed from its own step-``SAVE_AT`` checkpoint at the same layout."""
+        start = self.plugin_run(case).ckpt_dir / f"step{SAVE_AT:08d}"
+        return self.run(f"{case.name}-roundtrip", case.select, env=case.env, save_every=STEPS, resume=start, model=case.model)
+
+    def resume_as_run(self, case: PluginCase, i: int) -> RunResult:
+        """The plugin's step-``SAVE_AT`` checkpoint resumed under layout ``case.resume_as[i]``."""
+        return self.run(f"{case.name}-as{i}", case.resume_as[i], env=case.env, save_every=0,
+                        resume=self.plugin_run(case).ckpt_dir / f"step{SAVE_AT:08d}", model=case.model)
+
+    def from_single_run(self, case: PluginCase) -> RunResult:
+        """``single``'s step-``SAVE_AT`` checkpoint resumed by the plugin."""
+        return self.run(f"{case.name}-from-single", case.select, env=case.env, save_every=0,
+                        resume=self.reference(case.model).ckpt_dir / f"step{SAVE_AT:08d}", model=case.model)
+
+    def skip_run(self, case: PluginCase) -> RunResult:
+        """The plugin with step ``SKIP_AT``'s update dropped (``resilience.audit_skips`` on)."""
+        return self.run(f"{case.name}-skip", (*case.select, *SKIP), env=case.env, max_steps=SKIP_AT + 2, save_every=0,
+                        model=case.model)
+
+    def prefetch(self, checks: list[tuple[PluginCase, str]], lanes: int = 2) -> None:
+        """Run ahead, ``lanes`` at a time, the driver runs that ``checks`` (``(case, check)`` pairs) will ask for.
+
+        Independent runs go side by side in two waves: the references and the plugins' uninterrupted runs,
+        then the resumes from their checkpoints. Every run keeps its own run name and folders, and a run's
+        numbers do not depend on what else runs (threads per rank come from the config, not the load), so the
+        checks then read the same results they would have run one at a time. A run that fails here is not
+        kept: its check runs it again and reports the failure itself.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        first: dict[tuple[str, str], Any] = {}
+        then: dict[tuple[str, str], Any] = {}
+        for case, check in checks:
+            if check not in CHECKS:
+                raise ValueError(f"check={check!r}; allowed: {', '.join(CHECKS)}")
+            if check in ("loss_parity", "resume_other_world_size"):
+                first[("ref", case.model)] = lambda m=case.model: self.reference(m)
+            if check in ("loss_parity", "checkpoint_round_trip", "resume_other_world_size", "bytes"):
+                first[("full", case.name)] = lambda c=case: self.plugin_run(c)
+            if check == "skipped_step":
+                first[("skip-ref", case.model)] = lambda m=case.model: self.skip_reference(m)
+                first[("skip", case.name)] = lambda c=case: self.skip_run(c)
+            if check == "checkpoint_round_trip":
+                then[("roundtrip", case.name)] = ((f"{case.name}-full",), lambda c=case: self.round_trip_run(c))
+            if check == "resume_other_world_size":
+                for i in range(len(case.resume_as)):
+                    then[(f"as{i}", case.name)] = ((f"{case.name}-full",), lambda c=case, i=i: self.resume_as_run(c, i))
+                then[("from-single", case.name)] = ((_ref_name("ref-single", case.model),), lambda c=case: self.from_single_run(c))
+
+        def attempt(task) -> None:
+            try:
+                task()
+            except Exception:  # reported by the check that needs the run (it runs it again)
+                pass
+
+        with ThreadPoolExecutor(max_workers=max(1, lanes)) as pool:
+            list(pool.map(attempt, first.values()))
+            ready = [task for needs, task in then.values() if all(n in self._runs for n in needs)]  # no re-runs of failures
+            list(pool.map(attempt, ready))
+
     # -- the checks ----------------------------------------------------------------------------
     def check(self, case: PluginCase, check: str) -> None:
         """Run one of :data:`CHECKS` for ``case``.
@@ -195,22 +256,18 @@ class Conformance:
         assert sorted(lrs[1]) == list(range(1, STEPS + 1)) and lrs[0] == lrs[1], f"{case.name}: train/lr per step {lrs}"
 
     def check_checkpoint_round_trip(self, case: PluginCase) -> None:
-        full = self.plugin_run(case)
-        start = full.ckpt_dir / f"step{SAVE_AT:08d}"
-        again = self.run(f"{case.name}-roundtrip", case.select, env=case.env, save_every=STEPS, resume=start, model=case.model)
+        full, again = self.plugin_run(case), self.round_trip_run(case)
         _assert_losses(again.losses, full.losses, range(SAVE_AT + 1, STEPS + 1), case.round_trip_rtol,
                        f"{case.name} resumed from its step {SAVE_AT}")
         _assert_same_state(again.ckpt_dir / f"step{STEPS:08d}", full.ckpt_dir / f"step{STEPS:08d}", case.round_trip_rtol)
 
     def check_resume_other_world_size(self, case: PluginCase) -> None:
-        ref, full = self.reference(case.model), self.plugin_run(case)
+        ref = self.reference(case.model)
         steps = range(SAVE_AT + 1, STEPS + 1)
         for i, layout in enumerate(case.resume_as):
-            got = self.run(f"{case.name}-as{i}", layout, env=case.env, save_every=0,
-                           resume=full.ckpt_dir / f"step{SAVE_AT:08d}", model=case.model)
+            got = self.resume_as_run(case, i)
             _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"{case.name} checkpoint resumed as {layout}")
-        got = self.run(f"{case.name}-from-single", case.select, env=case.env, save_every=0,
-                       resume=ref.ckpt_dir / f"step{SAVE_AT:08d}", model=case.model)
+        got = self.from_single_run(case)
         _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"single checkpoint resumed by {case.name}")
 
     def check_bytes(self, case: PluginCase) -> None:
@@ -243,9 +300,7 @@ class Conformance:
     def check_skipped_step(self, case: PluginCase) -> None:
         from framework.faults.events import FaultLog
 
-        ref = self.skip_reference(case.model)
-        got = self.run(f"{case.name}-skip", (*case.select, *SKIP), env=case.env, max_steps=SKIP_AT + 2, save_every=0,
-                       model=case.model)
+        ref, got = self.skip_reference(case.model), self.skip_run(case)
         log = FaultLog(self.workdir / "outputs" / "default" / got.run_name).read()
         (start,) = [r for r in log if r["ev"] == "start"]
         audits = {r["rank"]: r for r in log if r["ev"] == "skip_audit"}

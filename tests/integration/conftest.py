@@ -19,15 +19,23 @@ from pathlib import Path
 
 import pytest
 
-from framework.testing.conformance import conformance  # noqa: F401 (one session fixture for every module that uses it)
+from framework.testing.conformance import SMALL_DATA as CONFORMANCE_DATA, Conformance
 from framework.tracking import read_jsonl_metrics
 
-SMALL_DATA = ["data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64"]
+SMALL_DATA = list(CONFORMANCE_DATA)  # the conformance suite's slice: one token cache for both
 
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="session")
+def conformance(tmp_path_factory, data_cache) -> Conformance:
+    """The conformance suite's session runner (framework/testing/conformance.py), one for every module that uses it
+    (test_conformance, test_train_e2e, test_sharded_checkpoint), on the session's token cache: the plugin's own fixture
+    of that name tokenizes the same corpus again into a cache of its own (SMALL_DATA here and there)."""
+    return Conformance(tmp_path_factory.mktemp("conformance"), data_cache)
 
 
 class Runner:

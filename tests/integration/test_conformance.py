@@ -69,6 +69,22 @@ LLAMA_CASES = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def runs_ahead(request, conformance):
+    """The driver runs of this module's selected tests, two at a time (Conformance.prefetch) before the first test:
+    the checks then read them. The outside plugin's runs are left to its tests (they need its install)."""
+    checks = []
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if "case" in params:
+            checks.append((params["case"], params["check"]))
+        elif item.originalname == test_tp2pp2_checkpoint_resumed_as_single_continues_the_tp2pp2_run.__name__:
+            checks.append((next(c for c in CASES if c.name == "tp2pp2"), "resume_other_world_size"))  # its runs: tp2pp2-full, -as0
+    conformance.prefetch(checks, lanes=2)
+
+
 @pytest.mark.parametrize("case,check", conformance_params(CASES + LLAMA_CASES))
 def test_conformance(conformance, case, check):
     conformance.check(case, check)
