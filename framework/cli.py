@@ -278,7 +278,8 @@ def main(app: Callable[[], None]) -> None:
             start_rank_server(resolved)  # its imports overlap the driver's set-up
         app()
         code = 0
-        from framework.sweep import FAILED_JOBS, SEARCH
+        from framework.runs import FAILED_JOBS
+        from framework.sweep import SEARCH
 
         if SEARCH:  # an Optuna search: its failure budget decides (framework/search.py)
             code = 1 if SEARCH.get("error") else 0
