@@ -76,15 +76,17 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     import pytorch_lightning as pl
 
     from framework.data import TextDataModule, TokenCache
-    from framework.distributed import cap_threads, resolve_accelerator, threads_per_rank
-    from framework.faults.restart import resume_path
+    from framework.distributed import cap_threads, resolve_accelerator
+    from framework.faults.events import FaultLog
+    from framework.faults.restart import restart_label, resume_path
     from framework.module import LMModule
     from framework.registry import get_plugin_class
 
     resolved, run = launch.resolved, launch.resolved.run
     rank = int(os.environ.get("RANK", "0"))
-    # ranks x threads <= cores, or CPU ranks thrash (see framework.distributed).
-    cap_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), run.trainer.threads_per_rank))
+    # ranks x threads <= cores, or CPU ranks thrash (the driver's count: ResolvedRun.threads_per_rank).
+    cap_threads(resolved.threads_per_rank)
+    log, segment = FaultLog(launch.run_dir), restart_label(launch)  # the run's event log; which (re)start this is
     accelerator = resolve_accelerator(run.trainer.accelerator)
     pl.seed_everything(run.trainer.seed, verbose=False)  # python, numpy, torch (CPU and CUDA): same on every rank
 
@@ -106,9 +108,9 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     sinks, mlflow_sink = _metric_sinks(launch, rank)
     flops = _flops_setup(run, vocab_size, accelerator, mlflow_sink)
     marks = {} if marks is None else marks
-    step_metrics, callbacks, ckpt_plugins = _build_callbacks(launch, plugin, rank, sinks, flops, marks)
+    step_metrics, callbacks, ckpt_plugins = _build_callbacks(launch, plugin, rank, sinks, flops, marks, log, segment)
     trainer = _build_trainer(resolved, plugin, accelerator, callbacks, ckpt_plugins, launch.run_dir)
-    ckpt_path = resume_path(launch, rank)  # after an elastic restart: the newest valid checkpoint
+    ckpt_path = resume_path(launch, rank, log, segment)  # after an elastic restart: the newest valid checkpoint
     marks["t_fit"] = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
@@ -205,8 +207,11 @@ def _step_metrics(resolved: Any, clock: Any, flops: _Flops, sinks: list) -> Any:
 
 
 def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, flops: _Flops,
-                     marks: dict[str, float]) -> tuple[Any, list, list]:
+                     marks: dict[str, float], log: Any, segment: str) -> tuple[Any, list, list]:
     """``(step_metrics, callbacks, checkpoint_plugins)`` in the order they must run.
+
+    ``log``: the run's event log (:class:`~framework.faults.events.FaultLog`); ``segment``: which
+    (re)start of the ranks this is (:func:`framework.faults.restart.restart_label`).
 
     Profiler first, then the step clock both metric callbacks read; step metrics, validation,
     activation memory (saved-tensor meter),
@@ -225,11 +230,9 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     from framework.callbacks.goodput import RunTimeline
     from framework.callbacks.validation import ValidationLoss
     from framework.checkpoint.policy import build_checkpointing
-    from framework.faults.events import FaultLog
     from framework.faults.guard import build_fault_callbacks
 
     resolved, trainer_cfg = launch.resolved, launch.resolved.run.trainer
-    segment = f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # which (re)start of the ranks this is
     clock = StepClock()  # step ends and the seconds outside training, for both metric callbacks
     step_metrics = _step_metrics(resolved, clock, flops, sinks)
     breakdown = StepBreakdown(
@@ -247,7 +250,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     ]
     if not trainer_cfg.compile:  # compiled graphs save their own tensors (see the callback's docstring)
         callbacks.append(ActivationMemory(clock=clock, log_every_n_steps=trainer_cfg.log_every_n_steps, sinks=sinks))
-    callbacks += build_fault_callbacks(launch, rank=rank)  # [] without faults/policy; before checkpointing
+    callbacks += build_fault_callbacks(launch, rank=rank, log=log, segment=segment)  # [] without faults/policy; before checkpointing
     buffered = [s for s in sinks if hasattr(s, "flush")]
     flush = FlushMetrics(clock=clock, sinks=buffered, on_time_spent=breakdown.add_logging_time) if buffered else None
     # The folder CheckpointIO plugin and its callbacks; on_time_spent gets the seconds the step was held;
@@ -261,7 +264,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
     from framework.checkpoint.periodic import PeriodicCheckpoint
 
     (periodic,) = [cb for cb in ckpt_callbacks if isinstance(cb, PeriodicCheckpoint)]
-    callbacks.append(Preemption(clock=clock, checkpoint=periodic, log=FaultLog(launch.run_dir) if rank == 0 else None,
+    callbacks.append(Preemption(clock=clock, checkpoint=periodic, log=log if rank == 0 else None,
                                 segment=segment))
     if trainer_cfg.profile_steps is not None:
         from framework.callbacks.profiler import StepProfiler
@@ -276,7 +279,7 @@ def _build_callbacks(launch: LaunchSpec, plugin: Any, rank: int, sinks: list, fl
                                       cuda=resolve_accelerator(trainer_cfg.accelerator) == "cuda"))
     callbacks += plugin.callbacks(resolved, sinks)  # plugin-specific metrics (e.g. pipeline bubble)
     callbacks.append(breakdown)  # after the others: checkpoint and validation run inside the step it times
-    callbacks.append(RunTimeline(log=FaultLog(launch.run_dir), clock=clock, launch_index=launch.launch_index,
+    callbacks.append(RunTimeline(log=log, clock=clock, launch_index=launch.launch_index,
                                  segment=segment,
                                  marks=marks, enabled=rank == 0))  # goodput and recovery counters: sees the step whole
     if flush is not None:  # last: one tracking request per logged step, once every callback wrote its metrics
