@@ -1,5 +1,8 @@
-"""What every run of the driver shares, single run or sweep job: locks, the MLflow UI link, failed jobs.
+"""What every run of the driver shares, single run or sweep job: its validation, locks, the MLflow UI link, failed jobs.
 
+- :func:`resolve_run`: a composed config typed, validated and its first shrink checked once per
+  run in this process (the precheck of a single run, or a sweep's check of its jobs, validates it;
+  the job reuses that).
 - :func:`hold_lock` / :func:`hold_locks`: one driver per run folder and checkpoint folder (and per
   sweep); a second process gets a one-line error naming the first (exit code 2).
 - :func:`ui_link` / :func:`ui_command`: where to see a run in the MLflow UI.
@@ -10,10 +13,50 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+_VALIDATED: list[tuple[Any, Any]] = []
+"""(run with ``run_name`` and ``checkpoint.dir`` blanked, its :class:`~framework.config.resolved.ResolvedRun`)
+of every run this process validated (:func:`resolve_run`)."""
+
+
+def _identity_free(run: Any) -> Any:
+    """``run`` without what names it (``run_name``, ``checkpoint.dir``): the validation reads neither."""
+    return dataclasses.replace(run, run_name="-", checkpoint=dataclasses.replace(run.checkpoint, dir=None))
+
+
+def resolve_run(cfg: Any) -> Any:
+    """The composed config ``cfg`` (a Hydra ``DictConfig``) typed (:func:`framework.config.load.load_run_config`),
+    validated (:func:`framework.config.validate.validate`) and its first shrink checked
+    (:func:`framework.faults.elastic.check_first_shrink`): a
+    :class:`~framework.config.resolved.ResolvedRun`.
+
+    The validation runs once per run: a run this process validated already (the precheck of a single
+    run, whose placeholder ``run_name`` Hydra's job then names; a sweep's check of its jobs before the
+    first starts, :func:`framework.sweep.check_jobs`) is not validated again, only renamed
+    (``run``, ``checkpoint_dir``), since no rule reads ``run_name`` or ``checkpoint.dir``.
+
+    Raises:
+        ConfigError: any bad value, one line.
+    """
+    from framework.config.load import load_run_config
+    from framework.config.validate import checkpoint_dir_of, validate
+    from framework.faults.elastic import check_first_shrink
+
+    run = load_run_config(cfg)
+    key = _identity_free(run)
+    for seen, resolved in _VALIDATED:
+        if seen == key:
+            return dataclasses.replace(resolved, run=run, checkpoint_dir=checkpoint_dir_of(run))
+    resolved = validate(run)
+    check_first_shrink(resolved)  # validates the shrunk run, so it is not part of validate()
+    _VALIDATED.append((key, resolved))
+    return resolved
+
 
 FAILED_JOBS: list[str] = []
 """Run names of this process's sweep jobs that ended FAILED (the driver and the sweep's end append;

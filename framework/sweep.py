@@ -241,8 +241,7 @@ def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
 
     from framework.config import CONF_DIR
     from framework.config.schema import ConfigError
-    from framework.config.validate import load_run_config, validate
-    from framework.faults.elastic import check_first_shrink
+    from framework.runs import resolve_run
 
     if any(o.is_interval_sweep() for o in swept.values()):
         return ""
@@ -268,7 +267,7 @@ def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
             for k, v in zip(keys, choice):
                 OmegaConf.update(cfg, k.lstrip("+~"), v, merge=False)
             try:
-                check_first_shrink(validate(load_run_config(cfg)))
+                resolve_run(cfg)  # the job reuses it (validated once per run)
                 return ""
             except ConfigError as err:
                 refused.append((",".join(picked + [f"{k}={v}" for k, v in zip(keys, choice)]), str(err)))

@@ -258,17 +258,15 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
 
 
 def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
-    """Validate the config once, check the resume request, build the token cache and the model's
+    """Validate the config (once per run: :func:`framework.runs.resolve_run`), check the resume request, build the token cache and the model's
     shape (on the meta device); returns ``(resolved, token_cache, model)``.
 
     Raises:
         ConfigError: any bad value, one line (the caller exits 2, or in a sweep fails the job).
     """
-    from framework.config.validate import load_run_config, validate
-    from framework.faults.elastic import check_first_shrink
+    from framework.runs import resolve_run
 
-    resolved = validate(load_run_config(cfg))
-    check_first_shrink(resolved)  # validates the shrunk run, so it is not part of validate()
+    resolved = resolve_run(cfg)  # validated once per run: the precheck's or the sweep check's, when it did
     from framework.launcher import start_rank_server
 
     start_rank_server(resolved)  # a sweep's first job (a single run started it in the precheck)

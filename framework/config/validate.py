@@ -146,7 +146,7 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
         mbs, acc, gbs = batch
         resolved = ResolvedRun(
             run=run, layout=layout, micro_batch_size=mbs, grad_accum_steps=acc, global_batch_size=gbs,
-            checkpoint_dir=run.checkpoint.dir or f"checkpoints/{run.experiment_name}/{run.run_name}",
+            checkpoint_dir=checkpoint_dir_of(run),
             owns_microbatching=plugin.capabilities.owns_microbatching_for(layout), threads_per_rank=threads,
         )
         check(lambda: plugin.validate(resolved))  # the plugin's own rules see a layout and batch split that hold
@@ -157,6 +157,11 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
     if errors:
         raise ConfigError("; ".join(errors))
     return resolved
+
+
+def checkpoint_dir_of(run: RunConfig) -> str:
+    """The run's checkpoint folder: ``checkpoint.dir``, or ``checkpoints/<experiment_name>/<run_name>``."""
+    return run.checkpoint.dir or f"checkpoints/{run.experiment_name}/{run.run_name}"
 
 
 def run_to_dict(run: RunConfig) -> dict[str, Any]:
