@@ -223,9 +223,8 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
     run; this one exits 0 when its ranks finished, 75 when preempted, 130 when interrupted, 1 when they failed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from framework.checkpoint.resume import select_resume
     from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS
-    from framework.faults.supervisor import end_lost_node0_run, failure_reason, supervise
+    from framework.faults.supervisor import end_lost_node0_run, failure_reason, follower_resume, supervise
     from framework.launch import LaunchSpec
     from framework.nodes import check_endpoint, wait_for_shared_folder
 
@@ -235,13 +234,10 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
         wait_for_shared_folder(resolved.checkpoint_dir, nodes)
     except ConfigError as err:
         cli.fail(str(err))
-    resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # the folder node 0 reads: the same choice
-    if resume.step >= run.trainer.max_steps and run.resume == "auto":
-        print(f"{me}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train",
-              flush=True)
+    launch = follower_resume(LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=None,
+                                        token_cache_dir=str(cache.dir), nodes=nodes))
+    if launch is None:  # nothing left to train
         return
-    launch = LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=resume.path,
-                        token_cache_dir=str(cache.dir), nodes=nodes)
     try:
         supervise(launch)  # under resilience=restart it joins node 0 again after a failure
     except (KeyboardInterrupt, SignalException) as err:

@@ -82,19 +82,18 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
     from framework.faults.schedule import build_schedule, faults_enabled
     from framework.launcher import launch_ranks
 
-    resolved = launch.resolved
-    run = resolved.run
+    run = launch.resolved.run
     lead = launch.nodes is None or launch.nodes.node_rank == 0  # the driver that owns the run
     log = FaultLog(launch.run_dir) if lead else None
     shrinks: list = []  # (before, after, resumed step) of each shrink, for the MLflow tags
     if lead:
-        log.append("driver_start", world_size=resolved.world_size)
+        log.append("driver_start", world_size=launch.resolved.world_size)
     try:
         if lead and not faults_enabled(run):
             launch_ranks(launch)
             return
         if lead:
-            launch = launch.replace(fault_schedule=build_schedule(run, resolved.world_size), launch_index=0)
+            launch = launch.replace(fault_schedule=build_schedule(run, launch.resolved.world_size), launch_index=0)
             if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
                 kinds = sorted({e["kind"] for e in launch.fault_schedule})
                 tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
@@ -130,27 +129,39 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
                     continue
                 if aborts or run.resilience.policy != "shrink" or not lead:
                     raise
-                try:
-                    new_resolved = resolve_shrunk(run, resolved.world_size)
-                except ConfigError as err:
-                    raise ShrinkImpossible(str(err)) from None
-                from framework.checkpoint.format import latest_valid_step
-
-                latest, step = latest_valid_step(resolved.checkpoint_dir, warn=_warn)
-                log.append("shrink", from_world=resolved.world_size, to_world=new_resolved.world_size, step=step,
-                           grad_accum_steps=new_resolved.grad_accum_steps)
-                print(f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
-                      f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}", file=sys.stderr, flush=True)
-                launch = launch.replace(resolved=new_resolved, resume_from=str(latest) if latest else None,
-                                        launch_index=launch.launch_index + 1, shrunk_at_step=step,
-                                        nodes=None)  # several nodes: node 0 goes on alone, on a rendezvous of its own
-                shrinks.append((resolved, new_resolved, step))
-                _set_tags(tracker, shrink_tags(shrinks))
-                run, resolved = new_resolved.run, new_resolved
+                launch = _shrink(launch, log, tracker, shrinks)
+                run = launch.resolved.run
     finally:
         if lead:
             log.append("driver_end")
             report_figures(log.read(), tracker)
+
+
+def _shrink(launch: LaunchSpec, log: FaultLog, tracker: Any, shrinks: list) -> LaunchSpec:
+    """The launch after a shrink (``resilience.policy=shrink``, the restarts used up): the run resolved at
+    the smaller world size (:func:`resolve_shrunk`), from the newest valid checkpoint, on node 0 alone.
+    Logged as a ``shrink`` record; ``shrinks`` (before, after, resumed step) gets it and the MLflow tags follow.
+
+    Raises:
+        ShrinkImpossible: no smaller layout keeps the global batch.
+    """
+    from framework.checkpoint.format import latest_valid_step
+
+    resolved = launch.resolved
+    try:
+        new_resolved = resolve_shrunk(resolved.run, resolved.world_size)
+    except ConfigError as err:
+        raise ShrinkImpossible(str(err)) from None
+    latest, step = latest_valid_step(resolved.checkpoint_dir, warn=_warn)
+    log.append("shrink", from_world=resolved.world_size, to_world=new_resolved.world_size, step=step,
+               grad_accum_steps=new_resolved.grad_accum_steps)
+    print(f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
+          f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}", file=sys.stderr, flush=True)
+    shrinks.append((resolved, new_resolved, step))
+    _set_tags(tracker, shrink_tags(shrinks))
+    return launch.replace(resolved=new_resolved, resume_from=str(latest) if latest else None,
+                          launch_index=launch.launch_index + 1, shrunk_at_step=step,
+                          nodes=None)  # several nodes: node 0 goes on alone, on a rendezvous of its own
 
 
 def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: int, max_restarts: int) -> LaunchSpec:
@@ -193,18 +204,16 @@ def _announce_node(launch: LaunchSpec) -> None:
 def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts: int) -> Optional[LaunchSpec]:
     """Node k > 0 whose ranks failed, under ``resilience=restart``: the launch of restart ``restart``, joining
     node 0 again (whose driver relaunches every node: :func:`_relaunch_nodes`) from the checkpoint
-    :func:`~framework.checkpoint.resume.select_resume` chooses in the shared folder (the folder node 0 reads:
-    the same choice); None when that checkpoint is at ``trainer.max_steps`` already (nothing to train).
+    :func:`follower_resume` chooses; None when there is nothing left to train.
 
     Raises:
         SystemExit: code 1 when node 0's endpoint no longer answers within ``rendezvous.timeout_s`` (one
             line, not the agent's store timeout and C++ trace); the run's MLflow run ends FAILED
             (:func:`end_lost_node0_run`).
     """
-    from framework.checkpoint.resume import select_resume
     from framework.nodes import check_endpoint
 
-    run, me = launch.resolved.run, _node_label(launch)
+    me = _node_label(launch)
     print(f"{me}: the ranks failed ({failure_reason(err)});"
           f" restart {restart}/{max_restarts}: joining node 0 again", file=sys.stderr, flush=True)
     try:
@@ -213,12 +222,22 @@ def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts
         print(f"{me}: error: {lost}", file=sys.stderr, flush=True)
         end_lost_node0_run(launch, f"{failure_reason(err)}; then {lost}")
         raise SystemExit(1)
+    return follower_resume(launch.replace(launch_index=restart))
+
+
+def follower_resume(launch: LaunchSpec) -> Optional[LaunchSpec]:
+    """Node k > 0, before its first launch and each rejoin: ``launch`` resuming from the checkpoint
+    :func:`~framework.checkpoint.resume.select_resume` chooses in the shared folder (the folder node 0
+    reads: the same choice), or None when that checkpoint is at ``trainer.max_steps`` already (nothing to train)."""
+    from framework.checkpoint.resume import select_resume
+
+    run = launch.resolved.run
     resume = select_resume(run.resume, launch.resolved.checkpoint_dir, warn=_warn)
     if resume.step >= run.trainer.max_steps and run.resume == "auto":
-        print(f"{me}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train",
-              flush=True)
+        print(f"{_node_label(launch)}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}:"
+              " nothing to train", flush=True)
         return None
-    return launch.replace(resume_from=resume.path, launch_index=restart)
+    return launch.replace(resume_from=resume.path)
 
 
 def end_lost_node0_run(launch: LaunchSpec, reason: str) -> None:
