@@ -50,7 +50,7 @@ def plain_tokens_per_sec(overrides: list[str], steps: int) -> tuple[float, float
     import framework.cli  # noqa: F401  (registers the run-name resolver)
     from framework.config.validate import load_run_config, validate
     from framework.data import TextDataModule, prepare_data
-    from framework.distributed import cap_threads, threads_per_rank
+    from framework.distributed import cap_threads
     from framework.model import build_model
     from framework.module import adamw_implementation, warmup_cosine
 
@@ -59,7 +59,7 @@ def plain_tokens_per_sec(overrides: list[str], steps: int) -> tuple[float, float
         cfg = compose(config_name="config", overrides=["parallelism=single", "run_name=bench", f"trainer.max_steps={steps}", *overrides])
     run = load_run_config(cfg)
     resolved = validate(run)
-    cap_threads(threads_per_rank(1, run.trainer.threads_per_rank))
+    cap_threads(resolved.threads_per_rank)
     cache = prepare_data(run.data, progress=False)
     dm = TextDataModule(run.data, global_batch_size=resolved.global_batch_size, micro_batch_size=resolved.micro_batch_size,
                         dp_rank=0, dp_size=1, max_steps=steps, val_sequences=0, cache_dir=str(cache.dir))

@@ -211,8 +211,7 @@ def precheck(argv: list[str]) -> Any:
         return None
     from hydra import compose, initialize_config_dir
 
-    from framework.config.validate import load_run_config, validate
-    from framework.faults.elastic import check_first_shrink
+    from framework.runs import resolve_run
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -225,8 +224,7 @@ def precheck(argv: list[str]) -> Any:
         fail(f"sweep.repeats={cfg.sweep.repeats} repeats the jobs of a sweep; add -m and a swept key"
              " (e.g. -m sweep.label=a sweep.repeats=5 for one configuration)")
     try:
-        resolved = validate(load_run_config(cfg))
-        check_first_shrink(resolved)
+        resolved = resolve_run(cfg)  # the job reuses it (validated once per run)
     except ConfigError as err:
         fail(str(err))
     return resolved
@@ -278,7 +276,8 @@ def main(app: Callable[[], None]) -> None:
             start_rank_server(resolved)  # its imports overlap the driver's set-up
         app()
         code = 0
-        from framework.sweep import FAILED_JOBS, SEARCH
+        from framework.runs import FAILED_JOBS
+        from framework.sweep import SEARCH
 
         if SEARCH:  # an Optuna search: its failure budget decides (framework/search.py)
             code = 1 if SEARCH.get("error") else 0

@@ -37,14 +37,6 @@ def process_group_backend(backend: str, accelerator: str) -> str:
     return backend
 
 
-def threads_per_rank(local_world_size: int, requested: int | None = None) -> int:
-    """Intra-op threads for each of ``local_world_size`` ranks on this node (>= 1)."""
-    if requested is not None:
-        return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_world_size))
-
-
 def cap_threads(n: int) -> None:
     """Cap this process's torch intra-op threads (and children's OpenMP pools) at ``n``."""
     os.environ["OMP_NUM_THREADS"] = str(n)

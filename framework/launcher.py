@@ -7,8 +7,9 @@ at ``rendezvous.endpoint`` on node 0, :mod:`framework.nodes`), restarts them up 
 and raises :class:`torch.distributed.elastic.multiprocessing.errors.ChildFailedError` (naming
 the failed rank and its error) when they keep failing.
 
-CPU ranks share the node's cores: the launcher sets ``OMP_NUM_THREADS`` to
-``cores // ranks_per_node`` for the children (the worker caps torch's pool the same way), so
+CPU ranks share the node's cores: the launcher sets ``OMP_NUM_THREADS`` to the run's
+``threads_per_rank`` (:class:`~framework.config.resolved.ResolvedRun`: ``cores // ranks_per_node``
+unless configured) for the children (the worker caps torch's pool at the same number), so
 ranks x threads never exceeds the cores.
 """
 
@@ -21,7 +22,6 @@ import sys
 import uuid
 from typing import Any
 
-from framework.distributed import threads_per_rank
 from framework.launch import LaunchSpec
 
 PRELOAD_MODULES = ["torch", "pytorch_lightning", "framework.worker", "framework.module", "framework.data",
@@ -64,7 +64,7 @@ def start_rank_server(resolved) -> None:
 
     from framework.faults.preemption import PREEMPT_SIGNALS
 
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(resolved.nproc_per_node, run.trainer.threads_per_rank))
+    os.environ["OMP_NUM_THREADS"] = str(resolved.threads_per_rank)
     multiprocessing.set_forkserver_preload(PRELOAD_MODULES)
     if threading.current_thread() is not threading.main_thread():  # signal dispositions are the main thread's
         forkserver.ensure_running()
@@ -143,7 +143,7 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
     launch_file = launch.write(launch.run_dir / LAUNCH_FILE)
     run = launch.resolved.run
     nproc = launch.resolved.nproc_per_node
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc, run.trainer.threads_per_rank))
+    os.environ["OMP_NUM_THREADS"] = str(launch.resolved.threads_per_rank)
     # Restarted ranks must not share the agent's rendezvous TCPStore: its keys outlive a round, so
     # a restarted rank can read a dead peer's gloo address (connection refused). Unshared, rank 0
     # hosts a fresh store each round.

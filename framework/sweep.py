@@ -48,12 +48,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import near_keys, path_safe
+from framework.runs import FAILED_JOBS, hold_lock, ui_link
 from framework.tracking import OVERRIDES_TAG, PARENT_TAG, SWEEP_TAG, SWEPT_TAG, sweep_children
 
 SWEEP_ENV = "TRAINLAB_SWEEP"  # the running sweep (JSON of :class:`Sweep`), read when a job's run name resolves
-FAILED_JOBS: list[str] = []
-"""Run names of this process's sweep jobs that ended FAILED (the driver and the sweep's end append;
-:func:`framework.cli.main` exits 1 when there are any)."""
 GIB = 1024**3
 
 
@@ -243,8 +241,7 @@ def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
 
     from framework.config import CONF_DIR
     from framework.config.schema import ConfigError
-    from framework.config.validate import load_run_config, validate
-    from framework.faults.elastic import check_first_shrink
+    from framework.runs import resolve_run
 
     if any(o.is_interval_sweep() for o in swept.values()):
         return ""
@@ -270,7 +267,7 @@ def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
             for k, v in zip(keys, choice):
                 OmegaConf.update(cfg, k.lstrip("+~"), v, merge=False)
             try:
-                check_first_shrink(validate(load_run_config(cfg)))
+                resolve_run(cfg)  # the job reuses it (validated once per run)
                 return ""
             except ConfigError as err:
                 refused.append((",".join(picked + [f"{k}={v}" for k, v in zip(keys, choice)]), str(err)))
@@ -556,13 +553,6 @@ def record_refused_job(cfg: DictConfig, run_dir: Path, reason: str) -> None:
         print(f"trainlab: warning: could not record the refused job in MLflow: {err}", file=sys.stderr)
 
 
-def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
-    """The MLflow UI page of a run (or of an experiment's runs): on the tracking server itself
-    (``http(s)://`` URI), else on a local ``mlflow ui`` (``http://127.0.0.1:5000``)."""
-    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
-    return f"{base}/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
-
-
 # --- the callback -----------------------------------------------------------------------------
 
 _LOCK: list = []
@@ -845,28 +835,3 @@ def _hold_lock(folder: Path, what: str) -> None:
     """Hold ``folder/.trainlab.lock`` (exit code 2, one line naming the other process, when held)."""
     f = hold_lock(folder, what)
     _LOCK.append(f)
-
-
-def hold_lock(folder: Path, what: str) -> Any:
-    """Lock ``folder/.trainlab.lock`` for this process and write its pid there; returns the open
-    file (closing it releases the lock). Exits 2 with ``another trainlab process (pid N) is running
-    in <folder> (the same <what>)`` when another process holds it."""
-    import fcntl
-
-    from framework.config import fail
-
-    folder.mkdir(parents=True, exist_ok=True)
-    f = open(folder / ".trainlab.lock", "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid = f.read().strip() or "?"
-        f.close()
-        fail(f"another trainlab process (pid {pid}) is running in {folder} (the same {what}); wait for it to end"
-             + (", or set another run_name" if what == "run" else ""))
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
-    return f

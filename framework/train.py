@@ -40,7 +40,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
     they were in; :mod:`framework.faults.preemption`); in a submitit Slurm job preempted by submitit's
     signal, submitit requeues the job instead (:func:`framework.slurm.requeue_after_save`). The run's locks are held for the job and released when it ends.
     """
-    from framework import sweep
+    from framework import runs, sweep
 
     if cli.in_sweep():  # an explicit checkpoint.dir is the root of the jobs' own folders
         own = sweep.job_checkpoint_dir(cfg.checkpoint.dir, str(cfg.run_name))
@@ -55,24 +55,17 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
             cli.fail(str(err))
         print(f"trainlab: error: {err}", file=sys.stderr, flush=True)
         sweep.record_refused_job(cfg, run_dir, str(err))
-        sweep.FAILED_JOBS.append(str(cfg.run_name))
+        runs.FAILED_JOBS.append(str(cfg.run_name))
         return None
     from framework.nodes import resolve_nodes
 
     nodes = resolve_nodes(resolved.run)  # None on one node; validated already
     if nodes is not None and nodes.node_rank > 0:  # no MLflow run, no output folder (node 0's driver keeps them)
-        lock = sweep.hold_lock(run_dir, "run")  # this node's folder in the shared checkpoint folder
-        try:
+        with runs.hold_locks([run_dir]):  # this node's folder in the shared checkpoint folder
             _run_other_node(resolved, cache, nodes, run_dir)
-        finally:
-            lock.close()
         return None
-    locks = [sweep.hold_lock(d, "run") for d in (run_dir, Path(resolved.checkpoint_dir))]
-    try:
+    with runs.hold_locks([run_dir, Path(resolved.checkpoint_dir)]):
         status, reason, run_id = _train(resolved, cache, model, run_dir, nodes)
-    finally:
-        for f in locks:
-            f.close()
     return sweep.record_job(run_dir, status, reason, run_id=run_id) if cli.in_sweep() else None
 
 
@@ -147,7 +140,9 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         reason = failure_reason(err)  # the root cause (first rank to fail), then the whole report
         detail = str(err).strip()
         error = reason if not detail or detail == reason else f"{reason}\n{detail}"
-        _record_failure(run_dir, run.run_name, error)
+        from framework.runs import record_failure
+
+        record_failure(run_dir, run.run_name, error, in_sweep=cli.in_sweep())
         return "FAILED", reason, tracker.run_id if tracker else None
     finally:
         if tracker is not None:
@@ -223,15 +218,14 @@ def _record_allowed_changes(tracker: Any, resolved: ResolvedRun) -> None:
 
 def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Path) -> None:
     """Node ``k > 0`` of a multi-node run: check node 0's endpoint and the shared checkpoint folder, then
-    run this node's ranks to the end (:mod:`framework.nodes`). Node 0's driver records the run; this one
-    exits 0 when its ranks finished, 75 when preempted, 130 when interrupted, 1 when they failed."""
+    run this node's ranks to the end under the supervisor every driver uses
+    (:func:`framework.faults.supervisor.supervise`; :mod:`framework.nodes`). Node 0's driver records the
+    run; this one exits 0 when its ranks finished, 75 when preempted, 130 when interrupted, 1 when they failed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from framework.checkpoint.resume import select_resume
     from framework.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS
-    from framework.faults.supervisor import failure_reason, max_restarts_for
+    from framework.faults.supervisor import end_lost_node0_run, failure_reason, follower_resume, supervise
     from framework.launch import LaunchSpec
-    from framework.launcher import launch_ranks
     from framework.nodes import check_endpoint, wait_for_shared_folder
 
     run, me = resolved.run, f"trainlab: node {nodes.node_rank}"
@@ -240,87 +234,35 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
         wait_for_shared_folder(resolved.checkpoint_dir, nodes)
     except ConfigError as err:
         cli.fail(str(err))
-    restarts = 0  # resilience=restart: this driver relaunches its ranks as node 0's does (framework/faults/supervisor.py)
-    while True:
-        resume = select_resume(run.resume, resolved.checkpoint_dir, warn=_warn)  # the folder node 0 reads: the same choice
-        if resume.step >= run.trainer.max_steps and run.resume == "auto":
-            print(f"{me}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to train",
-                  flush=True)
-            return
-        launch = LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=resume.path,
-                            token_cache_dir=str(cache.dir), nodes=nodes, launch_index=restarts)
-        print(f"{me} of {nodes.nnodes}: ranks {nodes.node_rank * resolved.nproc_per_node}.."
-              f"{(nodes.node_rank + 1) * resolved.nproc_per_node - 1}, rendezvous {nodes.endpoint}"
-              + (f", resuming from {resume.path}" if resume.path else ""), flush=True)
-        try:
-            launch_ranks(launch, max_restarts=0)  # the agent cannot restart across nodes (static rendezvous)
-            break
-        except (KeyboardInterrupt, SignalException) as err:
-            if getattr(err, "sigval", None) in PREEMPT_SIGNALS:
-                print(f"{me}: preempted ({err.sigval.name}); node 0's driver records the run", file=sys.stderr, flush=True)
-                raise SystemExit(EXIT_PREEMPTED)
-            print(f"{me}: interrupted", file=sys.stderr, flush=True)
-            raise SystemExit(130)
-        except Exception as err:
-            if run.resilience.policy == "restart" and restarts < max_restarts_for(run):
-                restarts += 1
-                print(f"{me}: the ranks failed ({failure_reason(err)});"
-                      f" restart {restarts}/{max_restarts_for(run)}: joining node 0 again", file=sys.stderr, flush=True)
-                try:  # node 0 lost: one line after rendezvous.timeout_s (not the agent's store timeout and C++ trace)
-                    check_endpoint(nodes)
-                except ConfigError as lost:
-                    print(f"{me}: error: {lost}", file=sys.stderr, flush=True)
-                    _end_lost_node0_run(resolved, nodes, f"{failure_reason(err)}; then {lost}")
-                    raise SystemExit(1)
-                continue
-            alone = " (resilience=shrink: node 0 goes on alone)" if run.resilience.policy == "shrink" else ""
-            print(f"{me}: error: training failed{alone}: {failure_reason(err)}\n{err}", file=sys.stderr, flush=True)
-            _end_lost_node0_run(resolved, nodes, failure_reason(err))
-            raise SystemExit(1)
-    print(f"{me}: ranks finished; node 0's driver records the run", flush=True)
-
-
-def _end_lost_node0_run(resolved: ResolvedRun, nodes: Any, reason: str) -> None:
-    """Node k > 0 whose ranks failed while node 0's endpoint no longer answers: node 0 (which owns the
-    run's MLflow run) is gone, so this node ends that run FAILED with the reason (tag ``error``), when
-    the tracking store is the same (a shared URI) and the run is still RUNNING. Never raises."""
-    import socket
-
-    run = resolved.run
-    try:
-        with socket.create_connection((nodes.host, nodes.port), timeout=2):
-            return  # node 0 is alive: its driver records the run
-    except OSError:
-        pass
-    if not run.tracking.enabled:
+    launch = follower_resume(LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=None,
+                                        token_cache_dir=str(cache.dir), nodes=nodes))
+    if launch is None:  # nothing left to train
         return
     try:
-        from framework.tracking import DriverRun
-
-        tracker = DriverRun(run.tracking.uri, run.experiment_name)
-        run_id = tracker.find(f"{run.experiment_name}/{run.run_name}")
-        if run_id is None or tracker.client.get_run(run_id).info.status != "RUNNING":
-            return
-        why = f"node 0 lost (rendezvous.endpoint={nodes.endpoint} no longer answers); node {nodes.node_rank}: {reason}"
-        tracker.client.set_tag(run_id, "error", why)
-        tracker.client.set_terminated(run_id, status="FAILED")
-        print(f"trainlab: node {nodes.node_rank}: ended the run's MLflow run {run_id} FAILED: {why}", file=sys.stderr, flush=True)
-    except Exception as err:  # the exit status already says the training failed
-        _warn(f"could not end the run's MLflow run: {err}")
+        supervise(launch)  # under resilience=restart it joins node 0 again after a failure
+    except (KeyboardInterrupt, SignalException) as err:
+        if getattr(err, "sigval", None) in PREEMPT_SIGNALS:
+            print(f"{me}: preempted ({err.sigval.name}); node 0's driver records the run", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_PREEMPTED)
+        print(f"{me}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130)
+    except Exception as err:
+        alone = " (resilience=shrink: node 0 goes on alone)" if run.resilience.policy == "shrink" else ""
+        print(f"{me}: error: training failed{alone}: {failure_reason(err)}\n{err}", file=sys.stderr, flush=True)
+        end_lost_node0_run(launch, failure_reason(err))
+        raise SystemExit(1)
 
 
 def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
-    """Validate the config once, check the resume request, build the token cache and the model's
+    """Validate the config (once per run: :func:`framework.runs.resolve_run`), check the resume request, build the token cache and the model's
     shape (on the meta device); returns ``(resolved, token_cache, model)``.
 
     Raises:
         ConfigError: any bad value, one line (the caller exits 2, or in a sweep fails the job).
     """
-    from framework.config.validate import load_run_config, validate
-    from framework.faults.elastic import check_first_shrink
+    from framework.runs import resolve_run
 
-    resolved = validate(load_run_config(cfg))
-    check_first_shrink(resolved)  # validates the shrunk run, so it is not part of validate()
+    resolved = resolve_run(cfg)  # validated once per run: the precheck's or the sweep check's, when it did
     from framework.launcher import start_rank_server
 
     start_rank_server(resolved)  # a sweep's first job (a single run started it in the precheck)
@@ -369,20 +311,6 @@ def _check_resume_request(resolved: ResolvedRun) -> None:
 
 def _warn(msg: str) -> None:
     print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
-
-
-def _record_failure(run_dir: Path, run_name: str, error: str) -> None:
-    """Report a failed training (``error``: its one-line root cause, then the details): stderr and
-    ``run_dir/error.txt``; exit 1 unless in a sweep (there the run ends FAILED, the next job starts,
-    and :func:`framework.cli.main` exits 1 at the end)."""
-    print(f"trainlab: error: training failed: {error}", file=sys.stderr, flush=True)
-    # Kept with the run: in a sweep the driver's stderr scrolls past (or is captured and lost).
-    (run_dir / "error.txt").write_text(error + "\n")
-    if not cli.in_sweep():  # in a sweep the run ends FAILED and the next job starts (e.g. a fault x policy grid)
-        raise SystemExit(1)
-    from framework import sweep
-
-    sweep.FAILED_JOBS.append(run_name)
 
 
 def _log_run_summary(tracker: Any, resolved: ResolvedRun, run_dir: Path) -> None:
@@ -438,12 +366,11 @@ def _print_summary(run_dir: Path, tracker: Any, uri: str, experiment: str) -> No
     if warn:
         lines.append(f"  WARNING            {warn}")
     if tracker is not None:
-        from framework.sweep import ui_link
+        from framework.runs import ui_command, ui_link
 
-        mlflow_bin = Path(sys.executable).parent / "mlflow"
         lines += [
             f"  MLflow run         {tracker.run_id} (experiment {experiment!r})",
-            f"  see it with        {mlflow_bin if mlflow_bin.exists() else 'mlflow'} ui --backend-store-uri {uri}",
+            f"  see it with        {ui_command(uri)}",
             f"  then open          {ui_link(uri, tracker.experiment_id, tracker.run_id)}",
         ]
     print("\n".join(lines), flush=True)

@@ -76,16 +76,18 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     import pytorch_lightning as pl
 
     from framework.data import TextDataModule, TokenCache
-    from framework.distributed import cap_threads, resolve_accelerator, threads_per_rank
-    from framework.faults.restart import resume_path
+    from framework.distributed import cap_threads, resolve_accelerator
+    from framework.faults.events import FaultLog
+    from framework.faults.restart import restart_label, resume_path
     from framework.metrics.emit import MetricEmitter
     from framework.module import LMModule
     from framework.registry import get_plugin_class
 
     resolved, run = launch.resolved, launch.resolved.run
     rank = int(os.environ.get("RANK", "0"))
-    # ranks x threads <= cores, or CPU ranks thrash (see framework.distributed).
-    cap_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), run.trainer.threads_per_rank))
+    # ranks x threads <= cores, or CPU ranks thrash (the driver's count: ResolvedRun.threads_per_rank).
+    cap_threads(resolved.threads_per_rank)
+    log, segment = FaultLog(launch.run_dir), restart_label(launch)  # the run's event log; which (re)start this is
     accelerator = resolve_accelerator(run.trainer.accelerator)
     pl.seed_everything(run.trainer.seed, verbose=False)  # python, numpy, torch (CPU and CUDA): same on every rank
 
@@ -108,9 +110,9 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     emit = MetricEmitter(sinks, enabled=rank == 0)  # the one way this rank sends metrics
     flops = _flops_setup(run, vocab_size, accelerator, mlflow_sink)
     marks = {} if marks is None else marks
-    step_metrics, train_step, ckpt_plugins = _build_step(launch, plugin, rank, module.step_state, emit, flops, marks)
+    step_metrics, train_step, ckpt_plugins = _build_step(launch, plugin, rank, module.step_state, emit, flops, marks, log, segment)
     trainer = _build_trainer(resolved, plugin, accelerator, [train_step], ckpt_plugins, launch.run_dir)
-    ckpt_path = resume_path(launch, rank)  # after an elastic restart: the newest valid checkpoint
+    ckpt_path = resume_path(launch, rank, log, segment)  # after an elastic restart: the newest valid checkpoint
     marks["t_fit"] = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
@@ -207,11 +209,13 @@ def _step_metrics(resolved: Any, clock: Any, flops: _Flops, emit: Any) -> Any:
 
 
 def _build_step(launch: LaunchSpec, plugin: Any, rank: int, state: Any, emit: Any, flops: _Flops,
-                marks: dict[str, float]) -> tuple[Any, Any, list]:
+                marks: dict[str, float], log: Any, segment: str) -> tuple[Any, Any, list]:
     """``(step_metrics, train_step, checkpoint_plugins)``: the step's parts, each in its phase
     (:data:`framework.step.PHASES`; the order within a phase is the order below), in one
     :class:`~framework.step.TrainStep`, the Trainer's only callback; ``state``: the module's
-    :class:`~framework.step.StepState`; ``emit``: the run's :class:`~framework.metrics.emit.MetricEmitter`.
+    :class:`~framework.step.StepState`; ``emit``: the run's :class:`~framework.metrics.emit.MetricEmitter`;
+    ``log``: the run's event log (:class:`~framework.faults.events.FaultLog`), opened once by the rank;
+    ``segment``: which (re)start of the ranks this is (:func:`framework.faults.restart.restart_label`).
     """
     from framework.callbacks.activation_memory import ActivationMemory
     from framework.callbacks.breakdown import StepBreakdown
@@ -224,12 +228,10 @@ def _build_step(launch: LaunchSpec, plugin: Any, rank: int, state: Any, emit: An
     from framework.checkpoint.periodic import PeriodicCheckpoint
     from framework.checkpoint.policy import build_checkpointing
     from framework.distributed import resolve_accelerator
-    from framework.faults.events import FaultLog
     from framework.faults.guard import build_fault_callbacks
     from framework.step import TrainStep
 
     resolved, trainer_cfg = launch.resolved, launch.resolved.run.trainer
-    segment = f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # which (re)start of the ranks this is
     clock = StepClock()  # step ends and the seconds outside training, for every part that reads them
     step_metrics = _step_metrics(resolved, clock, flops, emit)
     log_every = trainer_cfg.log_every_n_steps
@@ -261,15 +263,15 @@ def _build_step(launch: LaunchSpec, plugin: Any, rank: int, state: Any, emit: An
     validation = ValidationLoss(every_n_steps=trainer_cfg.val_every_n_steps, emit=emit, on_time_spent=clock.add_validation)
     # compiled graphs save their own tensors (see ActivationMemory's docstring)
     activation = None if trainer_cfg.compile else ActivationMemory(clock=clock, log_every_n_steps=log_every, emit=emit)
-    preemption = Preemption(clock=clock, checkpoint=periodic, log=FaultLog(launch.run_dir) if rank == 0 else None,
+    preemption = Preemption(clock=clock, checkpoint=periodic, log=log if rank == 0 else None,
                             segment=segment)
     parts += [("boundary", clock), ("metrics", step_metrics), ("metrics", validation), ("metrics", activation)]
-    parts += [("faults", cb) for cb in build_fault_callbacks(launch, rank=rank, clock=clock, snapshot=snapshot)]  # [] w/o faults
+    parts += [("faults", cb) for cb in build_fault_callbacks(launch, rank=rank, log=log, segment=segment, clock=clock, snapshot=snapshot)]  # [] w/o faults
     parts += [("checkpoint", cb) for cb in ckpt_callbacks] + [("checkpoint", preemption)]
     parts += [("plugin", cb) for cb in plugin.callbacks(resolved, emit)]  # plugin-specific metrics (e.g. pipeline bubble)
     parts += [
         ("accounting", breakdown),
-        ("accounting", RunTimeline(log=FaultLog(launch.run_dir), clock=clock, launch_index=launch.launch_index, segment=segment,
+        ("accounting", RunTimeline(log=log, clock=clock, launch_index=launch.launch_index, segment=segment,
                                    marks=marks, enabled=rank == 0)),  # goodput and recovery counters
         ("send", flush),
     ]

@@ -33,6 +33,10 @@ class ResolvedRun:
         owns_microbatching: the plugin's pipeline schedule runs a step's micro-batches itself
             (the loader yields ``micro_batch_size * grad_accum_steps`` sequences per batch and
             Lightning does not accumulate).
+        threads_per_rank: intra-op CPU threads of each rank on its node: ``trainer.threads_per_rank``,
+            or null's ``cores // nproc_per_node`` (>= 1; the cores this driver may use), so ranks x
+            threads <= cores. Computed once, by the validation on the node that runs the ranks; the
+            launcher sets ``OMP_NUM_THREADS`` to it and every rank caps torch's pool at it.
     """
 
     run: RunConfig
@@ -42,6 +46,7 @@ class ResolvedRun:
     global_batch_size: int
     checkpoint_dir: str
     owns_microbatching: bool = False
+    threads_per_rank: int = 1
 
     @property
     def plugin_name(self) -> str:

@@ -115,11 +115,14 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
             f"model.vocab_size={run.model.vocab_size} is smaller than data.vocab_size={run.data.vocab_size}"
             " (the tokenizer's); set it >= that or null"
         )
-    if run.trainer.threads_per_rank is not None and layout is not None:
+    threads = 1
+    if layout is not None:
         import os
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         ranks = layout.nproc_per_node
+        threads = run.trainer.threads_per_rank if run.trainer.threads_per_rank is not None else max(1, cores // ranks)
+    if run.trainer.threads_per_rank is not None and layout is not None:
         # 1 thread per rank is always allowed (as null gives): more ranks than cores oversubscribe
         # whatever the thread count, and the launcher's own choice would be 1 too.
         if run.trainer.threads_per_rank > 1 and run.trainer.threads_per_rank * ranks > cores and run.trainer.accelerator != "cuda":
@@ -143,8 +146,8 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
         mbs, acc, gbs = batch
         resolved = ResolvedRun(
             run=run, layout=layout, micro_batch_size=mbs, grad_accum_steps=acc, global_batch_size=gbs,
-            checkpoint_dir=run.checkpoint.dir or f"checkpoints/{run.experiment_name}/{run.run_name}",
-            owns_microbatching=plugin.capabilities.owns_microbatching_for(layout),
+            checkpoint_dir=checkpoint_dir_of(run),
+            owns_microbatching=plugin.capabilities.owns_microbatching_for(layout), threads_per_rank=threads,
         )
         check(lambda: plugin.validate(resolved))  # the plugin's own rules see a layout and batch split that hold
         r = run.resilience
@@ -154,6 +157,11 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
     if errors:
         raise ConfigError("; ".join(errors))
     return resolved
+
+
+def checkpoint_dir_of(run: RunConfig) -> str:
+    """The run's checkpoint folder: ``checkpoint.dir``, or ``checkpoints/<experiment_name>/<run_name>``."""
+    return run.checkpoint.dir or f"checkpoints/{run.experiment_name}/{run.run_name}"
 
 
 def run_to_dict(run: RunConfig) -> dict[str, Any]:

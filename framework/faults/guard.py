@@ -29,7 +29,6 @@ run logs for it is the one the decision rests on (:attr:`~framework.faults.detec
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any, Optional
@@ -242,12 +241,13 @@ class FaultGuard(pl.Callback):
             self.watchdog.stop()
 
 
-def build_fault_callbacks(launch: Any, *, rank: int, clock: StepClock,
+def build_fault_callbacks(launch: Any, *, rank: int, log: FaultLog, segment: str, clock: StepClock,
                           snapshot: Optional[MemorySnapshot] = None) -> list[pl.Callback]:
     """``[FaultInjector, FaultGuard]`` for this rank, or ``[]`` when the run has no faults and no policy.
 
     ``launch``: the driver's :class:`~framework.launch.LaunchSpec` (the run, its fault schedule,
-    which launch this is); ``clock``, ``snapshot``: the run's step clock and in-memory snapshot
+    which launch this is); ``log``: the run's event log the rank opened; ``segment``: which (re)start
+    of the ranks this is (:func:`framework.faults.restart.restart_label`); ``clock``, ``snapshot``: the run's step clock and in-memory snapshot
     (None without one). Both run in the step's ``faults`` phase (:mod:`framework.step`): after the
     metric callbacks and before the checkpoint ones (a rollback must rewind the step before a save
     or snapshot of that step is taken).
@@ -258,8 +258,6 @@ def build_fault_callbacks(launch: Any, *, rank: int, clock: StepClock,
     run = launch.resolved.run
     if not faults_enabled(run):
         return []
-    log = FaultLog(launch.run_dir)
-    segment = f"{launch.launch_index}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return [
         FaultInjector(schedule=launch.fault_schedule, rank=rank, log=log, checkpoint_dir=launch.resolved.checkpoint_dir),
         FaultGuard(cfg=run.resilience, rank=rank, log=log, segment=segment, launch_index=launch.launch_index,

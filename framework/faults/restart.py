@@ -14,17 +14,27 @@ from framework.faults.events import FaultLog
 from framework.launch import LaunchSpec
 
 
-def resume_path(launch: LaunchSpec, rank: int) -> Optional[str]:
+def restart_count() -> int:
+    """How many times the elastic agent restarted this launch's ranks (0: their first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def restart_label(launch: LaunchSpec) -> str:
+    """Which (re)start of the ranks this rank is in: ``"<launch_index>.<elastic restart count>"``
+    (``"0.0"``: the first start; a shrink or node relaunch raises the first number, an elastic
+    restart the second); the ``seg`` of the rank's event-log records. Built once per rank (:mod:`framework.worker`)."""
+    return f"{launch.launch_index}.{restart_count()}"
+
+
+def resume_path(launch: LaunchSpec, rank: int, log: FaultLog, segment: str) -> Optional[str]:
     """The checkpoint this rank starts from: the launch's, or after an elastic restart the newest valid one.
 
-    A corrupt checkpoint passed over is warned about and, on rank 0, logged as a detection.
+    ``log``: the run's event log; ``segment``: :func:`restart_label`. A corrupt checkpoint passed
+    over is warned about and, on rank 0, logged as a detection.
     """
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if restart_count() == 0:
         return launch.resume_from
     from framework.checkpoint.format import find_latest_valid
-
-    log = FaultLog(launch.run_dir)
-    segment = f"{launch.launch_index}.{os.environ['TORCHELASTIC_RESTART_COUNT']}"
 
     def warn(msg: str) -> None:
         if rank == 0:
@@ -33,6 +43,6 @@ def resume_path(launch: LaunchSpec, rank: int) -> Optional[str]:
 
     latest = find_latest_valid(launch.resolved.checkpoint_dir, warn=warn)
     if rank == 0:
-        print(f"trainlab: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from {latest or 'the start'}",
+        print(f"trainlab: restart {restart_count()}: resuming from {latest or 'the start'}",
               file=sys.stderr, flush=True)
     return str(latest) if latest else None

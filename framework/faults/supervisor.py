@@ -31,7 +31,7 @@ from framework.faults.elastic import resolve_shrunk, shrink_tags
 from framework.faults.events import FaultLog
 from framework.launch import LaunchSpec
 
-__all__ = ["ShrinkImpossible", "failure_reason", "max_restarts_for", "resolve_shrunk", "supervise"]
+__all__ = ["ShrinkImpossible", "end_lost_node0_run", "failure_reason", "max_restarts_for", "resolve_shrunk", "supervise"]
 
 
 class ShrinkImpossible(RuntimeError):
@@ -51,80 +51,117 @@ def max_restarts_for(run: Any) -> int:
 
 
 def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
-    """Run the ranks to completion under the resilience policy, then log goodput and the recovery figures.
+    """Run this node's ranks to completion under the resilience policy: the one restart loop of every driver.
 
-    Every run writes ``driver_start``/``driver_end`` to the run's event log and logs goodput,
-    its parts, the restart parts of each attempt and the ``fault/``/``recovery/`` figures
+    One node, or node 0 of several (the driver that owns the run): every run writes
+    ``driver_start``/``driver_end`` to the run's event log and logs goodput, its parts, the
+    restart parts of each attempt and the ``fault/``/``recovery/`` figures
     (:mod:`framework.faults.accounting`), faults or none. Without faults or a policy the ranks
     start as :func:`framework.launcher.launch_ranks` starts them (``trainer.max_restarts``).
-    With them the ranks get the fault schedule, and each shrink relaunches them with the run
-    resolved at the smaller world size (:func:`resolve_shrunk`).
+    With them the ranks get the fault schedule; after a failure node 0 relaunches every node
+    (:func:`_relaunch_nodes`) while restarts are left, and each shrink relaunches the ranks with
+    the run resolved at the smaller world size (:func:`resolve_shrunk`).
+
+    Node ``k > 0`` (``launch.nodes.node_rank > 0``; node 0's driver records the run): no event log,
+    no fault schedule, no figures; under ``resilience=restart`` it joins node 0 again after a
+    failure (:func:`_rejoin_node0`), up to ``resilience.max_restarts`` times.
 
     Raises:
-        ChildFailedError: the ranks failed and the policy has no recovery left.
+        ChildFailedError: the ranks failed and the policy has no recovery left (node k > 0: any
+            exception of :func:`~framework.launcher.launch_ranks`).
         ShrinkImpossible: the ranks failed under ``shrink`` and no smaller layout keeps the
             global batch (the one-line reason of :func:`~framework.faults.elastic.resolve_shrunk`).
+        SystemExit: code 1, node k > 0 whose node 0 no longer answers (its run ended FAILED:
+            :func:`end_lost_node0_run`).
     """
     from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     from framework.faults.schedule import build_schedule, faults_enabled
     from framework.launcher import launch_ranks
 
-    resolved = launch.resolved
-    run = resolved.run
-    log = FaultLog(launch.run_dir)
+    run = launch.resolved.run
+    lead = launch.nodes is None or launch.nodes.node_rank == 0  # the driver that owns the run
+    log = FaultLog(launch.run_dir) if lead else None
     shrinks: list = []  # (before, after, resumed step) of each shrink, for the MLflow tags
-    log.append("driver_start", world_size=resolved.world_size)
+    if lead:
+        log.append("driver_start", world_size=launch.resolved.world_size)
     try:
-        if not faults_enabled(run):
+        if lead and not faults_enabled(run):
             launch_ranks(launch)
             return
-        launch = launch.replace(fault_schedule=build_schedule(run, resolved.world_size), launch_index=0)
-        if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
-            kinds = sorted({e["kind"] for e in launch.fault_schedule})
-            tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
-        # several nodes: a relaunch whose rendezvous times out (a lost node did not come back) failed as well
-        node_errors = (DistError, RendezvousError)
-        node_restarts = 0  # several nodes: the driver's relaunches of every node (the agent restarts none)
+        if lead:
+            launch = launch.replace(fault_schedule=build_schedule(run, launch.resolved.world_size), launch_index=0)
+            if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
+                kinds = sorted({e["kind"] for e in launch.fault_schedule})
+                tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
+            # several nodes: a relaunch whose rendezvous times out (a lost node did not come back) failed as well
+            caught: tuple = (ChildFailedError, DistError, RendezvousError)
+        else:
+            caught = (Exception,)
+        node_restarts = 0  # several nodes: the drivers' relaunches of every node (the agent restarts none)
         while True:
+            if not lead:
+                _announce_node(launch)
             try:
                 launch_ranks(launch, max_restarts=0 if launch.nodes else max_restarts_for(run))
+                if not lead:
+                    print(f"{_node_label(launch)}: ranks finished; node 0's driver records the run", flush=True)
                 return
-            except (ChildFailedError, *node_errors) as err:
-                if not isinstance(err, ChildFailedError) and launch.nodes is None:
-                    raise
-                aborts = [r for r in log.read() if r.get("ev") == "abort"]
+            except caught as err:
+                if isinstance(err, SignalException) or (not isinstance(err, ChildFailedError) and launch.nodes is None):
+                    raise  # a signal is the caller's (preemption); one node: only the ranks' failure is recovered
+                aborts = [r for r in log.read() if r.get("ev") == "abort"] if lead else []
                 if aborts:
                     print(f"trainlab: error: the resilience policy aborted the run in step {aborts[-1]['step']}:"
                           f" {aborts[-1]['faults']} faults detected > resilience.max_faults", file=sys.stderr, flush=True)
-                if not aborts and launch.nodes is not None and node_restarts < max_restarts_for(run):
+                restarts_left = node_restarts < max_restarts_for(run) and (lead or run.resilience.policy == "restart")
+                if not aborts and launch.nodes is not None and restarts_left:
                     node_restarts += 1
-                    launch = _relaunch_nodes(launch, log, err, node_restarts, max_restarts_for(run))
+                    if lead:
+                        launch = _relaunch_nodes(launch, log, err, node_restarts, max_restarts_for(run))
+                        continue
+                    launch = _rejoin_node0(launch, err, node_restarts, max_restarts_for(run))
+                    if launch is None:  # nothing left to train
+                        return
                     continue
-                if aborts or run.resilience.policy != "shrink":
+                if aborts or run.resilience.policy != "shrink" or not lead:
                     raise
-                try:
-                    new_resolved = resolve_shrunk(run, resolved.world_size)
-                except ConfigError as err:
-                    raise ShrinkImpossible(str(err)) from None
-                from framework.checkpoint.format import latest_valid_step
-
-                latest, step = latest_valid_step(resolved.checkpoint_dir, warn=_warn)
-                log.append("shrink", from_world=resolved.world_size, to_world=new_resolved.world_size, step=step,
-                           grad_accum_steps=new_resolved.grad_accum_steps)
-                print(f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
-                      f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}", file=sys.stderr, flush=True)
-                launch = launch.replace(resolved=new_resolved, resume_from=str(latest) if latest else None,
-                                        launch_index=launch.launch_index + 1, shrunk_at_step=step,
-                                        nodes=None)  # several nodes: node 0 goes on alone, on a rendezvous of its own
-                shrinks.append((resolved, new_resolved, step))
-                _set_tags(tracker, shrink_tags(shrinks))
-                run, resolved = new_resolved.run, new_resolved
+                launch = _shrink(launch, log, tracker, shrinks)
+                run = launch.resolved.run
     finally:
-        log.append("driver_end")
-        report_figures(log.read(), tracker)
+        if lead:
+            log.append("driver_end")
+            report_figures(log.read(), tracker)
+
+
+def _shrink(launch: LaunchSpec, log: FaultLog, tracker: Any, shrinks: list) -> LaunchSpec:
+    """The launch after a shrink (``resilience.policy=shrink``, the restarts used up): the run resolved at
+    the smaller world size (:func:`resolve_shrunk`), from the newest valid checkpoint, on node 0 alone.
+    Logged as a ``shrink`` record; ``shrinks`` (before, after, resumed step) gets it and the MLflow tags follow.
+
+    Raises:
+        ShrinkImpossible: no smaller layout keeps the global batch.
+    """
+    from framework.checkpoint.format import latest_valid_step
+
+    resolved = launch.resolved
+    try:
+        new_resolved = resolve_shrunk(resolved.run, resolved.world_size)
+    except ConfigError as err:
+        raise ShrinkImpossible(str(err)) from None
+    latest, step = latest_valid_step(resolved.checkpoint_dir, warn=_warn)
+    log.append("shrink", from_world=resolved.world_size, to_world=new_resolved.world_size, step=step,
+               grad_accum_steps=new_resolved.grad_accum_steps)
+    print(f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
+          f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}", file=sys.stderr, flush=True)
+    shrinks.append((resolved, new_resolved, step))
+    _set_tags(tracker, shrink_tags(shrinks))
+    return launch.replace(resolved=new_resolved, resume_from=str(latest) if latest else None,
+                          launch_index=launch.launch_index + 1, shrunk_at_step=step,
+                          nodes=None)  # several nodes: node 0 goes on alone, on a rendezvous of its own
 
 
 def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: int, max_restarts: int) -> LaunchSpec:
@@ -138,7 +175,7 @@ def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: 
     within 2 s, so both restarts were spent 4 s after the kill and node 0's agent exited before
     node 1's command came back. So every driver starts a fresh agent (a fresh store at the same endpoint); node 0's agent
     waits up to ``rendezvous.timeout_s`` for the other nodes: their drivers' same command, started
-    again by the scheduler (or their own relaunch, :func:`framework.train`'s other-node loop).
+    again by the scheduler (or their own relaunch under ``restart``: :func:`_rejoin_node0`).
     Logged as a ``node_restart`` record; the ranks' ``start`` record after a failed attempt makes it a
     restart in the recovery figures (``recovery/restarts``).
     """
@@ -150,6 +187,86 @@ def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: 
           f" all {launch.nodes.nnodes} nodes from {latest or 'the start'}; waiting up to rendezvous.timeout_s="
           f"{launch.nodes.timeout_s} s for every node (start a lost node's command again)", file=sys.stderr, flush=True)
     return launch.replace(resume_from=str(latest) if latest else None, launch_index=launch.launch_index + 1)
+
+
+def _node_label(launch: LaunchSpec) -> str:
+    return f"trainlab: node {launch.nodes.node_rank}"
+
+
+def _announce_node(launch: LaunchSpec) -> None:
+    """Node k > 0, before each launch: which ranks it runs, where they meet, the checkpoint they resume."""
+    nodes, per_node = launch.nodes, launch.resolved.nproc_per_node
+    print(f"{_node_label(launch)} of {nodes.nnodes}: ranks {nodes.node_rank * per_node}.."
+          f"{(nodes.node_rank + 1) * per_node - 1}, rendezvous {nodes.endpoint}"
+          + (f", resuming from {launch.resume_from}" if launch.resume_from else ""), flush=True)
+
+
+def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts: int) -> Optional[LaunchSpec]:
+    """Node k > 0 whose ranks failed, under ``resilience=restart``: the launch of restart ``restart``, joining
+    node 0 again (whose driver relaunches every node: :func:`_relaunch_nodes`) from the checkpoint
+    :func:`follower_resume` chooses; None when there is nothing left to train.
+
+    Raises:
+        SystemExit: code 1 when node 0's endpoint no longer answers within ``rendezvous.timeout_s`` (one
+            line, not the agent's store timeout and C++ trace); the run's MLflow run ends FAILED
+            (:func:`end_lost_node0_run`).
+    """
+    from framework.nodes import check_endpoint
+
+    me = _node_label(launch)
+    print(f"{me}: the ranks failed ({failure_reason(err)});"
+          f" restart {restart}/{max_restarts}: joining node 0 again", file=sys.stderr, flush=True)
+    try:
+        check_endpoint(launch.nodes)
+    except ConfigError as lost:
+        print(f"{me}: error: {lost}", file=sys.stderr, flush=True)
+        end_lost_node0_run(launch, f"{failure_reason(err)}; then {lost}")
+        raise SystemExit(1)
+    return follower_resume(launch.replace(launch_index=restart))
+
+
+def follower_resume(launch: LaunchSpec) -> Optional[LaunchSpec]:
+    """Node k > 0, before its first launch and each rejoin: ``launch`` resuming from the checkpoint
+    :func:`~framework.checkpoint.resume.select_resume` chooses in the shared folder (the folder node 0
+    reads: the same choice), or None when that checkpoint is at ``trainer.max_steps`` already (nothing to train)."""
+    from framework.checkpoint.resume import select_resume
+
+    run = launch.resolved.run
+    resume = select_resume(run.resume, launch.resolved.checkpoint_dir, warn=_warn)
+    if resume.step >= run.trainer.max_steps and run.resume == "auto":
+        print(f"{_node_label(launch)}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}:"
+              " nothing to train", flush=True)
+        return None
+    return launch.replace(resume_from=resume.path)
+
+
+def end_lost_node0_run(launch: LaunchSpec, reason: str) -> None:
+    """Node k > 0 whose ranks failed while node 0's endpoint no longer answers: node 0 (which owns the
+    run's MLflow run) is gone, so this node ends that run FAILED with the reason (tag ``error``), when
+    the tracking store is the same (a shared URI) and the run is still RUNNING. Never raises."""
+    import socket
+
+    run, nodes = launch.resolved.run, launch.nodes
+    try:
+        with socket.create_connection((nodes.host, nodes.port), timeout=2):
+            return  # node 0 is alive: its driver records the run
+    except OSError:
+        pass
+    if not run.tracking.enabled:
+        return
+    try:
+        from framework.tracking import DriverRun
+
+        tracker = DriverRun(run.tracking.uri, run.experiment_name)
+        run_id = tracker.find(f"{run.experiment_name}/{run.run_name}")
+        if run_id is None or tracker.client.get_run(run_id).info.status != "RUNNING":
+            return
+        why = f"node 0 lost (rendezvous.endpoint={nodes.endpoint} no longer answers); node {nodes.node_rank}: {reason}"
+        tracker.client.set_tag(run_id, "error", why)
+        tracker.client.set_terminated(run_id, status="FAILED")
+        print(f"trainlab: node {nodes.node_rank}: ended the run's MLflow run {run_id} FAILED: {why}", file=sys.stderr, flush=True)
+    except Exception as err:  # the exit status already says the training failed
+        _warn(f"could not end the run's MLflow run: {err}")
 
 
 def _set_tags(tracker: Any, tags: dict[str, str]) -> None:

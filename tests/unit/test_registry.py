@@ -67,11 +67,11 @@ def test_a_second_driver_on_the_same_run_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from framework.sweep import hold_lock
+    from framework.runs import hold_lock
 
     held = hold_lock(tmp_path, "run")
     try:
-        code = f"from pathlib import Path; from framework.sweep import hold_lock; hold_lock(Path({str(tmp_path)!r}), 'run')"
+        code = f"from pathlib import Path; from framework.runs import hold_lock; hold_lock(Path({str(tmp_path)!r}), 'run')"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2
         assert f"another trainlab process (pid {os.getpid()}) is running in {tmp_path} (the same run)" in proc.stderr
