@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from framework.faults.events import FaultLog
+from framework.step import StepState
 from framework.faults.inject import FaultInjector
 from framework.faults.kinds import FaultKind, fault_kind_names, fault_kinds, get_fault_kind, register_fault_kind
 from tests.conftest import CONF_DIR
@@ -52,7 +53,7 @@ class _Module(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.ones(3))
-        self.loss_transform = None
+        self.step_state = StepState()
 
 
 def _event(i, kind, step, **kw):
@@ -78,18 +79,18 @@ def test_the_injector_runs_each_kind_in_its_step_once(tmp_path, monkeypatch):
             inj.on_train_batch_start(trainer, module, batch, micro)
             module.w.grad = torch.ones(3)
             inj.on_before_optimizer_step(trainer, module, None)
-            seen.append((step, module.loss_transform(torch.tensor(1.0)).item() if module.loss_transform else None,
+            seen.append((step, module.step_state.loss_transform(torch.tensor(1.0)).item() if module.step_state.loss_transform else None,
                          bool(batch[0].any()), bool(module.w.grad.isnan().all())))
         trainer.global_step = step
         inj.on_train_batch_end(trainer, module, None, None, 1)
     assert seen == [(1, 3.0, False, False), (1, 3.0, False, False), (2, None, True, True), (2, None, True, True),
                     (3, None, False, False), (3, None, False, False)]
-    assert slept == [0.25, 0.25] and module.loss_transform is None
+    assert slept == [0.25, 0.25] and module.step_state.loss_transform is None
     assert FaultLog(tmp_path).fired_ids() == {"e0@0", "e1@0", "e2@0", "e3@0"}
     again = FaultInjector(schedule=schedule, rank=0, log=FaultLog(tmp_path), checkpoint_dir=str(tmp_path))
     trainer.global_step = 0
     again.on_train_batch_start(trainer, module, (torch.zeros(1, 1), torch.zeros(1, 1)), 0)
-    assert module.loss_transform is None  # a replayed step runs clean
+    assert module.step_state.loss_transform is None  # a replayed step runs clean
 
 
 def test_a_kind_declares_its_own_rules_and_random_defaults(compose):

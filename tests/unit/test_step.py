@@ -114,6 +114,7 @@ def test_the_worker_puts_every_part_of_a_run_in_its_documented_phase(compose, tm
     from types import SimpleNamespace
 
     from framework.config.validate import load_run_config, validate
+    from framework.faults.events import FaultLog
     from framework.faults.guard import FaultGuard
     from framework.faults.schedule import build_schedule
     from framework.launch import LaunchSpec
@@ -129,7 +130,7 @@ def test_the_worker_puts_every_part_of_a_run_in_its_documented_phase(compose, tm
     buffered = _Buffered()
     flops = SimpleNamespace(per_token=1, hardware_per_token=1, peak=1.0)
     state = StepState()
-    _, step, _ = _build_step(launch, plugin, 0, state, MetricEmitter([buffered]), flops, {})
+    _, step, _ = _build_step(launch, plugin, 0, state, MetricEmitter([buffered]), flops, {}, FaultLog(tmp_path), "0.0")
     assert step.state is state
     assert [(phase, type(cb).__name__) for phase, cb in step.parts] == [
         ("probe", "HostSyncs"), ("probe", "StepProfiler"), ("boundary", "StepClock"),
