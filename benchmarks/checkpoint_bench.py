@@ -33,9 +33,9 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from framework.checkpoint.io import FolderCheckpointIO  # noqa: E402
-from framework.config.schema import ModelConfig  # noqa: E402
-from framework.model import GPT  # noqa: E402
+from framework.base.checkpoint.io import FolderCheckpointIO  # noqa: E402
+from framework.base.config.schema import ModelConfig  # noqa: E402
+from framework.base.model import GPT  # noqa: E402
 
 
 def build(model_name: str, vocab_size: int, lr: float, seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:

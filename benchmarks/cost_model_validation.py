@@ -6,8 +6,8 @@ through the driver, each under ``flock /tmp/trainlab-heavy.lock``, 1 thread per 
 multi-rank layouts, and prints per layout predicted / measured:
 
 - comm payload bytes per step by kind (``perf/comm_bytes_<kind>`` vs the plugin's figure from
-  :mod:`framework.cost.comm`): must be exact;
-- model-state bytes per rank (``mem/model_states_bytes`` vs :mod:`framework.cost.memory`): 5%;
+  :mod:`framework.base.cost.comm`): must be exact;
+- model-state bytes per rank (``mem/model_states_bytes`` vs :mod:`framework.base.cost.memory`): 5%;
 - peak activation bytes per rank (``mem/activation_peak_bytes``, saved-tensor hooks, max over
   ranks, vs :func:`gpt_activation_bytes`, Korthikanti et al. 2022 Table 2 adapted to trainlab's
   GPT; the cost model's own 16-bit figure is printed beside it): 10%;
@@ -17,7 +17,7 @@ multi-rank layouts, and prints per layout predicted / measured:
   correlation of predicted and measured step time over the layouts (>= 0.8).
 
 **Step time on this CPU** (the cost model is built for GPUs, where FLOPs and bytes set the step):
-:func:`framework.cost.steptime.step_time` with inputs measured here, none fitted to the
+:func:`framework.base.cost.steptime.step_time` with inputs measured here, none fitted to the
 validation runs:
 
 - the compute rate: the *marginal* FLOP rate of the model's forward + backward in one process at
@@ -46,7 +46,7 @@ the metrics of runs already in ``--workdir`` instead of running them again (no l
 times and hand-off per schedule and m: the bubble model's inputs).
 
 **Adapters** (marked ``ADAPTER``): the cost model's activation figure
-(:func:`framework.cost.activations.activation_bytes_per_rank`, Table 2 with ``act_bytes`` and
+(:func:`framework.base.cost.activations.activation_bytes_per_rank`, Table 2 with ``act_bytes`` and
 ``dropout``) is printed beside ours, but it keeps the ``s x s`` scores unless recompute is
 selective (fused attention keeps none), counts the embedding output (we keep only the token ids),
 leaves out the final norm's and the head's inputs, the attention's log-sum-exp and the LayerNorm
@@ -241,9 +241,9 @@ def predicted_activation_bytes(cfg: dict, lay: Layout) -> float:
 
 
 def cost_model_activation_bytes(cfg: dict, lay: Layout) -> float:
-    """The cost model's own figure (:func:`framework.cost.activations.activation_bytes_per_rank`) for our runs: fp32
+    """The cost model's own figure (:func:`framework.base.cost.activations.activation_bytes_per_rank`) for our runs: fp32
     (``act_bytes=4``), no dropout, and ``recompute="selective"`` standing in for fused attention (no ``s x s`` scores)."""
-    from framework.cost.activations import activation_bytes_per_rank
+    from framework.base.cost.activations import activation_bytes_per_rank
 
     shape = _shape(cfg)
     sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[lay.schedule]
@@ -256,10 +256,10 @@ def cost_model_activation_bytes(cfg: dict, lay: Layout) -> float:
 
 def local_cpu(cache_dir: Path):
     """``conf/cluster/local_cpu.yaml`` with its measured figures (GEMM rate of one rank at 1 thread, gloo alpha and
-    bandwidth by kind: :func:`framework.metrics.local_cpu.load_or_measure_local_cpu`, cached in ``cache_dir``)."""
+    bandwidth by kind: :func:`framework.base.metrics.local_cpu.load_or_measure_local_cpu`, cached in ``cache_dir``)."""
     from omegaconf import OmegaConf
 
-    from framework.metrics.local_cpu import cluster_of
+    from framework.base.metrics.local_cpu import cluster_of
 
     raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "cluster" / "local_cpu.yaml"))
     return cluster_of(raw, where="cluster=local_cpu", cache_dir=str(cache_dir))
@@ -267,15 +267,15 @@ def local_cpu(cache_dir: Path):
 
 @functools.lru_cache(maxsize=None)
 def plan_layout(lay: Layout):
-    """The cost model's :class:`~framework.cost.layout.PlanLayout` of a run: its overrides composed and validated as
-    the driver does, then :func:`framework.plan.runs.plan_layout_of` with the ZeRO stage its plugin declares
+    """The cost model's :class:`~framework.base.cost.layout.PlanLayout` of a run: its overrides composed and validated as
+    the driver does, then :func:`framework.driver.plan.runs.plan_layout_of` with the ZeRO stage its plugin declares
     (``ParallelPlugin.zero_stage``; fp32: the runs' ``32-true``)."""
     from hydra import compose, initialize_config_dir
 
-    from framework.cli import CONF_DIR
-    from framework.config.validate import load_run_config, validate
-    from framework.plan.runs import default_run_with, plan_layout_of
-    from framework.registry import get_plugin_class
+    from framework.driver.cli import CONF_DIR
+    from framework.driver.validate import load_run_config, validate
+    from framework.driver.plan.runs import default_run_with, plan_layout_of
+    from framework.base.registry import get_plugin_class
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*lay.overrides(), "checkpoint=none", "run_name=plan"])
@@ -292,8 +292,8 @@ def _rate_worker(cfg: dict, sizes: tuple, iters: int, out) -> None:
 
     import torch
 
-    from framework.config.schema import ModelConfig
-    from framework.model import GPT
+    from framework.base.config.schema import ModelConfig
+    from framework.base.model import GPT
 
     torch.set_num_threads(1)  # one rank = one thread (ranks x threads <= cores; the runs' setting)
     nets = {}
@@ -330,9 +330,9 @@ def measure_rates(cfg: dict, sizes: tuple, *, iters: int) -> dict:
     """
     import multiprocessing as mp
 
-    from framework.cost.flops import hardware_flops_per_token
-    from framework.cost.memory import PRECISIONS
-    from framework.cost.steptime import StepTimeParams
+    from framework.base.cost.flops import hardware_flops_per_token
+    from framework.base.cost.memory import PRECISIONS
+    from framework.base.cost.steptime import StepTimeParams
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -351,8 +351,8 @@ def measure_rates(cfg: dict, sizes: tuple, *, iters: int) -> dict:
 
 
 def _n_params(cfg: dict) -> int:
-    from framework.config.schema import ModelConfig
-    from framework.model import GPT
+    from framework.base.config.schema import ModelConfig
+    from framework.base.model import GPT
 
     gpt = GPT(ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], d_model=cfg["d_model"], max_seq_len=256), cfg["vocab"])
     return sum(p.numel() for p in gpt.parameters())
@@ -392,9 +392,9 @@ def concurrent_slowdown(model: str, single: Layout, single_s: float, *, steps: i
 
 
 def step_time_s(cfg: dict, lay: Layout, cluster, cores: int) -> float:
-    """The cost model alone: :func:`framework.cost.steptime.step_time` on ``local_cpu`` as configured (the GEMM rate of
+    """The cost model alone: :func:`framework.base.cost.steptime.step_time` on ``local_cpu`` as configured (the GEMM rate of
     one rank, no overhead) x ``max(1, ranks / cores)`` (4 ranks of 1 thread share 2 cores)."""
-    from framework.cost.steptime import step_time
+    from framework.base.cost.steptime import step_time
 
     return step_time(_shape(cfg), plan_layout(lay), cluster).total * max(1.0, lay.world / cores)
 
@@ -412,7 +412,7 @@ def predicted_step_s(cfg: dict, lay: Layout, cluster, cores: int, rates: dict, s
     TP plugin computes the whole output head on every TP rank); no overlap (``dp_overlap``, ``zero3_prefetch``,
     ``param_gather_overlap`` 0: gloo reduces and copies on the cores the ranks compute on).
     """
-    from framework.cost.steptime import StepTimeParams, step_time
+    from framework.base.cost.steptime import StepTimeParams, step_time
 
     share = min(1.0, cores / lay.world) / (slowdown if lay.world > 1 else 1.0)
     flops = rates["flops_per_s"].get(lay.micro_batch_size) or min(rates["flops_per_s"].values())
@@ -426,7 +426,7 @@ def predicted_step_s(cfg: dict, lay: Layout, cluster, cores: int, rates: dict, s
 
 
 def _shape(cfg: dict):
-    from framework.cost.shape import ModelShape
+    from framework.base.cost.shape import ModelShape
 
     return ModelShape(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
                       seq_len=cfg["seq_len"], d_ff=cfg["d_ff"], max_seq_len=256)
@@ -469,7 +469,7 @@ def _mib(x: float) -> str:
 def _row(model: str, lay: Layout, r: dict, r_nano: dict, cluster, bubble_parts: dict, rates: dict, slowdown: float) -> dict:
     """Predicted and measured figures of one run (``r_nano``: its nano twin's run; ``rates``: :func:`load_or_measure_rates`;
     ``slowdown``: :func:`concurrent_slowdown`)."""
-    from framework.cost.bubble import pp_bubble_fraction
+    from framework.base.cost.bubble import pp_bubble_fraction
 
     cfg = _model_cfg(model)
     kinds = sorted({k[len("perf/comm_bytes_"):-len("_model")] for k in r
@@ -547,13 +547,13 @@ def report(results: list, *, cluster, bubble_parts: dict, rates: dict, slowdowns
 
 
 def one_process_activations(model: str, micro_batch_sizes: tuple[int, ...] = (1, 4)) -> str:
-    """Measured (one forward under :class:`~framework.metrics.memory.SavedTensorMeter`, this process, no ranks)
+    """Measured (one forward under :class:`~framework.base.metrics.memory.SavedTensorMeter`, this process, no ranks)
     vs modelled activation bytes of ``model`` per micro-batch size: a check of bigger shapes without the lock."""
     import torch
 
-    from framework.config.schema import ModelConfig
-    from framework.metrics.memory import SavedTensorMeter
-    from framework.model import GPT
+    from framework.base.config.schema import ModelConfig
+    from framework.base.metrics.memory import SavedTensorMeter
+    from framework.base.model import GPT
 
     cfg = _model_cfg(model)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Speed of the failure simulator (framework/cost/failure_sim.py): simulated steps per second.
+"""Speed of the failure simulator (framework/base/cost/failure_sim.py): simulated steps per second.
 
     python benchmarks/failure_sim_bench.py            # 10^6 steps per policy and interval, one seed
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from framework.cost.failure_sim import Policy, simulate  # noqa: E402
+from framework.base.cost.failure_sim import Policy, simulate  # noqa: E402
 
 STEPS = 1_000_000
 

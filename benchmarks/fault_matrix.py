@@ -1,4 +1,4 @@
-"""Print the fault x policy matrix (framework/testing/fault_matrix.py) as a markdown table.
+"""Print the fault x policy matrix (framework/base/testing/fault_matrix.py) as a markdown table.
 
 Runs the matrix's driver runs (one rank, gpt_tiny, 11 steps; about 2-3 minutes on 2 CPU cores) in a
 scratch folder and prints, per cell, the fault, the policy, the expected and the observed
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from framework.testing.fault_matrix import evaluate, markdown, run_matrix  # noqa: E402
+from framework.base.testing.fault_matrix import evaluate, markdown, run_matrix  # noqa: E402
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ For each model (``gpt_1b``, ``llama_1b`` by default), on one device:
    ``warmup_steps_excluded`` steps (compilation) and validation.
 2. the plain loop of ``benchmarks/plain_vs_trainlab.py`` on the same config (same model, batch,
    steps, warm-up, autocast, compile, fused AdamW), in a child process.
-3. the planner's memory for the layout (:func:`framework.cost.activations.activation_bytes_per_rank`,
+3. the planner's memory for the layout (:func:`framework.base.cost.activations.activation_bytes_per_rank`,
    16 B per parameter of fp32 weights, gradients and AdamW moments) beside the measured peak.
 
 Prints one table and writes ``gpu_check.json`` in ``--out``. ``--smoke`` runs the same path on the
@@ -104,10 +104,10 @@ def planner_memory(model: str, overrides: list[str]) -> dict:
     """The cost model's bytes for one rank training ``model`` with ``overrides`` (no data, no device)."""
     from hydra import compose, initialize_config_dir
 
-    import framework.cli  # noqa: F401  (registers the run-name resolver)
-    from framework.config.validate import load_run_config, validate
-    from framework.cost.activations import activation_bytes_per_rank
-    from framework.cost.shape import ModelShape
+    import framework.driver.cli  # noqa: F401  (registers the run-name resolver)
+    from framework.driver.validate import load_run_config, validate
+    from framework.base.cost.activations import activation_bytes_per_rank
+    from framework.base.cost.shape import ModelShape
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["parallelism=single", "run_name=plan", *overrides])

@@ -23,7 +23,7 @@ run fsdp1_from_single parallelism=fsdp parallelism.world_size=1 resume="$OUT/ckp
 $PY -m framework.checkpoint ls "$OUT/ckpt/fsdp1"
 $PY - "$OUT" <<'EOF'
 import sys
-from framework.tracking import read_jsonl_metrics
+from framework.base.tracking import read_jsonl_metrics
 for name in ("fsdp1", "single", "single_from_fsdp", "fsdp1_from_single"):
     recs = read_jsonl_metrics(f"outputs/gpu_dcp/{name}/metrics.jsonl")
     print(f"{name:<18}", {int(r["step"]): round(r["train/loss"], 6) for r in recs if "train/loss" in r and r["step"] > 4})

@@ -1,4 +1,4 @@
-"""The load monitor's cost (framework/load_monitor.py): CPU time per sample, and its share of one core.
+"""The load monitor's cost (framework/base/load_monitor.py): CPU time per sample, and its share of one core.
 
 One sample reads /proc/stat and the CPU times of this process's tree (psutil); the monitor takes
 one every ``tracking.load_interval_s`` seconds (default 5). This times ``--samples`` samples back
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from framework.load_monitor import LoadMonitor
+from framework.base.load_monitor import LoadMonitor
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python benchmarks/megatron_ckpt_layouts.py                       # every layout below (~10 min on 2 busy cores)
     python benchmarks/megatron_ckpt_layouts.py --layouts tp2 tp2pp2
 
-Runs the real driver through :class:`framework.testing.conformance.Conformance` (CPU ranks,
+Runs the real driver through :class:`framework.base.testing.conformance.Conformance` (CPU ranks,
 gloo, fp32, ``model=gpt_tiny``, global batch 8, micro-batch 2, 8 steps, checkpoints at step 4
 and 8). For each layout it trains uninterrupted, then resumes its step-4 checkpoint at the same
 layout, as ``single``, and (the reverse) resumes ``single``'s step-4 checkpoint under the
@@ -19,7 +19,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from framework.testing.conformance import SAVE_AT, STEPS, Conformance, RunResult
+from framework.base.testing.conformance import SAVE_AT, STEPS, Conformance, RunResult
 
 LAYOUTS = {
     "tp2": ("parallelism=tp",),

@@ -1,7 +1,7 @@
 """The parity table of a model under every plugin and layout: loss vs ``single`` and bytes measured vs modelled.
 
 Runs (or, with ``--reuse DIR``, reads a finished pytest conformance folder's) runs of the
-conformance suite (:mod:`framework.testing.conformance`; the cases of
+conformance suite (:mod:`framework.base.testing.conformance`; the cases of
 ``tests/integration/test_conformance.py``) and prints, per case: the largest relative
 difference of its per-step losses from ``single``'s at the same global batch (fp32, CPU, 8
 steps), and per step the collective payload bytes measured and modelled (total and by kind), the
@@ -23,9 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from framework.cost.comm import KINDS  # noqa: E402
-from framework.testing.conformance import STEPS, Conformance, RunResult  # noqa: E402
-from framework.tracking import read_jsonl_metrics  # noqa: E402
+from framework.base.cost.comm import KINDS  # noqa: E402
+from framework.base.testing.conformance import STEPS, Conformance, RunResult  # noqa: E402
+from framework.base.tracking import read_jsonl_metrics  # noqa: E402
 
 
 class Reusing(Conformance):

@@ -47,12 +47,13 @@ def plain_tokens_per_sec(overrides: list[str], steps: int) -> tuple[float, float
     process; the peak is 0 on the CPU)."""
     from hydra import compose, initialize_config_dir
 
-    import framework.cli  # noqa: F401  (registers the run-name resolver)
-    from framework.config.validate import load_run_config, validate
-    from framework.data import TextDataModule, prepare_data
-    from framework.distributed import cap_threads
-    from framework.model import build_model
-    from framework.module import adamw_implementation, warmup_cosine
+    import framework.driver.cli  # noqa: F401  (registers the run-name resolver)
+    from framework.driver.validate import load_run_config, validate
+    from framework.rank.data import TextDataModule
+    from framework.base.data.tokens import prepare_data
+    from framework.base.distributed import cap_threads
+    from framework.base.model import build_model
+    from framework.rank.module import adamw_implementation, warmup_cosine
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):

@@ -13,11 +13,11 @@ import time
 
 import yaml
 
-from framework.cli import CONF_DIR
-from framework.config.schema import ModelConfig
-from framework.cost.hardware import cluster_from_dict
-from framework.cost.shape import ModelShape
-from framework.plan.search import search
+from framework.driver.cli import CONF_DIR
+from framework.base.config.schema import ModelConfig
+from framework.base.cost.hardware import cluster_from_dict
+from framework.base.cost.shape import ModelShape
+from framework.driver.plan.search import search
 
 
 def main() -> None:

@@ -44,8 +44,8 @@ def _worker(rank: int, world: int, port: int, shape: dict, schedule: str, v: int
     import torch
     import torch.distributed as dist
 
-    from framework.config.schema import ModelConfig
-    from framework.model import GPT
+    from framework.base.config.schema import ModelConfig
+    from framework.base.model import GPT
     from plugins.megatron.pipeline import GPTStage, PipelineRunner, split_layers
 
     torch.set_num_threads(1)
@@ -315,7 +315,7 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=[name for name, _ in SCHEDULES])
     parser.add_argument("--json", default=None, help="write the parts of every run here")
     args = parser.parse_args()
-    from framework.cost.bubble import pp_bubble_fraction
+    from framework.base.cost.bubble import pp_bubble_fraction
 
     shape = SHAPES[args.shape]
     rows, dump = [], {}

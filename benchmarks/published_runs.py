@@ -8,7 +8,7 @@
 The runs, their sources (paper and table), the settings assumed where a source does not publish
 them, and the split into a ``fit`` and a ``heldout`` set BY SOURCE (one source = one publication,
 its ``document``) are in
-``benchmarks/published_runs.yaml``. The cost model (:mod:`framework.cost`) predicts each row's
+``benchmarks/published_runs.yaml``. The cost model (:mod:`framework.base.cost`) predicts each row's
 step time and this script prints the published figure beside the prediction in the source's own
 metric, the error per row, whether the run is predicted to fit the GPU's memory (it ran, so it
 must), and the median and worst |error| on each set. ``--fit`` fits every fitted number (the
@@ -30,16 +30,16 @@ from typing import Optional
 
 import yaml
 
-from framework.cli import CONF_DIR
-from framework.cost.estimate import estimate
-from framework.cost.flops import megatron_flops_per_step
-from framework.cost.hardware import cluster_from_dict
-from framework.cost.layout import PlanLayout
-from framework.cost.shape import ModelShape
-from framework.cost.collectives import layout_collectives
-from framework.cost.comm import ZERO3_COLLECTIVES
-from framework.cost.memory import stage_layers
-from framework.cost.steptime import StepTimeParams, step_time
+from framework.driver.cli import CONF_DIR
+from framework.base.cost.estimate import estimate
+from framework.base.cost.flops import megatron_flops_per_step
+from framework.base.cost.hardware import cluster_from_dict
+from framework.base.cost.layout import PlanLayout
+from framework.base.cost.shape import ModelShape
+from framework.base.cost.collectives import layout_collectives
+from framework.base.cost.comm import ZERO3_COLLECTIVES
+from framework.base.cost.memory import stage_layers
+from framework.base.cost.steptime import StepTimeParams, step_time
 
 DATA = Path(__file__).with_name("published_runs.yaml")
 FIT_GROUPS = {"a100": ("a100_80gb", "a100_40gb"), "h100": ("h100_sxm", "h100_96gb", "h200")}
@@ -301,7 +301,7 @@ def ranking_report(rows: list[Row], params: StepTimeParams = StepTimeParams()) -
 
     Returns the printed lines and ``{"pairs": (concordant, total), "top3": (hits, total)}``.
     """
-    from framework.plan.search import SearchSpace, search
+    from framework.driver.plan.search import SearchSpace, search
 
     out = ["ordering within a source and model (published vs predicted throughput):"]
     groups: dict[tuple, list] = {}

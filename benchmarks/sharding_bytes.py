@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from framework.cost.comm import KINDS  # noqa: E402
-from framework.tracking import read_jsonl_metrics  # noqa: E402
+from framework.base.cost.comm import KINDS  # noqa: E402
+from framework.base.tracking import read_jsonl_metrics  # noqa: E402
 
 PLUGINS = {
     "ddp": ("parallelism=ddp",),

@@ -3,7 +3,7 @@
 Trains the same model and global batch with ``parallelism=tp`` at tp_degree 2 and 4 (2 and 4
 CPU ranks) and prints, per rank per optimizer step, the payload handed to the all-reduces and
 the ring bytes on the wire (measured by metering DTensor's functional collectives; model
-:func:`framework.cost.comm.tp_payload_bytes_per_microbatch`), the job-wide wire bytes, and
+:func:`framework.base.cost.comm.tp_payload_bytes_per_microbatch`), the job-wide wire bytes, and
 the step time. The payload per rank stays ``4·L·b·s·h`` per micro-batch whatever ``t``; the
 ring bytes grow as ``2(t-1)/t`` (1.0 -> 1.5) while each rank's matmul work halves.
 

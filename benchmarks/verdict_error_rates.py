@@ -1,4 +1,4 @@
-"""How often the verdict of framework/stats.py is wrong, on synthetic samples (no training, no timing).
+"""How often the verdict of framework/base/stats.py is wrong, on synthetic samples (no training, no timing).
 
 For each number of repeats and CV: the share of seed pairs in which two *equal* normal
 distributions are called different (false positives; the goal is <= 5%), and the share in
@@ -13,7 +13,7 @@ import argparse
 
 import numpy as np
 
-from framework.stats import compare_to
+from framework.base.stats import compare_to
 
 
 def rates(n: int, cv: float, pairs: int, shift: float = 0.20) -> tuple[float, float]:

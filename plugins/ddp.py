@@ -6,11 +6,11 @@ so gradients are all-reduced once per optimizer step, not once per micro-batch.
 
 Measurement (:meth:`DDPPlugin.install_comm_meter`): a DDP comm hook wraps PyTorch's default
 ``allreduce_hook`` and reports each gradient bucket (payload bytes, launch and completion) to
-the run's :class:`~framework.metrics.timing.CommMeter`; it changes nothing else (the bucket is
+the run's :class:`~framework.base.metrics.timing.CommMeter`; it changes nothing else (the bucket is
 divided by the world size and all-reduced exactly as without a hook). Bucket all-reduces
 overlap the rest of the backward pass, so only the *exposed* part (from the last bucket's
 launch until backward returns) can be told apart from compute; see
-:mod:`framework.callbacks.breakdown`. The hook reports every bucket; the framework's window
+:mod:`framework.rank.callbacks.breakdown`. The hook reports every bucket; the framework's window
 decides what counts (a training backward's buckets, nothing else).
 """
 
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from framework.config.schema import ParallelConfig
-from framework.distributed import process_group_backend, resolve_accelerator
-from framework.cost.comm import CommEstimate, ModelStats, ddp_comm_volume
-from framework.cost.memory import replicated_adamw_model_states_bytes
-from framework.metrics.timing import WORLD, CommMeter
-from framework.plugin import ParallelPlugin, PluginCapabilities
-from framework.registry import register_plugin
+from framework.base.config.schema import ParallelConfig
+from framework.base.distributed import process_group_backend, resolve_accelerator
+from framework.base.cost.comm import CommEstimate, ModelStats, ddp_comm_volume
+from framework.base.cost.memory import replicated_adamw_model_states_bytes
+from framework.base.metrics.timing import WORLD, CommMeter
+from framework.base.plugin import ParallelPlugin, PluginCapabilities
+from framework.base.registry import register_plugin
 
 
 @dataclass

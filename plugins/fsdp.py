@@ -7,13 +7,13 @@ after (``reshard_after_forward=True``, ZeRO-3-like: 3Ψ communicated per step), 
 gathered from forward to backward (``False``, ZeRO-2-like: 2Ψ, more memory).
 
 Lightning integration: :class:`~plugins.fsdp_strategy.FSDP2Strategy`, a
-:class:`~framework.mesh_strategy.LayoutStrategy` (Lightning's
+:class:`~framework.base.mesh_strategy.LayoutStrategy` (Lightning's
 ``ModelParallelStrategy`` on the run's ``("pp", "dp", "tp")`` mesh) calls
 ``LightningModule.configure_model``, which applies :meth:`FSDPPlugin.parallel_plan` with
-:func:`framework.parallelize.parallelize_gpt`. Works on CPU (gloo) and CUDA (NCCL) unchanged.
+:func:`framework.base.parallelize.parallelize_gpt`. Works on CPU (gloo) and CUDA (NCCL) unchanged.
 
 Checkpoints: every rank writes its own shards with torch Distributed Checkpoint
-(:class:`~framework.checkpoint.sharded_strategy.ShardedCheckpointing` on the strategy), so a checkpoint
+(:class:`~framework.base.checkpoint.sharded_strategy.ShardedCheckpointing` on the strategy), so a checkpoint
 loads at any other world size, into ``fsdp`` (resharded) or ``single``/``ddp`` (gathered); and
 ``fsdp`` resumes from a ``single``/``ddp`` checkpoint. Synchronous full saves only.
 """
@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from framework.config.schema import ConfigError, ParallelConfig
-from framework.distributed import process_group_backend, resolve_accelerator
-from framework.cost.comm import CommEstimate, ModelStats, fsdp_comm_volume
-from framework.cost.memory import fsdp_model_states_bytes
-from framework.metrics.timing import CommMeter, call_group
-from framework.parallelize import ParallelPlan
-from framework.plugin import ParallelPlugin, PluginCapabilities
-from framework.registry import register_plugin
+from framework.base.config.schema import ConfigError, ParallelConfig
+from framework.base.distributed import process_group_backend, resolve_accelerator
+from framework.base.cost.comm import CommEstimate, ModelStats, fsdp_comm_volume
+from framework.base.cost.memory import fsdp_model_states_bytes
+from framework.base.metrics.timing import CommMeter, call_group
+from framework.base.parallelize import ParallelPlan
+from framework.base.plugin import ParallelPlugin, PluginCapabilities
+from framework.base.registry import register_plugin
 
 MIXED_PRECISION = ("none", "bf16")
 
@@ -104,7 +104,7 @@ class FSDPPlugin(ParallelPlugin):
         (Ψ); with ``grad_accum_steps`` micro-batches that repeats per micro-batch (FSDP2 reduces
         on each backward). All-gather payload = the gathered size, reduce-scatter payload = the
         input size (the ``S`` of the ring formulas). FSDP2 moves dim-0-padded shards, so Ψ here
-        is ``dp x`` the padded shard (:func:`~framework.cost.comm.fsdp_padded_numel` of the
+        is ``dp x`` the padded shard (:func:`~framework.base.cost.comm.fsdp_padded_numel` of the
         parameter shapes; Ψ itself when every dim 0 divides by dp). Measured equal, byte for byte,
         on 2 and 3 CPU ranks (``tests/integration/test_train_e2e.py``, ``test_perf_e2e.py``).
         """
@@ -116,7 +116,7 @@ class FSDPPlugin(ParallelPlugin):
 
         ``(param_bytes + grad_bytes + 8) * Ψ_shard`` plus one 4-byte AdamW step counter per
         parameter tensor, with ``Ψ_shard`` the largest rank's (rank 0's) elements: ``ceil(d0 / dp)``
-        rows of every parameter (FSDP2's padded shards, :func:`~framework.cost.comm.fsdp_padded_numel`).
+        rows of every parameter (FSDP2's padded shards, :func:`~framework.base.cost.comm.fsdp_padded_numel`).
         """
         return fsdp_model_states_bytes(stats, dp_degree=resolved.layout.dp)
 

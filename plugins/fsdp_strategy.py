@@ -4,8 +4,8 @@ Lightning, which only the ranks need (about 2.5 s of CPU per driver process)."""
 
 from __future__ import annotations
 
-from framework.checkpoint.sharded_strategy import ShardedCheckpointing
-from framework.mesh_strategy import LayoutStrategy
+from framework.base.checkpoint.sharded_strategy import ShardedCheckpointing
+from framework.base.mesh_strategy import LayoutStrategy
 
 
 class FSDP2Strategy(ShardedCheckpointing, LayoutStrategy):

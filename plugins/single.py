@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from framework.config.schema import ParallelConfig
-from framework.cost.comm import CommEstimate, ModelStats
-from framework.cost.memory import replicated_adamw_model_states_bytes
-from framework.plugin import ParallelPlugin, PluginCapabilities
-from framework.registry import register_plugin
+from framework.base.config.schema import ParallelConfig
+from framework.base.cost.comm import CommEstimate, ModelStats
+from framework.base.cost.memory import replicated_adamw_model_states_bytes
+from framework.base.plugin import ParallelPlugin, PluginCapabilities
+from framework.base.registry import register_plugin
 
 
 @dataclass

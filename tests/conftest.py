@@ -4,7 +4,7 @@ Every test under ``tests/integration/`` (the real driver, ranks and rendezvous) 
 unit tests that start Python processes; ``make test-fast`` (``pytest -m "not slow"``) runs the rest.
 
 Multi-rank tests start real gloo process groups on CPU; each rank gets
-``cores // ranks`` threads (framework.distributed), so 2 ranks on 2 cores use 1 thread each.
+``cores // ranks`` threads (framework.base.distributed), so 2 ranks on 2 cores use 1 thread each.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def compose():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import framework.cli  # noqa: F401  (registers the run-name resolver)
+    import framework.driver.cli  # noqa: F401  (registers the run-name resolver)
 
     def _compose(*overrides: str):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

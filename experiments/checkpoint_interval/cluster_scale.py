@@ -2,7 +2,7 @@
 
     python experiments/checkpoint_interval/cluster_scale.py [--out experiments/checkpoint_interval]
 
-Pure model (framework/cost/interval.py) plus the failure simulator (framework/cost/failure_sim.py,
+Pure model (framework/base/cost/interval.py) plus the failure simulator (framework/base/cost/failure_sim.py,
 8 seeds) for the spread; prints the tables of the README and writes ``goodput_vs_interval.png``
 and ``guide_claim.png``. Every input is a named constant below with its source.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from framework.cost.failure_sim import Policy, goodput_over_seeds  # noqa: E402
-from framework.cost.interval import TwoTier, daly_goodput, daly_interval, incremental_costs, young_interval, young_waste  # noqa: E402
+from framework.base.cost.failure_sim import Policy, goodput_over_seeds  # noqa: E402
+from framework.base.cost.interval import TwoTier, daly_goodput, daly_interval, incremental_costs, young_interval, young_waste  # noqa: E402
 
 # ---- the model and the cluster (stated) -------------------------------------------------------
 PARAMS = 175e9                     # GPT-3 175B (96 layers, d_model 12288)

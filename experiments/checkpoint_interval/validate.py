@@ -13,7 +13,7 @@ from what is on disk without running anything.
 
 1. **Calibration** (cached in ``calibration.json``): one run with a save every ``--calib-every``
    steps and one rank crash, ``resilience=restart``. From its event log
-   (:func:`framework.faults.accounting.goodput_figures`): the step time s (median step), the
+   (:func:`framework.driver.faults.accounting.goodput_figures`): the step time s (median step), the
    blocking save time delta (median checkpoint seconds per save) and the restart cost R
    (detection + restart seconds per failure), and the restart's parts.
 2. **Prediction**, in steps: trainlab's random faults are tied to training progress (a fault
@@ -29,7 +29,7 @@ from what is on disk without running anything.
    ``resilience=restart``. Measured "training goodput" G = productive / (productive + checkpoint
    + lost + detect + restart): the run's goodput without its first start-up, shutdown and
    validation, which no interval changes and the model leaves out.
-4. **Simulation** (:mod:`framework.cost.failure_sim`) with the calibrated costs, with the sweep's
+4. **Simulation** (:mod:`framework.base.cost.failure_sim`) with the calibrated costs, with the sweep's
    costs (median step and save, restart seconds per failure over all runs) and with each run's
    own: paired (each run's failure steps) and unpaired (200 other seeds, the sweep's costs).
 5. **Optima**: the waste ``1/G - 1`` averaged over seeds is fitted (least squares) with
@@ -58,10 +58,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from framework.cost.failure_sim import Policy, simulate  # noqa: E402
-from framework.cost.interval import daly_interval, young_interval  # noqa: E402
-from framework.faults.accounting import goodput_figures  # noqa: E402
-from framework.faults.events import FaultLog  # noqa: E402
+from framework.base.cost.failure_sim import Policy, simulate  # noqa: E402
+from framework.base.cost.interval import daly_interval, young_interval  # noqa: E402
+from framework.driver.faults.accounting import goodput_figures  # noqa: E402
+from framework.base.faults.events import FaultLog  # noqa: E402
 
 EXPERIMENT = "checkpoint_interval"
 COMMON = ["trainer.progress_bar=false", "trainer.val_every_n_steps=100000", f"experiment_name={EXPERIMENT}"]
@@ -98,7 +98,7 @@ def run(workdir: Path, name: str, *overrides: str) -> list[dict]:
 
 
 def schedule_steps(mtbf_steps: float, max_steps: int, seed: int) -> list[int]:
-    """Failure steps drawn as ``fault=random`` draws them (framework.faults.schedule.build_schedule)."""
+    """Failure steps drawn as ``fault=random`` draws them (framework.base.faults.schedule.build_schedule)."""
     rng, t, out = random.Random(seed), 0.0, []
     while True:
         t += rng.expovariate(1.0 / mtbf_steps)

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python experiments/cluster_layout/study.py    # writes results.md and *.png here
 
-Every figure comes from framework.cost (the planner's model) with conf/cluster/h100_sxm.yaml and
+Every figure comes from framework.base.cost (the planner's model) with conf/cluster/h100_sxm.yaml and
 conf/model/gpt3_175b.yaml; see README.md for the question and the reading.
 """
 
@@ -14,14 +14,14 @@ from dataclasses import replace
 
 import yaml
 
-from framework.cli import CONF_DIR
-from framework.config.schema import ModelConfig
-from framework.cost.estimate import estimate
-from framework.cost.hardware import cluster_from_dict
-from framework.cost.layout import PlanLayout
-from framework.cost.shape import ModelShape
-from framework.plan.report import markdown_table, plot_plan, rows
-from framework.plan.search import SearchSpace, search
+from framework.driver.cli import CONF_DIR
+from framework.base.config.schema import ModelConfig
+from framework.base.cost.estimate import estimate
+from framework.base.cost.hardware import cluster_from_dict
+from framework.base.cost.layout import PlanLayout
+from framework.base.cost.shape import ModelShape
+from framework.driver.plan.report import markdown_table, plot_plan, rows
+from framework.driver.plan.search import SearchSpace, search
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30

@@ -2,9 +2,9 @@
 
     PYTHONPATH=$PWD python experiments/elastic_shrink/cluster.py     # seconds, no ranks
 
-Calls the planner (:func:`framework.plan.search.search` on the config ``python -m framework.plan``
+Calls the planner (:func:`framework.driver.plan.search.search` on the config ``python -m framework.plan``
 composes, so a change to the cost model or the cluster file shows up here when this is re-run)
-and the failure simulator (:func:`framework.cost.failure_sim.goodput_over_seeds`). Writes
+and the failure simulator (:func:`framework.base.cost.failure_sim.goodput_over_seeds`). Writes
 ``cluster.md`` and ``cluster.json`` next to this file. Every input is a named constant below.
 
 Cases, each training ``TRAIN_TOKENS`` tokens, the first ``LOSS_AT`` of them on 1024 nodes:
@@ -34,11 +34,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from framework.cost.estimate import estimate  # noqa: E402
-from framework.cost.failure_sim import Policy, goodput_over_seeds  # noqa: E402
-from framework.cost.interval import young_interval  # noqa: E402
-from framework.plan.__main__ import compose, load_inputs  # noqa: E402
-from framework.plan.search import search  # noqa: E402
+from framework.base.cost.estimate import estimate  # noqa: E402
+from framework.base.cost.failure_sim import Policy, goodput_over_seeds  # noqa: E402
+from framework.base.cost.interval import young_interval  # noqa: E402
+from framework.driver.plan.__main__ import compose, load_inputs  # noqa: E402
+from framework.driver.plan.search import search  # noqa: E402
 
 PLAN = ["model=gpt3_175b", "cluster=h100_sxm", "trainer.global_batch_size=1536", "data.seq_len=2048",
         "tracking.enabled=false"]

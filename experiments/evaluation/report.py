@@ -4,11 +4,11 @@
 
 Scores 3 layouts x 2 checkpoint policies on
 
-- **efficiency**: MFU (the planner's step-time model, :func:`framework.plan.search.search`);
+- **efficiency**: MFU (the planner's step-time model, :func:`framework.driver.plan.search.search`);
 - **scalability**: job tokens/s and scaling efficiency from 128 to 1024 nodes (the same TP x PP,
   dp scaled with the nodes, global batch fixed);
 - **reliability**: mean recovery time and recomputed steps per failure, and goodput at the stated
-  failure rate (the failure simulator, :func:`framework.cost.failure_sim.goodput_over_seeds`);
+  failure rate (the failure simulator, :func:`framework.base.cost.failure_sim.goodput_over_seeds`);
 - **cost**: GPU-hours, dollars per day and energy for 300B tokens at that goodput;
 
 and sets beside them what this machine measured of the same quantities (the other studies'
@@ -29,11 +29,11 @@ HERE = Path(__file__).resolve().parent
 EXP = HERE.parent
 sys.path.insert(0, str(EXP.parent))
 
-from framework.cost.estimate import estimate  # noqa: E402
-from framework.cost.failure_sim import Policy, goodput_over_seeds  # noqa: E402
-from framework.cost.interval import TwoTier, daly_interval  # noqa: E402
-from framework.plan.__main__ import compose, load_inputs  # noqa: E402
-from framework.plan.search import SearchSpace, search  # noqa: E402
+from framework.base.cost.estimate import estimate  # noqa: E402
+from framework.base.cost.failure_sim import Policy, goodput_over_seeds  # noqa: E402
+from framework.base.cost.interval import TwoTier, daly_interval  # noqa: E402
+from framework.driver.plan.__main__ import compose, load_inputs  # noqa: E402
+from framework.driver.plan.search import SearchSpace, search  # noqa: E402
 
 # ---- the scenario (the guide's; the same as experiments/cluster_layout) ---------------------------
 PLAN = ["model=gpt3_175b", "cluster=h100_sxm", "data.seq_len=2048", "tracking.enabled=false"]

@@ -4,7 +4,7 @@ Reads the ``compare.csv`` of one or more runs of ``experiment=grad_accumulation`
 ``python -m framework.compare ... --metrics tokens_per_sec,data_wait_frac,comm_frac,comm_bytes,peak_mem_GiB,mem/activation_peak_bytes,final_loss``)
 and writes, per micro-batch size: tokens/s of each repeat and their mean, the measured activation
 peak (``mem/activation_peak_bytes``, max over ranks) beside the cost model's
-(:func:`framework.cost.activations.activation_bytes_per_rank`, fp32, no dropout, fused attention
+(:func:`framework.base.cost.activations.activation_bytes_per_rank`, fp32, no dropout, fused attention
 as ``recompute="selective"``, as ``benchmarks/cost_model_validation.py`` uses it) and Korthikanti
 Table 2's bf16 figure ``s·b·h·(34 + 5·a·s/h)`` per layer (with dropout, no logits), the final loss.
 
@@ -25,8 +25,8 @@ SHAPE = dict(n_layer=4, d_model=128, n_head=4, vocab_size=4096, seq_len=128, d_f
 
 def model_bytes(micro: int) -> tuple[float, float]:
     """(cost model fp32 bytes per rank, Korthikanti Table 2 bf16 bytes for the layers) at micro-batch ``micro``."""
-    from framework.cost.activations import activation_bytes_per_rank
-    from framework.cost.shape import ModelShape
+    from framework.base.cost.activations import activation_bytes_per_rank
+    from framework.base.cost.shape import ModelShape
 
     shape = ModelShape(**SHAPE)
     ours = activation_bytes_per_rank(shape, micro_batch_size=micro, tp=1, pp=1, n_microbatches=1, sequence_parallel=False,

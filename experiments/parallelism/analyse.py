@@ -20,7 +20,7 @@ L = n_layer; ring bytes on the wire, fp32 (4 bytes per element):
   (Narayanan §3.2); the tied embedding's gradient all-reduce is not in the formula.
 
 Model states, fp32 AdamW (params 4 + grads 4 + moments 8 = 16 bytes/param; ZeRO §3.1's count
-with K = 8), :func:`framework.cost.memory.model_states_per_rank` (``precision="fp32"``, the
+with K = 8), :func:`framework.base.cost.memory.model_states_per_rank` (``precision="fp32"``, the
 paper's accounting) at the run's ZeRO stage: ddp 16Psi; zero1 8Psi + 8Psi/N; zero2 4Psi + 12Psi/N;
 zero3 and fsdp 16Psi/N; tp and pp: no closed form here (the embedding is replicated), '-'.
 
@@ -58,7 +58,7 @@ def field_figures(r) -> tuple[float, float | None]:
     s = int(r["params.data.seq_len"])
     h = int(r["params.model.d_model"])
     layers = int(r["params.model.n_layer"])
-    from framework.cost.memory import model_states_per_rank
+    from framework.base.cost.memory import model_states_per_rank
 
     z = int(r["zero_stage"])
     if t > 1:
@@ -76,7 +76,7 @@ def zero_stage_of(r) -> int:
 
     import yaml
 
-    from framework.registry import get_plugin_class
+    from framework.base.registry import get_plugin_class
 
     logged = r.get("params.derived.zero_stage")
     if isinstance(logged, str):

@@ -5,7 +5,7 @@
 
 Three parts, written to ``results.md`` and ``results.json`` next to this file:
 
-1. **Planner** (:func:`framework.plan.search.search` on the config ``python -m framework.plan``
+1. **Planner** (:func:`framework.driver.plan.search.search` on the config ``python -m framework.plan``
    composes): for 8, 16, ... nodes of 8 H100, the best layout of a 12B GPT and the days to train
    ``TOKEN_BUDGET`` tokens at the failure simulator's goodput; the smallest cluster that finishes
    inside ``TRAIN_DAYS`` is the answer.
@@ -14,8 +14,8 @@ Three parts, written to ``results.md`` and ``results.json`` next to this file:
    of ``--repeats`` runs (the machine is shared: the best run is the least disturbed one). From
    them: the tokens/s that 10 TB of text a day is, the cores that tokenizing it takes, and the
    cores that feeding the trainer takes.
-3. **Checkpoint interval 1000 vs 5000 steps** (:mod:`framework.cost.interval`,
-   :mod:`framework.cost.failure_sim`): expected recovery time and recomputed steps with full
+3. **Checkpoint interval 1000 vs 5000 steps** (:mod:`framework.base.cost.interval`,
+   :mod:`framework.base.cost.failure_sim`): expected recovery time and recomputed steps with full
    persistent saves only, with an in-memory tier, with incremental persistent saves, and both.
 
 Every assumption is a named constant below.
@@ -37,10 +37,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from framework.cost.failure_sim import Policy, goodput_over_seeds  # noqa: E402
-from framework.cost.interval import incremental_costs, young_interval  # noqa: E402
-from framework.plan.__main__ import compose, load_inputs  # noqa: E402
-from framework.plan.search import search  # noqa: E402
+from framework.base.cost.failure_sim import Policy, goodput_over_seeds  # noqa: E402
+from framework.base.cost.interval import incremental_costs, young_interval  # noqa: E402
+from framework.driver.plan.__main__ import compose, load_inputs  # noqa: E402
+from framework.driver.plan.search import search  # noqa: E402
 
 # ---- the model and the plan (stated) ------------------------------------------------------------
 MODEL = ["model=gpt3_175b", "model.name=gpt_12b", "model.n_layer=40", "model.d_model=5120", "model.n_head=40",
@@ -127,9 +127,9 @@ def part_data(cache_dir: str, repeats: int) -> dict:
     import numpy as np
     import torch
 
-    from framework.config.schema import DataConfig
-    from framework.data.dataset import WindowDataset
-    from framework.data.tokens import prepare_data
+    from framework.base.config.schema import DataConfig
+    from framework.base.data.dataset import WindowDataset
+    from framework.base.data.tokens import prepare_data
 
     cache = prepare_data(DataConfig(cache_dir=cache_dir), progress=False)
     tok = cache.tokenizer()

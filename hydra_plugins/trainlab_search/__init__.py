@@ -1,8 +1,8 @@
-"""Hydra's entry to trainlab's Optuna search (``hydra/sweeper=optuna``; :mod:`framework.search`).
+"""Hydra's entry to trainlab's Optuna search (``hydra/sweeper=optuna``; :mod:`framework.driver.search`).
 
 Hydra instantiates sweepers only from classes under the ``hydra_plugins`` namespace package
 (``hydra_plugins/`` has no ``__init__.py``), so this class lives here and hands everything to
-:class:`framework.search.OptunaSearch`.
+:class:`framework.driver.search.OptunaSearch`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class TrainlabOptunaSweeper(Sweeper):
     def __init__(self, sampler: Any, direction: Any, storage: Optional[Any], study_name: Optional[str], n_trials: int,
                  n_jobs: int, max_failure_rate: float, search_space: Optional[DictConfig],
                  custom_search_space: Optional[str], params: Optional[DictConfig]) -> None:
-        from framework.search import OptunaSearch
+        from framework.driver.search import OptunaSearch
 
         self.sweeper = OptunaSearch(sampler, direction, storage, study_name, n_trials, n_jobs, max_failure_rate,
                                     search_space, custom_search_space, params)

@@ -37,12 +37,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from framework.checkpoint.kinds import CheckpointKind, register_checkpoint_kind
-from framework.config.schema import ConfigError, ParallelConfig
-from framework.cost.comm import CommEstimate, ModelStats
-from framework.metrics.timing import CommMeter
-from framework.plugin import ParallelPlugin, PluginCapabilities
-from framework.registry import register_plugin
+from framework.base.checkpoint.kinds import CheckpointKind, register_checkpoint_kind
+from framework.base.config.schema import ConfigError, ParallelConfig
+from framework.base.cost.comm import CommEstimate, ModelStats
+from framework.base.metrics.timing import CommMeter
+from framework.base.plugin import ParallelPlugin, PluginCapabilities
+from framework.base.registry import register_plugin
 
 KIND = "deepspeed"  # manifest "kind" of a DeepSpeed checkpoint: DeepSpeed's files, loaded only by this plugin
 register_checkpoint_kind(CheckpointKind(KIND, "DeepSpeed's own checkpoint files"))
@@ -272,7 +272,7 @@ class DeepSpeedPlugin(ParallelPlugin):
         """The framework's default (:meth:`ParallelPlugin.held_state`) plus what DeepSpeed keeps outside it: each
         ZeRO-3 parameter's partition (``ds_tensor``; the parameter's own data is empty between uses) and the
         ZeRO optimizer's flat buffers (partitioned fp32 master weights and gradients, attributes of the wrapper)."""
-        from framework.metrics.memory import held_tensors
+        from framework.base.metrics.memory import held_tensors
 
         held = super().held_state(module, optimizer)
         held.params += [q.ds_tensor for q in held.params if hasattr(q, "ds_tensor")]

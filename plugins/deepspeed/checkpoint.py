@@ -1,10 +1,10 @@
-"""DeepSpeed checkpoints inside trainlab's step folders (:mod:`framework.checkpoint.format`).
+"""DeepSpeed checkpoints inside trainlab's step folders (:mod:`framework.base.checkpoint.format`).
 
 A save is ``engine.save_checkpoint`` of every rank (DeepSpeed's own files: one model-state
 file with Lightning's loop / scheduler / data / RNG state as client state, and one ZeRO
 optimizer-state file per rank) written into a hidden ``.step%08d.tmp-*`` folder; once every
 rank is done, rank 0 commits it with the folder format's own
-:func:`~framework.checkpoint.format.commit_folder` (fsync every file, checksum it, write
+:func:`~framework.base.checkpoint.format.commit_folder` (fsync every file, checksum it, write
 ``manifest.json`` with format, kind ``deepspeed``, step, layout, config hash, sha256 + bytes
 per file, rename to ``step%08d``; an older folder of the same step is replaced only once the
 new one is complete) and prunes to ``checkpoint.keep_last_k``. A kill midway leaves only a
@@ -12,14 +12,14 @@ hidden folder, which is never resumed from and is removed at the next start, as 
 other plugin.
 
 Importing this module registers the ``deepspeed`` checkpoint kind
-(:mod:`framework.checkpoint.kinds`): DeepSpeed's files do not gather into one full state, so
+(:mod:`framework.base.checkpoint.kinds`): DeepSpeed's files do not gather into one full state, so
 only this plugin loads them, and this plugin loads nothing else.
 
 Loading verifies the checksums first. A folder written by another number of ranks is converted
 once to DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) next to it,
 in ``<checkpoint.dir>/.universal/``, and loaded from there with ``load_universal``; Lightning's
 per-rank micro-batch counters are rescaled by the checkpoint callback
-(:func:`framework.checkpoint.reshard.rescale_batch_progress`), as for every plugin.
+(:func:`framework.rank.checkpoint.reshard.rescale_batch_progress`), as for every plugin.
 
 DeepSpeed reads its files with ``torch.load(weights_only=False)``: the sha256 check guards
 against corruption, not against a crafted file (unlike trainlab's own ``state.pt`` format).
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from framework.checkpoint.format import CheckpointError, commit_folder, new_temp_folder, prune, read_manifest, verify
-from framework.checkpoint.io import SaveResult
+from framework.base.checkpoint.format import CheckpointError, commit_folder, new_temp_folder, prune, read_manifest, verify
+from framework.base.checkpoint.io import SaveResult
 
 from plugins.deepspeed import KIND  # manifest "kind" of a DeepSpeed checkpoint (registered by the plugin package)
 TAG = "deepspeed"  # DeepSpeed's sub-folder (its "tag") inside a step folder
@@ -139,7 +139,7 @@ def load_folder(strategy: Any, path: Any) -> dict[str, Any]:
         _repair_universal_load(engine.optimizer, groups)
     if client is None:
         raise CheckpointError(f"{load_dir}: DeepSpeed found no checkpoint under tag {TAG!r}")
-    return client  # Lightning's micro-batch counters are rescaled by PeriodicCheckpoint (framework.checkpoint.reshard)
+    return client  # Lightning's micro-batch counters are rescaled by PeriodicCheckpoint (framework.rank.checkpoint.reshard)
 
 
 def _hyperparameters(optimizer: Any) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""What DeepSpeed ZeRO costs (figures from :mod:`framework.cost`): model-state bytes per rank, bytes per collective, and the meter.
+"""What DeepSpeed ZeRO costs (figures from :mod:`framework.base.cost`): model-state bytes per rank, bytes per collective, and the meter.
 
 Notation (ZeRO, Rajbhandari et al. 2020): Ψ parameters, N = dp_degree ranks, K optimizer
 bytes per parameter, a = grad_accum_steps micro-batches per optimizer step.
@@ -21,7 +21,7 @@ stage   formula (bytes)              what a rank holds
 
 With ``trainer.precision=bf16-mixed`` DeepSpeed casts the model to bf16 (w = 2 bytes) and the
 figures follow what it allocates (``accounting="master_copy"`` of
-:func:`framework.cost.memory.model_states_per_rank`, the same function the planner prices with):
+:func:`framework.base.cost.memory.model_states_per_rank`, the same function the planner prices with):
 stage 1 ``2Ψ + 2Ψ + 12Ψ/N`` (a > 1; ``2Ψ + 14Ψ/N`` when a = 1), stage 2 ``2Ψ + 14Ψ/N``, stage 3
 ``16Ψ/N`` (the fp32 master is 4 bytes whatever the model's dtype: K = 12); stage 0
 (``BF16_Optimizer``) ``2Ψ + (2 + 4)Ψ + 12Ψ/N``. Measured with ``bf16-mixed`` on 2 CPU ranks
@@ -30,7 +30,7 @@ gradient partition inside the optimizer step (``4Ψ/N``) is not a model state an
 The paper's accounting is ``accounting="paper"`` (it differs in fp32, K = 8, and in stage 1 with
 accumulation).
 
-Measured (:func:`framework.metrics.memory.model_states_bytes`, the largest sample within a
+Measured (:func:`framework.base.metrics.memory.model_states_bytes`, the largest sample within a
 logged step) as the distinct storages of the parameters, their gradients, and the ZeRO
 optimizer's flat buffers and inner AdamW state. Left out of the model: AdamW's step counters
 (4 bytes per parameter group) and the padding of partitions to equal sizes.
@@ -62,21 +62,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from framework.cost import comm as _comm
-from framework.cost import memory as _memory
-from framework.cost.comm import CommEstimate, ModelStats
+from framework.base.cost import comm as _comm
+from framework.base.cost import memory as _memory
+from framework.base.cost.comm import CommEstimate, ModelStats
 
 
 def zero_model_states_bytes(stats: ModelStats, cfg: Any, resolved: Any) -> int:
     """Modelled model-state bytes of one rank for ``cfg.zero_stage`` (table in the module docstring;
-    :func:`framework.cost.memory.zero_model_states_bytes`)."""
+    :func:`framework.base.cost.memory.zero_model_states_bytes`)."""
     return _memory.zero_model_states_bytes(stats, zero_stage=cfg.zero_stage, dp_degree=resolved.layout.dp,
                                            grad_accum_steps=resolved.grad_accum_steps)
 
 
 def zero_comm_volume(stats: ModelStats, cfg: Any, resolved: Any) -> CommEstimate:
     """Modelled payload bytes per rank per optimizer step, by collective (module docstring table;
-    :func:`framework.cost.comm.zero_comm_volume`). Stage 3 keeps gathered parameters from forward
+    :func:`framework.base.cost.comm.zero_comm_volume`). Stage 3 keeps gathered parameters from forward
     to backward when ``min(max_live_parameters, max_reuse_distance) >= Ψ``."""
     kept = cfg.zero_stage == 3 and min(cfg.max_live_parameters, cfg.max_reuse_distance) >= stats.num_params
     return _comm.zero_comm_volume(stats, zero_stage=cfg.zero_stage, dp_degree=resolved.layout.dp,
@@ -119,7 +119,7 @@ def meter_deepspeed_comm(meter: Any) -> None:
     """
     from deepspeed.comm import comm as ds_comm
 
-    from framework.metrics.timing import call_group
+    from framework.base.metrics.timing import call_group
 
     cdb = ds_comm.cdb
     for method, (kind, index, keyword) in _METERED.items():

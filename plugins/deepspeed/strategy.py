@@ -37,7 +37,7 @@ from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.accelerators.cuda import CUDAAccelerator
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
-from framework.distributed import process_group_backend, resolve_accelerator
+from framework.base.distributed import process_group_backend, resolve_accelerator
 from plugins.deepspeed import merge_dicts
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from framework.cost.bubble import pp_bubble_fraction
+from framework.base.cost.bubble import pp_bubble_fraction
 
 
 class PipelineBubble(pl.Callback):

@@ -1,15 +1,15 @@
 """Sharded (DCP) checkpoints of the ``tp`` and ``pp`` plugins, keyed by the unsplit GPT's names.
 
 Every rank writes what it holds with torch Distributed Checkpoint, through trainlab's folder
-format (:mod:`framework.checkpoint.dcp`): TP shards are DTensors (DCP records their global
+format (:mod:`framework.base.checkpoint.dcp`): TP shards are DTensors (DCP records their global
 shape and offsets), FSDP2 shards on the dp dimension too, and a pipeline stage's plain tensors
 are written by the ranks that hold them (replicas of the same tensor on TP/DP peers once).
 
 Names: a pipeline rank's parameters are ``model.chunks.<k>.blocks.<N>.…`` (stage ``k``); in the
-checkpoint they are the :class:`framework.model.GPT` names ``model.blocks.<N>.…``
+checkpoint they are the :class:`framework.base.model.GPT` names ``model.blocks.<N>.…``
 (:func:`plugins.megatron.pipeline.gpt_param_name`), unique across stages, so the checkpoint is
 the one an unsplit model would write: ``single``/``ddp`` resume from it
-(:func:`framework.checkpoint.dcp.load_full_state` gathers it), and any tp/pp/dp layout of the
+(:func:`framework.base.checkpoint.dcp.load_full_state` gathers it), and any tp/pp/dp layout of the
 same model loads it (DCP reshards). The last stage's tied-head copy (``chunks.<last>.head``) is
 not written: it equals ``wte`` (see :mod:`plugins.megatron.pipeline`), and on load it and its
 AdamW moments are read from ``wte``'s entries. AdamW state is keyed by the same names
@@ -29,9 +29,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from framework.checkpoint.dcp import MODEL_KEY, OPTIM_KEY, join_checkpoint, live_named_state, split_checkpoint
-from framework.checkpoint.format import CheckpointError, kind_of, load_state, verify
-from framework.checkpoint.sharded_strategy import ShardedCheckpointing, unwrap_optimizer
+from framework.base.checkpoint.dcp import MODEL_KEY, OPTIM_KEY, join_checkpoint, live_named_state, split_checkpoint
+from framework.base.checkpoint.format import CheckpointError, kind_of, load_state, verify
+from framework.base.checkpoint.sharded_strategy import ShardedCheckpointing, unwrap_optimizer
 from plugins.megatron.pipeline import gpt_param_name
 
 PREFIX = "model."  # LMModule's attribute holding the model (or the pipeline runner)
@@ -126,8 +126,8 @@ def load_by_gpt_names(path: Path, module: torch.nn.Module, optimizers: list[torc
                       order: list[str]) -> dict[str, Any]:
     """Load checkpoint ``path`` (sharded at any layout, or a full one of ``single``/``ddp``) into a tp/pp ``module``.
 
-    The checkpoint's kind decides (:mod:`framework.checkpoint.kinds`), as in
-    :func:`framework.checkpoint.dcp.load_into_sharded`: a kind that loads into live shards is read
+    The checkpoint's kind decides (:mod:`framework.base.checkpoint.kinds`), as in
+    :func:`framework.base.checkpoint.dcp.load_into_sharded`: a kind that loads into live shards is read
     straight into them, any other is gathered into its full state and distributed by name.
     Collective: every rank calls it. Returns the rest of the checkpoint (loops, LR schedulers,
     data position, callbacks, RNG) for Lightning to restore.

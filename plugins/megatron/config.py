@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from framework.config.schema import ConfigError, ParallelConfig
+from framework.base.config.schema import ConfigError, ParallelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DATA_PARALLEL = ("fsdp", "ddp")
@@ -69,7 +69,7 @@ def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_st
         )
     kv = getattr(m, "n_kv_head", None) or m.n_head
     if kv % t:
-        # Each TP rank holds whole key/value groups (framework/model/llama.py); replicating K/V heads is not implemented.
+        # Each TP rank holds whole key/value groups (framework/base/model/llama.py); replicating K/V heads is not implemented.
         raise ConfigError(f"parallelism.tp_degree={t} must divide model.n_kv_head={kv} (grouped-query attention splits"
                           f" key/value heads over tp; allowed: a divisor of {kv})")
     if cfg.sequence_parallel and t > 1 and run.data.seq_len % t:

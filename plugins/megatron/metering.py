@@ -5,9 +5,9 @@
   (``torch.distributed._functional_collectives``: ``all_reduce``, ``all_gather_single``,
   ``reduce_scatter_single``, ...), forward and backward. :func:`install_funcol_meter` wraps
   those module functions once per process so that each call reports its payload to the run's
-  :class:`~framework.metrics.timing.CommMeter` (the same idea as
+  :class:`~framework.base.metrics.timing.CommMeter` (the same idea as
   ``torch.distributed.tensor.debug.CommDebugMode``, which counts calls but not bytes). Payload
-  follows :mod:`framework.cost.comm`: all-reduce and reduce-scatter = the input, all-gather
+  follows :mod:`framework.base.cost.comm`: all-reduce and reduce-scatter = the input, all-gather
   = the gathered output (input x group size).
 - **Pipeline parallel.** Each :class:`~torch.distributed.pipelining.PipelineStage` builds its
   point-to-point sends in ``get_fwd_send_ops`` / ``get_bwd_send_ops``;
@@ -15,7 +15,7 @@
   tensor bytes as kind ``p2p`` (receives mirror the neighbour's sends and are not counted twice).
 
 Every call is reported to the run's meter (:data:`METER`); which calls count is the framework's
-decision (:class:`~framework.callbacks.breakdown.StepBreakdown`'s training window: a training
+decision (:class:`~framework.rank.callbacks.breakdown.StepBreakdown`'s training window: a training
 step's forward, backward and optimizer step; validation and the framework's own reductions are
 left out).
 """
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from framework.metrics.timing import call_group
+from framework.base.metrics.timing import call_group
 
 # function name -> (kind, how to get payload bytes from (tensor, group size))
 _FUNCOL: dict[str, tuple[str, Callable[[torch.Tensor, int], int]]] = {
@@ -44,7 +44,7 @@ _FUNCOL: dict[str, tuple[str, Callable[[torch.Tensor, int], int]]] = {
 
 
 class MeterSlot:
-    """The run's :class:`~framework.metrics.timing.CommMeter`, where the process-wide wrappers report.
+    """The run's :class:`~framework.base.metrics.timing.CommMeter`, where the process-wide wrappers report.
 
     The functional collectives and ``torch.distributed`` functions are process-wide, so their
     wrappers find the meter here (None before the breakdown callback installs it).

@@ -1,4 +1,4 @@
-"""Pipeline parallelism for :class:`framework.model.GPT` with ``torch.distributed.pipelining``.
+"""Pipeline parallelism for :class:`framework.base.model.GPT` with ``torch.distributed.pipelining``.
 
 The model is cut by transformer blocks into ``S = pp_degree x virtual_stages`` stages
 (contiguous blocks, the remainder spread over the first stages). Stage ``k`` lives on pipeline
@@ -19,13 +19,13 @@ Huang et al. 2019), ``1f1b`` (PipeDream-Flush; Narayanan et al. 2021 §2.2.1), a
 ``interleaved_1f1b`` (``virtual_stages`` chunks per rank, §2.2.2). Micro-batches per step =
 ``grad_accum_steps``; gradients are averaged over them by the schedule (``scale_grads``). Each
 micro-batch's loss is its summed cross-entropy over the step's token-weighted denominator
-(``num_tokens / num_micro_batches``, :func:`framework.model.gpt.lm_loss`), the same as without a
+(``num_tokens / num_micro_batches``, :func:`framework.base.model.gpt.lm_loss`), the same as without a
 pipeline, so the step's loss is the mean over the global batch's valid targets.
 
 **Bubble.** Each stage's forward and backward compute (``forward_one_chunk`` /
 ``backward_one_chunk``) is timed; a rank's idle fraction of a step is
 ``1 - busy / wall`` with ``wall`` the whole ``schedule.step``. The model is
-:func:`framework.cost.comm.pp_bubble_fraction`.
+:func:`framework.base.cost.comm.pp_bubble_fraction`.
 
 Validation runs the stages in order with plain ``send``/``recv`` of the activations (any batch
 size; no schedule), and broadcasts the loss over the pipeline group.
@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.metrics.timing import make_clock
-from framework.model.gpt import check_seq_len, embed_tokens, lm_loss, output_logits
+from framework.base.metrics.timing import make_clock
+from framework.base.model.gpt import check_seq_len, embed_tokens, lm_loss, output_logits
 from plugins.megatron.metering import METER, meter_stage_sends
 
 
@@ -66,7 +66,7 @@ class GPTStage(nn.Module):
     ``[b, s, h]`` hidden states or ``[b, s, V]`` logits (last stage) out.
 
     Holds the model's own modules (no copies) and runs them with the model's own pieces
-    (:func:`~framework.model.gpt.embed_tokens`, its blocks, :func:`~framework.model.gpt.output_logits`).
+    (:func:`~framework.base.model.gpt.embed_tokens`, its blocks, :func:`~framework.base.model.gpt.output_logits`).
     Modules keep their model names (``blocks.<N>``, ``wte``, ``ln_f``, ``lm_head``), so a stage's
     parameter names are the model's. A Llama (no ``wpe``, untied ``lm_head``) needs no head copy.
     """
@@ -103,7 +103,7 @@ class GPTStage(nn.Module):
 
 
 def gpt_param_name(runner_name: str) -> str | None:
-    """The :class:`framework.model.GPT` name of a :class:`PipelineRunner` parameter (for checkpoints
+    """The :class:`framework.base.model.GPT` name of a :class:`PipelineRunner` parameter (for checkpoints
     that load into an unsplit model), or None for the last stage's ``head`` copy (it equals ``wte``).
 
     ``chunks.<k>.blocks.<N>.attn.qkv.weight`` -> ``blocks.<N>.attn.qkv.weight``;
@@ -122,7 +122,7 @@ class PipelineRunner(nn.Module):
 
     In training (module in train mode, autograd on) ``forward`` runs ``schedule.step`` over all
     micro-batches of ``x [m*b, s]`` / ``y [m*b, s]`` - forward and backward, each micro-batch's
-    loss :func:`~framework.model.gpt.lm_loss` with ``num_tokens`` and ``num_micro_batches`` - syncs the tied
+    loss :func:`~framework.base.model.gpt.lm_loss` with ``num_tokens`` and ``num_micro_batches`` - syncs the tied
     embedding gradients and returns the mean of the micro-batch losses (a detached 0-dim fp32
     tensor, broadcast to every rank of the pipeline). In evaluation it returns the loss of a
     plain forward (``num_tokens`` None: the mean over the valid targets).

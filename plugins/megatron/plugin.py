@@ -5,10 +5,10 @@
 is an override away (``parallelism.tp_degree=2 parallelism.pp_degree=2
 parallelism.world_size=4``). The plugin supplies a plan (:meth:`MegatronPlugin.parallel_plan`:
 stage split, TP plan, DP wrapper: FSDP2 ``fully_shard`` or ``replicate`` on the ``dp`` mesh
-dimension) that :func:`framework.parallelize.parallelize_gpt` applies in torchtitan's order:
+dimension) that :func:`framework.base.parallelize.parallelize_gpt` applies in torchtitan's order:
 pipeline split, TP on each stage, activation checkpointing, compile, DP.
 
-Cost model (per rank per optimizer step, :mod:`framework.cost.comm`): TP payload per
+Cost model (per rank per optimizer step, :mod:`framework.base.cost.comm`): TP payload per
 micro-batch x ``grad_accum_steps`` micro-batches; PP sends; the tied-embedding all-reduce
 between the first and last stage; with ``data_parallel=fsdp`` on dp > 1 and no pipeline, the
 FSDP2 parameter all-gathers and gradient reduce-scatters of this rank's (TP-local) parameters.
@@ -34,20 +34,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework.distributed import process_group_backend, resolve_accelerator
-from framework.cost.comm import (
+from framework.base.distributed import process_group_backend, resolve_accelerator
+from framework.base.cost.comm import (
     CommEstimate,
     ModelStats,
     pp_p2p_bytes_per_step,
     sp_norm_grad_allreduce_bytes,
     tp_payload_bytes_per_microbatch,
 )
-from framework.cost.memory import adamw_fp32_local_states_bytes
-from framework.metrics.timing import CommMeter
-from framework.layout import ParallelLayout
-from framework.parallelize import ParallelPlan
-from framework.plugin import ParallelPlugin, PluginCapabilities
-from framework.registry import register_plugin
+from framework.base.cost.memory import adamw_fp32_local_states_bytes
+from framework.base.metrics.timing import CommMeter
+from framework.base.layout import ParallelLayout
+from framework.base.parallelize import ParallelPlan
+from framework.base.plugin import ParallelPlugin, PluginCapabilities
+from framework.base.registry import register_plugin
 from plugins.fsdp import reshard_after_evaluation
 from plugins.megatron.config import MegatronConfig, validate_run
 from plugins.megatron.metering import METER, install_fsdp_meter, install_funcol_meter

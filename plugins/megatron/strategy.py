@@ -1,6 +1,6 @@
 """The Lightning strategy of the ``tp`` and ``pp`` plugins.
 
-:class:`MeshStrategy` is the framework's :class:`~framework.mesh_strategy.LayoutStrategy`
+:class:`MeshStrategy` is the framework's :class:`~framework.base.mesh_strategy.LayoutStrategy`
 (Lightning's ``ModelParallelStrategy`` on the run's ``("pp", "dp", "tp")`` mesh, rank
 ``r = (pp_i * dp + dp_i) * tp + tp_i``) with sharded checkpoints keyed by the GPT's names and, under
 a pipeline, Lightning's backward left to the schedule.
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from framework.mesh_strategy import LayoutStrategy
+from framework.base.mesh_strategy import LayoutStrategy
 from plugins.megatron.checkpoint import MeshCheckpointing
 
 

@@ -1,4 +1,4 @@
-"""Megatron-LM tensor parallelism for :class:`framework.model.GPT` and :class:`framework.model.Llama` with DTensor ``parallelize_module``.
+"""Megatron-LM tensor parallelism for :class:`framework.base.model.GPT` and :class:`framework.base.model.Llama` with DTensor ``parallelize_module``.
 
 Per transformer block (Shoeybi et al. 2019, §3, Fig. 3):
 
@@ -44,14 +44,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from framework.parallelize import blocks_of
+from framework.base.parallelize import blocks_of
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> torch.nn.Module:
     """Shard ``model``'s blocks over ``tp_mesh`` in place (see the module docstring); returns ``model``.
-    The megatron plugin's TP plan (:attr:`framework.parallelize.ParallelPlan.tp`).
+    The megatron plugin's TP plan (:attr:`framework.base.parallelize.ParallelPlan.tp`).
 
-    ``model`` is a :class:`framework.model.GPT` or a pipeline stage holding a ``blocks``
+    ``model`` is a :class:`framework.base.model.GPT` or a pipeline stage holding a ``blocks``
     container of its blocks (and, with sequence parallelism, ``ln_f`` on the last stage).
     """
     blocks = blocks_of(model)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from framework.testing.conformance import SMALL_DATA as CONFORMANCE_DATA, Conformance
-from framework.tracking import read_jsonl_metrics
+from framework.base.testing.conformance import SMALL_DATA as CONFORMANCE_DATA, Conformance
+from framework.base.tracking import read_jsonl_metrics
 
 SMALL_DATA = list(CONFORMANCE_DATA)  # the conformance suite's slice: one token cache for both
 
@@ -32,7 +32,7 @@ def data_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def conformance(tmp_path_factory, data_cache) -> Conformance:
-    """The conformance suite's session runner (framework/testing/conformance.py), one for every module that uses it
+    """The conformance suite's session runner (framework/base/testing/conformance.py), one for every module that uses it
     (test_conformance, test_train_e2e, test_sharded_checkpoint), on the session's token cache: the plugin's own fixture
     of that name tokenizes the same corpus again into a cache of its own (SMALL_DATA here and there)."""
     return Conformance(tmp_path_factory.mktemp("conformance"), data_cache)

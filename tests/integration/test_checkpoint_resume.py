@@ -14,7 +14,7 @@ import signal
 import pytest
 import torch
 
-from framework.checkpoint.format import TEST_PAUSE_ENV, load_state
+from framework.base.checkpoint.format import TEST_PAUSE_ENV, load_state
 from tests.integration.conftest import kill_group, losses, wait_for
 
 pytestmark = pytest.mark.slow
@@ -64,11 +64,11 @@ def assert_converted_gives_the_next_step_loss(runner, name: str, ckpt_dir, step:
     import subprocess
     import sys
 
-    from framework.config.schema import ModelConfig
-    from framework.data.dataset import WindowDataset
-    from framework.data.sampler import StepBatchSampler
-    from framework.data.tokens import TokenCache
-    from framework.model import GPT
+    from framework.base.config.schema import ModelConfig
+    from framework.base.data.dataset import WindowDataset
+    from framework.rank.data.sampler import StepBatchSampler
+    from framework.base.data.tokens import TokenCache
+    from framework.base.model import GPT
 
     out = runner.workdir / "model.pt"
     subprocess.run([sys.executable, "-m", "framework.checkpoint", "convert", str(ckpt_dir / f"step{step:08d}"),

@@ -1,4 +1,4 @@
-"""The conformance suite (framework/testing/conformance.py) for the built-in plugins.
+"""The conformance suite (framework/base/testing/conformance.py) for the built-in plugins.
 
 Every check runs the real driver on CPU ranks; the ``single`` reference run is shared by all
 plugins (the session's ``conformance`` fixture, registered once in tests/integration/conftest.py so that
@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from framework.registry import available_plugins
-from framework.cli import group_options
-from framework.testing.conformance import PluginCase, conformance_params
+from framework.base.registry import available_plugins
+from framework.driver.cli import group_options
+from framework.base.testing.conformance import PluginCase, conformance_params
 
 from tests.conftest import REPO
 
@@ -93,7 +93,7 @@ def test_conformance(conformance, case, check):
 def test_tp2pp2_checkpoint_resumed_as_single_continues_the_tp2pp2_run(conformance):
     """Issue 4: a tp2 x pp2 checkpoint loaded into `single` gives the uninterrupted tp2 x pp2 run's next losses (rel 1e-5;
     measured 7.1e-8, fp32 summation order). The runs are those of the `tp2pp2` case above (cached when it ran first)."""
-    from framework.testing.conformance import SAVE_AT, STEPS
+    from framework.base.testing.conformance import SAVE_AT, STEPS
 
     case = next(c for c in CASES if c.name == "tp2pp2")
     full = conformance.plugin_run(case)
@@ -124,7 +124,7 @@ def example_plugin(tmp_path_factory) -> str:
 
 
 def test_outside_plugin_is_found_only_where_installed(example_plugin, tmp_path):
-    code = "from framework.registry import available_plugins; from framework.cli import group_options;" \
+    code = "from framework.base.registry import available_plugins; from framework.driver.cli import group_options;" \
            "print(available_plugins(), group_options('parallelism'))"
     env = {**os.environ, "PYTHONPATH": example_plugin}
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)

@@ -90,7 +90,7 @@ def test_measured_bytes_match_the_zero_model(zero_runs, stage):
 
 
 def test_resume_auto_continues_a_zero3_run_exactly(zero_runs):
-    from framework.checkpoint.format import read_manifest, verify
+    from framework.base.checkpoint.format import read_manifest, verify
 
     name = _run_name(zero_runs, 3)
     ckpt = zero_runs.workdir / "checkpoints" / "default" / name / "step00000015"

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO 1-3 with bf16-mixed on 2 CPU ranks: the measured model states equal the cost
-model's DeepSpeed accounting (framework.cost.memory.model_states_per_rank, accounting="deepspeed")
+model's DeepSpeed accounting (framework.base.cost.memory.model_states_per_rank, accounting="deepspeed")
 in mixed precision (bf16 weights and gradients, fp32 master + AdamW moments: K = 12)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fault x policy matrix end to end (framework/testing/fault_matrix.py): every fault kind under every
+"""The fault x policy matrix end to end (framework/base/testing/fault_matrix.py): every fault kind under every
 policy that claims to handle it, 20 cells in 6 single-rank runs of 11 steps that share two references,
 two runs at a time (one thread each on 2 cores).
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from framework.testing.fault_matrix import CELLS, evaluate, markdown, run_matrix
+from framework.base.testing.fault_matrix import CELLS, evaluate, markdown, run_matrix
 
 pytestmark = pytest.mark.slow
 

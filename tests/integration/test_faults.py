@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from framework.faults.events import FaultLog
+from framework.base.faults.events import FaultLog
 from tests.integration.conftest import Runner, losses
 from tests.integration.test_checkpoint_resume import assert_bitwise_equal
 
@@ -203,7 +203,7 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
 
     from mlflow.tracking import MlflowClient
 
-    from framework.module import warmup_cosine
+    from framework.rank.module import warmup_cosine
 
     fr.go("shrink_3of4", "parallelism.world_size=4", "trainer.max_steps=6",  # later overrides win over COMMON's
            "trainer.global_batch_size=12", "trainer.micro_batch_size=1", "checkpoint.every_n_steps=3",

@@ -1,5 +1,5 @@
 """No host-device synchronisation in a training step except where the run logs or validates
-(``trainer.count_host_syncs``: framework/callbacks/host_syncs.py, framework/metrics/syncs.py).
+(``trainer.count_host_syncs``: framework/rank/callbacks/host_syncs.py, framework/rank/metrics/syncs.py).
 
 The counter records every ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``/``float()``/``int()`` of a
 tensor between one optimizer step's first batch and the next's, on CPU ranks: the same calls on a

@@ -19,7 +19,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from framework.checkpoint.format import find_latest_valid
+from framework.base.checkpoint.format import find_latest_valid
 from tests.integration.conftest import Runner, losses
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from framework.callbacks.breakdown import CATEGORIES
+from framework.rank.callbacks.breakdown import CATEGORIES
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from framework.faults.preemption import EXIT_PREEMPTED, PREEMPTED_TAG
+from framework.base.faults.preemption import EXIT_PREEMPTED, PREEMPTED_TAG
 from tests.integration.conftest import losses, wait_for
 from tests.integration.test_checkpoint_resume import assert_bitwise_equal
 
@@ -78,7 +78,7 @@ def test_ranks_that_saved_exit_without_waiting_out_the_grace_when_every_process_
     elastic agent then closes the ranks while they finish the step and save. Ranks that returned used to wait
     for the agent's "read your return value" event until it SIGKILLed them at ``trainer.stop_grace_s``
     (measured: exit 20.4 s after the signal with 20 s of grace, 'Unable to shutdown process ... forcefully
-    exiting via 9' for both ranks; now 0.3 s, framework.launcher.release_finished_ranks_on_close)."""
+    exiting via 9' for both ranks; now 0.3 s, framework.driver.launcher.release_finished_ranks_on_close)."""
     proc = runner.start("parallelism=ddp", "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.max_steps=400",
                         "trainer.val_sequences=8", "tracking=none", "trainer.stop_grace_s=60", "checkpoint.every_n_steps=1000",
                         "run_name=group_signal")

@@ -2,7 +2,7 @@
 
 - An A/A test: one configuration swept as two labels (``sweep.label=a,b``) with 5 repeats runs
   interleaved (a b a b ...), groups its 10 children by configuration, and reports the two
-  ``indistinguishable`` (a false difference has a ~3.5% chance, framework/stats.py; the machine's
+  ``indistinguishable`` (a false difference has a ~3.5% chance, framework/base/stats.py; the machine's
   drift falls on both labels alike). ~10 jobs of 20-60 s: marked slow.
 - A run started while another process loads the machine is tagged ``contended=true``, logs
   ``load/*`` metrics and is warned about in its summary and description.

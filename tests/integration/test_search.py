@@ -14,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from framework.search import FAIL_REASON_ATTR, study_storage
+from framework.driver.search import FAIL_REASON_ATTR, study_storage
 from tests.integration.conftest import Runner
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from framework.checkpoint.__main__ import main as ckpt_tool
-from framework.checkpoint.format import STATE_FILE, find_latest_valid, read_manifest, safe_torch_load
-from framework.testing.conformance import SAVE_AT, STEPS, PluginCase
-from framework.cli import precheck
+from framework.base.checkpoint.__main__ import main as ckpt_tool
+from framework.base.checkpoint.format import STATE_FILE, find_latest_valid, read_manifest, safe_torch_load
+from framework.base.testing.conformance import SAVE_AT, STEPS, PluginCase
+from framework.driver.cli import precheck
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +32,14 @@ def test_fsdp_checkpoint_is_a_checksummed_sharded_folder(conformance, capsys):
     assert ckpt_tool(["verify", str(ckpt)]) == 0
     out = ckpt.parent / "fsdp-weights.pt"
     assert ckpt_tool(["convert", str(step), "--out", str(out)]) == 0
-    from framework.config.schema import ModelConfig
-    from framework.model import GPT
+    from framework.base.config.schema import ModelConfig
+    from framework.base.model import GPT
 
     weights = torch.load(out, weights_only=True)
     model = GPT(ModelConfig(), vocab_size=weights["wte.weight"].shape[0])
     model.load_state_dict(weights)  # strict: every key of the plain model, full (unsharded) shapes
     # Every rank is seeded alike and draws alike, so the saved per-rank RNG states are equal: a
-    # resume at another world size hands that one state to every rank (framework.checkpoint.reshard).
+    # resume at another world size hands that one state to every rank (framework.rank.checkpoint.reshard).
     rng = safe_torch_load(step / STATE_FILE)["trainlab"]["rng"]
     assert len(rng) == 2 and torch.equal(rng[0]["torch_cpu"], rng[1]["torch_cpu"]) and rng[0]["python"] == rng[1]["python"]
 

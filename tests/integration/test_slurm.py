@@ -91,8 +91,8 @@ def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(
     uninterrupted run, bitwise; its MLflow run ends FINISHED."""
     import time
 
-    from framework.faults.preemption import PREEMPTED_TAG
-    from framework.tracking import read_jsonl_metrics
+    from framework.base.faults.preemption import PREEMPTED_TAG
+    from framework.base.tracking import read_jsonl_metrics
     from tests.integration.conftest import losses, wait_for
     from tests.integration.test_checkpoint_resume import assert_bitwise_equal
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from framework.compare import swept_values
+from framework.driver.compare import swept_values
 from tests.integration.conftest import Runner, wait_for
 
 FAST = ["parallelism=single", "trainer.global_batch_size=4", "trainer.micro_batch_size=4", "trainer.warmup_steps_excluded=0",

@@ -48,8 +48,8 @@ def test_masked_ddp_2x2_equals_single_one_pass(tmp_path, data_cache):
 
     # The data does exercise uneven micro-batches: per step, the 4 micro-batches of 2 windows hold
     # different numbers of valid targets (computed here from the cache the driver built).
-    from framework.config.schema import DataConfig
-    from framework.data import TextDataModule
+    from framework.base.config.schema import DataConfig
+    from framework.rank.data import TextDataModule
 
     kv = dict(o.split("=", 1) for o in SMALL_DATA)
     cfg = DataConfig(name="jsonl", paths=[str(corpus)], vocab_size=int(kv["data.vocab_size"]), seq_len=int(kv["data.seq_len"]),

@@ -7,8 +7,8 @@ import signal
 import pytest
 from mlflow.tracking import MlflowClient
 
-from framework.module import warmup_cosine
-from framework.testing.conformance import VAL_EVERY, PluginCase
+from framework.rank.module import warmup_cosine
+from framework.base.testing.conformance import VAL_EVERY, PluginCase
 from tests.integration.conftest import REF_STEPS, job_runs, kill_group, losses, wait_for
 
 pytestmark = pytest.mark.slow
@@ -129,14 +129,14 @@ def test_bad_input_fails_before_any_rank_with_one_line(runner):
     unknown = runner.run("nosuchkey=1", check=False)
     assert unknown.returncode == 2
     assert [ln for ln in unknown.stderr.splitlines() if ln.strip()] == [
-        "trainlab: error: nosuchkey is not a config key; see conf/ and framework/config/schema.py for the keys"
+        "trainlab: error: nosuchkey is not a config key; see conf/ and framework/base/config/schema.py for the keys"
         " (to add a new key write +nosuchkey=...)"]
 
 
 def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
     # An intact checkpoint folder (checksums match) whose state file carries a code-running
     # pickle: the driver accepts it, every rank refuses to unpickle it and fails.
-    from framework.checkpoint.format import write_checkpoint
+    from framework.base.checkpoint.format import write_checkpoint
     from tests.unit.test_checkpoint import _CreatesAFile
 
     marker = runner.workdir / "pwned"

@@ -2,7 +2,7 @@
 
 Exact byte counts for a fixed shape (gpt_tiny: L=4, h=128, a=4, f=512, V=4096; b=8, s=128; fp32,
 no dropout, CPU fused attention), single process. The cost model's per-layer figure
-(:func:`framework.cost.activations.activation_bytes_per_layer`, 16-bit, Table 2) is adapted term by
+(:func:`framework.base.cost.activations.activation_bytes_per_layer`, 16-bit, Table 2) is adapted term by
 term in :func:`adapted_layer_bytes`; the rest of the model's saved tensors are stated in
 :func:`benchmarks.cost_model_validation.gpt_activation_bytes`.
 """
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from benchmarks.cost_model_validation import gpt_activation_bytes
-from framework.config.schema import ModelConfig
-from framework.cost.activations import activation_bytes_per_layer
-from framework.cost.shape import ModelShape
-from framework.metrics.memory import SavedTensorMeter
-from framework.model import GPT
+from framework.base.config.schema import ModelConfig
+from framework.base.cost.activations import activation_bytes_per_layer
+from framework.base.cost.shape import ModelShape
+from framework.base.metrics.memory import SavedTensorMeter
+from framework.base.model import GPT
 
 L, H, A, V, S, B = 4, 128, 4, 4096, 128, 8
 
@@ -90,7 +90,7 @@ def test_microbatch_views_of_one_batch_keep_the_whole_batch_alive():
 
 def test_a_last_pipeline_stage_counts_its_received_activation_not_its_parameters():
     """A stage's input is a leaf that requires grad (the received activation): counted; the head copy (a parameter) is not."""
-    from framework.model.gpt import lm_loss
+    from framework.base.model.gpt import lm_loss
     from plugins.megatron.pipeline import GPTStage
 
     stage = GPTStage(gpt_tiny(), [2, 3], first=False, last=True)

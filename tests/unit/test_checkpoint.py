@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from framework.checkpoint.__main__ import main as ckpt_tool
-from framework.checkpoint.delta import apply_delta, encode_delta
-from framework.checkpoint.format import (
+from framework.base.checkpoint.__main__ import main as ckpt_tool
+from framework.base.checkpoint.delta import apply_delta, encode_delta
+from framework.base.checkpoint.format import (
     CheckpointError,
     UnsafeCheckpointError,
     find_latest_valid,
@@ -25,9 +25,9 @@ from framework.checkpoint.format import (
     verify,
     write_checkpoint,
 )
-from framework.checkpoint.io import FolderCheckpointIO
-from framework.checkpoint.memory import MemorySnapshot
-from framework.checkpoint.rng import capture_rng_state, restore_rng_state
+from framework.base.checkpoint.io import FolderCheckpointIO
+from framework.rank.checkpoint.memory import MemorySnapshot
+from framework.rank.checkpoint.rng import capture_rng_state, restore_rng_state
 
 
 def _state(step: int, seed: int = 0) -> dict:
@@ -260,8 +260,8 @@ def test_tool_lists_verifies_and_converts(tmp_path, capsys):
 def test_buffered_metrics_are_sent_before_the_checkpoint_that_covers_their_step(tmp_path):
     """A kill right after a save must not lose the saved step's metrics (the resumed run does not replay
     that step): ``before_save`` (the worker's metric flush) runs before the folder is written."""
-    from framework.checkpoint.periodic import PeriodicCheckpoint
-    from framework.metrics.emit import MetricEmitter
+    from framework.rank.checkpoint.periodic import PeriodicCheckpoint
+    from framework.base.metrics.emit import MetricEmitter
 
     order = []
     io = FolderCheckpointIO(keep_last_k=1, asynchronous=False, full_every_n_saves=1, manifest_fields={}, tokens_per_step=1)

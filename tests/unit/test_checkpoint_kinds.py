@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import framework.checkpoint.kinds as kinds
-from framework.checkpoint.dcp import load_into_sharded, save_sharded
-from framework.checkpoint.format import (
+import framework.base.checkpoint.kinds as kinds
+from framework.base.checkpoint.dcp import load_into_sharded, save_sharded
+from framework.base.checkpoint.format import (
     MANIFEST,
     CheckpointError,
     commit_folder,
@@ -24,9 +24,9 @@ from framework.checkpoint.format import (
     verify,
     write_checkpoint,
 )
-from framework.checkpoint.kinds import CheckpointKind, can_load, get_checkpoint_kind, register_checkpoint_kind
-from framework.checkpoint.resume import ResumeChoice, check_resume_request, select_resume
-from framework.config.schema import ConfigError
+from framework.base.checkpoint.kinds import CheckpointKind, can_load, get_checkpoint_kind, register_checkpoint_kind
+from framework.base.checkpoint.resume import ResumeChoice, check_resume_request, select_resume
+from framework.base.config.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 # DCP without a process group (one process) says so on every save and load.
@@ -81,7 +81,7 @@ def test_the_package_registers_full_delta_and_dcp():
 @pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_the_table_imports_no_torch_or_lightning():
     """The driver consults it before any rank starts."""
-    code = ("import sys, framework.checkpoint.kinds as k; k.get_checkpoint_kind('dcp');"
+    code = ("import sys, framework.base.checkpoint.kinds as k; k.get_checkpoint_kind('dcp');"
             " print(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning_fabric') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(REPO), "PATH": ""}).stdout
@@ -140,7 +140,7 @@ def test_saves_dispatch_on_the_declared_kind_not_on_the_state(table, tmp_path):
     """The checkpoint IO saves the kind the plugin declares: a kind with ``save_shards`` goes to it on every rank
     (even when the state holds plain tensors, as pipeline stages do); ``full`` writes one state file; the
     on-disk result of a dcp save is the same folder as before (manifest kind ``dcp``, loadable as a full state)."""
-    from framework.checkpoint.io import FolderCheckpointIO
+    from framework.base.checkpoint.io import FolderCheckpointIO
 
     def io(kind):
         return FolderCheckpointIO(keep_last_k=3, asynchronous=False, full_every_n_saves=1, manifest_fields={},

@@ -1,12 +1,12 @@
 """One set of communication formulas: the planner's collectives of a layout and the plugins' payloads are sums
-over the same per-stage and per-layer tables (framework/cost/comm.py)."""
+over the same per-stage and per-layer tables (framework/base/cost/comm.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from framework.cost.collectives import layout_collectives
-from framework.cost.comm import (
+from framework.base.cost.collectives import layout_collectives
+from framework.base.cost.comm import (
     ModelStats,
     ddp_comm_volume,
     dp_collectives,
@@ -14,9 +14,9 @@ from framework.cost.comm import (
     tp_payload_bytes_per_microbatch,
     zero_comm_volume,
 )
-from framework.cost.layout import PlanLayout
-from framework.cost.memory import stage_params
-from framework.cost.shape import ModelShape
+from framework.base.cost.layout import PlanLayout
+from framework.base.cost.memory import stage_params
+from framework.base.cost.shape import ModelShape
 
 SHAPE = ModelShape(n_layer=4, d_model=64, n_head=4, vocab_size=256, seq_len=32, max_seq_len=32)
 

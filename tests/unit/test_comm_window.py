@@ -1,4 +1,4 @@
-"""The framework's comm-meter window (framework/callbacks/breakdown.py) on a one-process Lightning run.
+"""The framework's comm-meter window (framework/rank/callbacks/breakdown.py) on a one-process Lightning run.
 
 A stand-in plugin reports a collective on *every* forward of the model (training and
 evaluation), one in every optimizer step, and, like a wrapper of a process-wide function, every
@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytorch_lightning as pl
 import torch
 
-from framework.callbacks.breakdown import StepBreakdown
-from framework.callbacks.clock import StepClock
-from framework.metrics.emit import MetricEmitter
-from framework.callbacks.validation import ValidationLoss
-from framework.cost.comm import CommEstimate
-from framework.layout import ParallelLayout
-from framework.plugin import ParallelPlugin
+from framework.rank.callbacks.breakdown import StepBreakdown
+from framework.rank.callbacks.clock import StepClock
+from framework.base.metrics.emit import MetricEmitter
+from framework.rank.callbacks.validation import ValidationLoss
+from framework.base.cost.comm import CommEstimate
+from framework.base.layout import ParallelLayout
+from framework.base.plugin import ParallelPlugin
 
 ACCUM = 2  # micro-batches per optimizer step
 

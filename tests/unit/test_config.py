@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from framework.config.schema import ConfigError
-from framework.config.validate import derive_batch, load_run_config, validate
+from framework.base.config.schema import ConfigError
+from framework.driver.validate import derive_batch, load_run_config, validate
 from tests.conftest import CONF_DIR
 
 
@@ -128,7 +128,7 @@ def test_all_errors_are_reported_together(compose):
 
 
 def test_warmup_cosine_schedule():
-    from framework.module import warmup_cosine
+    from framework.rank.module import warmup_cosine
 
     f = lambda k: warmup_cosine(k, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)  # noqa: E731
     assert [f(k) for k in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])  # linear warm-up to the peak
@@ -185,7 +185,7 @@ def test_threads_per_rank_is_refused_only_above_the_cores(compose, monkeypatch):
 
 
 def test_key_suggestions_are_the_close_ones_not_the_same_prefix():
-    from framework.config import near_keys
+    from framework.base.config import near_keys
 
     keys = ["parallelism.reshard_after_forward", "parallelism.nproc_per_node", "parallelism.world_size", "trainer.max_steps"]
     assert near_keys("parallelism.reshard_after_forwad", keys) == ["parallelism.reshard_after_forward"]

@@ -1,4 +1,4 @@
-"""framework.cost: closed forms (ZeRO, Korthikanti Table 2, Narayanan bubble, nccl-tests factors), the
+"""framework.base.cost: closed forms (ZeRO, Korthikanti Table 2, Narayanan bubble, nccl-tests factors), the
 plugins' figures vs the planner's breakdown, the step-time and what-if arithmetic, cluster files and the planner's
 one-line errors."""
 
@@ -10,27 +10,27 @@ import math
 import pytest
 import yaml
 
-from framework.cli import CONF_DIR
-from framework.config.schema import ModelConfig
-from framework.cost import activations as A
-from framework.cost.bubble import microbatches_in_flight, pp_bubble_fraction
-from framework.cost.collectives import layout_collectives
-from framework.cost.comm import ZERO3_COLLECTIVES
-from framework.cost.comm import ModelStats, ddp_comm_volume, fsdp_comm_volume, tp_payload_bytes_per_microbatch
-from framework.cost.estimate import estimate
-from framework.cost.hardware import REQUIRED, ClusterError, Link, cluster_from_dict
-from framework.metrics.local_cpu import cluster_of
-from framework.cost.layout import PlanLayout
-from framework.cost.memory import (
+from framework.driver.cli import CONF_DIR
+from framework.base.config.schema import ModelConfig
+from framework.base.cost import activations as A
+from framework.base.cost.bubble import microbatches_in_flight, pp_bubble_fraction
+from framework.base.cost.collectives import layout_collectives
+from framework.base.cost.comm import ZERO3_COLLECTIVES
+from framework.base.cost.comm import ModelStats, ddp_comm_volume, fsdp_comm_volume, tp_payload_bytes_per_microbatch
+from framework.base.cost.estimate import estimate
+from framework.base.cost.hardware import REQUIRED, ClusterError, Link, cluster_from_dict
+from framework.base.metrics.local_cpu import cluster_of
+from framework.base.cost.layout import PlanLayout
+from framework.base.cost.memory import (
     ZERO_STAGES,
     fsdp_model_states_bytes,
     model_states_per_rank,
     replicated_adamw_model_states_bytes,
     stage_params,
 )
-from framework.cost.shape import ModelShape
-from framework.cost.steptime import MeasuredBreakdown, MeasuredCollective, StepTimeParams, collective_time, step_time, whatif
-from framework.plan.search import PlanError, search
+from framework.base.cost.shape import ModelShape
+from framework.base.cost.steptime import MeasuredBreakdown, MeasuredCollective, StepTimeParams, collective_time, step_time, whatif
+from framework.driver.plan.search import PlanError, search
 
 GPT3 = ModelShape(n_layer=96, d_model=12288, n_head=96, vocab_size=51200, seq_len=2048, max_seq_len=2048)
 
@@ -43,7 +43,7 @@ def _cluster(**kw):
 
 @pytest.mark.parametrize("cfg", [dict(), dict(n_layer=3, n_head=2, d_model=64, d_ff=200, bias=False, max_seq_len=96)])
 def test_shape_counts_equal_the_gpt(cfg):
-    from framework.model import GPT
+    from framework.base.model import GPT
 
     mc = ModelConfig(**cfg)
     model = GPT(mc, vocab_size=300)
@@ -149,7 +149,7 @@ def test_planner_collectives_equal_the_plugins_closed_forms():
 
 
 def test_alpha_beta_collective_time():
-    from framework.cost.collectives import Collective
+    from framework.base.cost.collectives import Collective
 
     c = Collective("dp_grad", "allreduce", "dp", 8, True, 1e9, 1, False)
     link = Link(alpha_s=1e-5, bandwidth=50e9)
@@ -202,7 +202,7 @@ def test_every_cluster_file_loads_and_a_missing_field_is_one_line(tmp_path):
         assert c.peak_flops > 0 and c.usable_memory_bytes > 0
         if path.stem == "local_cpu":
             assert c.nic.params("allgather") == (2e-4, 5e8) and c.peak_flops == 5e10 and c.hbm_bytes == 8 * 2**30
-    with pytest.raises(ClusterError, match="python -m framework.metrics.local_cpu"):  # the cost model measures nothing
+    with pytest.raises(ClusterError, match="python -m framework.base.metrics.local_cpu"):  # the cost model measures nothing
         cluster_from_dict(yaml.safe_load((CONF_DIR / "cluster" / "local_cpu.yaml").read_text()), where="local_cpu")
     raw = yaml.safe_load((CONF_DIR / "cluster" / "b200.yaml").read_text())
     del raw["nic_bandwidth"]
@@ -244,7 +244,7 @@ def test_estimate_memory_drops_with_tp_and_fits_flag():
      "plan.run_with.data_parallel must be a list of 4 overrides, entry i for ZeRO stage i (0, 1, 2, 3); got ['parallelism=ddp']"),
 ])
 def test_planner_bad_input_is_one_line(overrides, fragment, capsys):
-    from framework.plan.__main__ import main
+    from framework.driver.plan.__main__ import main
 
     with pytest.raises(SystemExit) as info:
         main([*overrides, "tracking.enabled=false"])
@@ -266,9 +266,9 @@ def test_planner_overrides_run_in_trainlab(compose, lay):
     """The overrides the planner prints compose and validate as a trainlab run of the same layout."""
     from omegaconf import OmegaConf
 
-    from framework.config.load import load_run_config
-    from framework.config.validate import validate
-    from framework.plan.runs import trainlab_overrides
+    from framework.base.load import load_run_config
+    from framework.driver.validate import validate
+    from framework.driver.plan.runs import trainlab_overrides
 
     run_with = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "plan.yaml").plan.run_with)
     over, notes = trainlab_overrides(lay, model="gpt_tiny", seq_len=128, nodes=1, run_with=run_with)
@@ -289,7 +289,7 @@ def test_activation_bytes_without_dropout_and_in_fp32():
 
 
 def test_breakdown_from_trainlab_metrics():
-    from framework.cost.steptime import breakdown_from_metrics
+    from framework.base.cost.steptime import breakdown_from_metrics
 
     m = {"perf/data_wait_s": 0.002, "perf/compute_s": 0.030, "perf/comm_s": 0.001, "perf/comm_inflight_s": 0.008,
          "perf/optimizer_s": 0.004, "perf/other_s": 0.003}
@@ -301,13 +301,13 @@ def test_breakdown_from_trainlab_metrics():
 
 
 def test_the_cost_package_measures_nothing():
-    """framework/cost is pure formulas: no module imports torch or a clock (measurement lives in framework/metrics)."""
+    """framework/base/cost is pure formulas: no module imports torch or a clock (measurement lives in framework/metrics)."""
     import ast
     from pathlib import Path
 
-    import framework.cost
+    import framework.base.cost
 
-    for path in sorted(Path(framework.cost.__file__).parent.glob("*.py")):
+    for path in sorted(Path(framework.base.cost.__file__).parent.glob("*.py")):
         tree = ast.parse(path.read_text())
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

@@ -1,4 +1,4 @@
-"""Unit tests of the data pipeline (framework.data): corpus, tokenizer, token cache, windows,
+"""Unit tests of the data pipeline (framework.rank.data): corpus, tokenizer, token cache, windows,
 the step-exact batch sampler and the Lightning DataModule. CPU only; small corpora."""
 
 from __future__ import annotations
@@ -15,18 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from framework.config.schema import ConfigError, DataConfig
-from framework.data import (
-    StepBatchSampler,
-    TextDataModule,
-    TokenCache,
-    WindowDataset,
-    load_token_cache,
-    prepare_data,
-)
-from framework.data import tokens as tokens_mod
-from framework.data.corpus import list_sources, read_corpus, split_documents
-from framework.data.tokenizer import EOT
+from framework.base.config.schema import ConfigError, DataConfig
+from framework.rank.data import StepBatchSampler, TextDataModule
+from framework.base.data.tokens import TokenCache, load_token_cache, prepare_data
+from framework.base.data.dataset import WindowDataset
+from framework.base.data import tokens as tokens_mod
+from framework.base.data.corpus import list_sources, read_corpus, split_documents
+from framework.base.data.tokenizer import EOT
 
 # ------------------------------------------------------------------------------ fixtures
 
@@ -462,7 +457,7 @@ def test_lightning_resume_continues_the_sample_stream(stdlib_cache, tmp_path):
 def test_on_the_fly_tokenization_gives_the_memmap_windows(stdlib_cache):
     import dataclasses
 
-    from framework.data.dataset import OnTheFlyWindowDataset
+    from framework.base.data.dataset import OnTheFlyWindowDataset
 
     cfg, cache = stdlib_cache
     memmap = WindowDataset(cache.open_train(), cfg.seq_len)
@@ -497,8 +492,8 @@ def test_document_boundary_masking_ignores_exactly_the_targets_after_eot(stdlib_
     train micro-batch carries its step's count of the targets left."""
     import dataclasses
 
-    from framework.data.dataset import OnTheFlyWindowDataset
-    from framework.model.gpt import IGNORE_INDEX
+    from framework.base.data.dataset import OnTheFlyWindowDataset
+    from framework.base.model.gpt import IGNORE_INDEX
 
     cfg, cache = stdlib_cache
     tokens = cache.open_train()
@@ -528,7 +523,7 @@ def test_document_boundary_masking_ignores_exactly_the_targets_after_eot(stdlib_
 
 def test_a_global_batch_larger_than_the_train_split_is_refused():
     """Issue 13 item 8: 41 sequences from 40 windows would repeat a window in every step."""
-    from framework.data.dataset import check_global_batch_fits
+    from framework.base.data.dataset import check_global_batch_fits
 
     check_global_batch_fits(global_batch_size=40, train_tokens=40 * 128 + 1, seq_len=128)  # exactly fits
     with pytest.raises(ConfigError) as info:

@@ -7,15 +7,15 @@ import pickle
 import pytest
 import torch
 
-from framework.checkpoint.dcp import (
+from framework.base.checkpoint.dcp import (
     _MetadataUnpickler,
     join_checkpoint,
     optim_state_by_name,
     optim_state_by_position,
     split_checkpoint,
 )
-from framework.checkpoint.format import UnsafeCheckpointError
-from framework.checkpoint.reshard import rescale_batch_progress, rng_state_for_rank
+from framework.base.checkpoint.format import UnsafeCheckpointError
+from framework.rank.checkpoint.reshard import rescale_batch_progress, rng_state_for_rank
 
 
 def _trained():
@@ -82,7 +82,7 @@ def test_dcp_index_reader_admits_only_metadata_classes(tmp_path):
 
 
 def test_a_planted_dcp_index_is_refused_without_running_it(tmp_path, capsys):
-    from framework.checkpoint.dcp import safe_reader
+    from framework.base.checkpoint.dcp import safe_reader
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
     with pytest.raises(UnsafeCheckpointError, match="refused to load"):

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from framework.config.schema import ConfigError
-from framework.config.validate import load_run_config, validate
-from framework.cost.comm import ModelStats
+from framework.base.config.schema import ConfigError
+from framework.driver.validate import load_run_config, validate
+from framework.base.cost.comm import ModelStats
 from plugins.deepspeed import DeepSpeedConfig
 from plugins.deepspeed.cost import zero_comm_volume, zero_model_states_bytes
 
@@ -145,8 +145,8 @@ def test_held_state_hooks_count_what_zero_keeps_outside_the_parameters():
     DeepSpeed plugin adds a ZeRO-3 partition (``ds_tensor``), a wrapper's flat buffers and the full ``ds_shape``."""
     import torch
 
-    from framework.metrics.memory import model_states_bytes, model_stats
-    from framework.plugin import ParallelPlugin
+    from framework.base.metrics.memory import model_states_bytes, model_stats
+    from framework.base.plugin import ParallelPlugin
     from plugins.deepspeed import DeepSpeedPlugin
 
     module = torch.nn.Linear(4, 2, bias=False)

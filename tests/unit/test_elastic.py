@@ -1,13 +1,14 @@
-"""Elastic shrink (framework/faults/elastic.py): the target world size, the run resolved there at the
+"""Elastic shrink (framework/driver/faults/elastic.py): the target world size, the run resolved there at the
 same global batch, the one-line refusal when no layout keeps it, the LR re-warm-up and the MLflow tags."""
 
 from __future__ import annotations
 
 import pytest
 
-from framework.config.schema import ConfigError
-from framework.config.validate import load_run_config, validate
-from framework.faults.elastic import check_first_shrink, resolve_shrunk, rewarmup_factor, shrink_tags, shrink_targets
+from framework.base.config.schema import ConfigError
+from framework.driver.validate import load_run_config, validate
+from framework.driver.faults.elastic import check_first_shrink, resolve_shrunk, shrink_tags, shrink_targets
+from framework.rank.faults.guard import rewarmup_factor
 
 
 def _resolved(compose, *overrides):
@@ -108,7 +109,7 @@ def test_a_checkpoint_resumed_at_another_lr_goes_on_at_the_new_one():
     the checkpoint would otherwise bring the old LR back (Lightning loads them after ``configure_optimizers``)."""
     import torch
 
-    from framework.module import rescale_lr_state, warmup_cosine
+    from framework.rank.module import rescale_lr_state, warmup_cosine
 
     def make(lr):
         w = torch.nn.Parameter(torch.ones(3))

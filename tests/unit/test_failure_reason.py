@@ -1,5 +1,5 @@
 """A failed launch's reason is its root cause: the first rank to fail, its exit code or signal and the
-last line of its exception (framework/faults/supervisor.py), not the first line of torch elastic's banner."""
+last line of its exception (framework/driver/faults/supervisor.py), not the first line of torch elastic's banner."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from framework.faults.supervisor import failure_reason
+from framework.driver.faults.supervisor import failure_reason
 
 
 def _raised(tmp_path, rank: int, t: int, text: str) -> ProcessFailure:

@@ -10,17 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from framework.faults.events import FaultLog
-from framework.step import StepState
-from framework.faults.inject import FaultInjector
-from framework.faults.kinds import FaultKind, fault_kind_names, fault_kinds, get_fault_kind, register_fault_kind
+from framework.base.faults.events import FaultLog
+from framework.rank.step import StepState
+from framework.rank.faults.inject import FaultInjector
+from framework.base.faults.kinds import FaultKind, fault_kind_names, fault_kinds, get_fault_kind, register_fault_kind
 from tests.conftest import CONF_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_kind_is_a_module_with_a_preset_of_its_name():
-    """A kind is one module in framework/faults/kinds/ plus conf/fault/<kind>.yaml: the two lists match."""
+    """A kind is one module in framework/base/faults/kinds/ plus conf/fault/<kind>.yaml: the two lists match."""
     modules = sorted(p.stem for p in (REPO / "framework" / "faults" / "kinds").glob("*.py") if not p.stem.startswith("_"))
     presets = sorted(p.stem for p in (CONF_DIR / "fault").glob("*.yaml"))
     assert fault_kind_names() == modules and len(modules) >= 9
@@ -42,7 +42,7 @@ def test_an_unknown_kind_and_a_second_class_under_a_name_are_refused():
 
 @pytest.mark.slow
 def test_the_cli_lists_every_kind():
-    out = subprocess.run([sys.executable, "-m", "framework.faults.kinds"], cwd=REPO, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "framework.base.faults.kinds"], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert [line.split(":")[0] for line in out] == fault_kind_names()
 
@@ -64,7 +64,7 @@ def test_the_injector_runs_each_kind_in_its_step_once(tmp_path, monkeypatch):
     """Drives the injector's hooks over 3 steps of 2 micro-batches: loss_spike sets the loss transform for its
     step only, bad_batch replaces both micro-batches of its step, nan_grad poisons the gradients of its step,
     slow_rank sleeps once in each of its duration_steps steps; every firing is in the fault log, once."""
-    import framework.faults.kinds.slow_rank as slow
+    import framework.base.faults.kinds.slow_rank as slow
 
     slept = []
     monkeypatch.setattr(slow.time, "sleep", slept.append)
@@ -94,8 +94,8 @@ def test_the_injector_runs_each_kind_in_its_step_once(tmp_path, monkeypatch):
 
 
 def test_a_kind_declares_its_own_rules_and_random_defaults(compose):
-    from framework.config.validate import load_run_config
-    from framework.faults.schedule import build_schedule
+    from framework.driver.validate import load_run_config
+    from framework.base.faults.schedule import build_schedule
 
     run = load_run_config(compose("fault.mtbf_steps=5", "fault.random_kinds=[hang]", "resilience.hang_timeout_s=5"))
     assert get_fault_kind("hang").check(run) == []

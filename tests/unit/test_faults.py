@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from framework.config.schema import ConfigError
-from framework.config.validate import load_run_config, validate
-from framework.faults.accounting import recovery_figures
-from framework.faults.detect import RunningMean, StepHealth, gather_health
-from framework.faults.events import FaultLog
-from framework.faults.schedule import build_schedule
+from framework.base.config.schema import ConfigError
+from framework.driver.validate import load_run_config, validate
+from framework.driver.faults.accounting import recovery_figures
+from framework.rank.faults.detect import RunningMean, StepHealth, gather_health
+from framework.base.faults.events import FaultLog
+from framework.base.faults.schedule import build_schedule
 from tests.conftest import CONF_DIR
 
 
@@ -162,8 +162,8 @@ def test_reported_grad_norm_is_the_value_a_skip_rests_on():
 
 def _module_and_optimizer(compose, *overrides):
     """The LMModule's own AdamW + LambdaLR (configure_optimizers) over a small stand-in model."""
-    from framework.module import LMModule
-    from framework.registry import get_plugin_class
+    from framework.rank.module import LMModule
+    from framework.base.registry import get_plugin_class
 
     resolved = validate(load_run_config(compose("parallelism=single", *overrides)))
     module = LMModule(resolved, vocab_size=16, plugin=get_plugin_class("single")(resolved.run.parallelism))
@@ -178,7 +178,7 @@ def _train(module, opt, sched, steps: int, dropped: set[int]) -> list[float]:
     drop decision, as the fault guard takes it in on_before_optimizer_step) on odd steps, and without one after
     the backward (as DeepSpeed steps the optimizer it wraps) on even steps; then the scheduler hook.
     Returns the LR each step used."""
-    from framework.faults.audit import max_abs_diff
+    from framework.rank.faults.audit import max_abs_diff
 
     lrs = []
     for step in range(1, steps + 1):
@@ -213,7 +213,7 @@ def test_a_dropped_update_changes_nothing_and_the_lr_schedule_counts_applied_upd
     optimizer pre-hook; step 3 with Lightning's closure, step 4 without), and the LR of every step is the fault-free schedule shifted by the skips before it:
     lr(s) = schedule(s - 1 - skips before s) (warm-up over 4 updates, peak 1e-3): 2.5e-4, 5e-4, 7.5e-4, 7.5e-4,
     7.5e-4, 1e-3 in steps 1-6 (fault-free: 2.5e-4, 5e-4, 7.5e-4, 1e-3, ...)."""
-    from framework.module import warmup_cosine
+    from framework.rank.module import warmup_cosine
 
     module, opt, sched = _module_and_optimizer(compose, "optim.warmup_steps=4", "optim.lr=1e-3", "trainer.max_steps=10")
     lrs = _train(module, opt, sched, 8, dropped={3, 4})
@@ -241,7 +241,7 @@ def test_a_dropped_step_leaves_the_lr_the_schedule_set(compose):
 
 
 def test_skip_audit_sees_any_change_of_the_state():
-    from framework.faults.audit import max_abs_diff
+    from framework.rank.faults.audit import max_abs_diff
 
     a = {"w": torch.zeros(3, dtype=torch.float64), "m": torch.tensor([1.0, float("nan")], dtype=torch.float64)}
     assert max_abs_diff(a, {k: v.clone() for k, v in a.items()}) == 0.0
@@ -249,7 +249,7 @@ def test_skip_audit_sees_any_change_of_the_state():
     assert max_abs_diff(a, {**a, "m": torch.tensor([1.0, 2.0], dtype=torch.float64)}) == math.inf  # NaN replaced
     assert max_abs_diff(a, {**a, "exp_avg": torch.zeros(3, dtype=torch.float64)}) == math.inf  # AdamW state created
     assert max_abs_diff({}, {}) == 0.0
-    from framework.faults.audit import max_abs_diff_by_part
+    from framework.rank.faults.audit import max_abs_diff_by_part
 
     b = {"model/w": torch.zeros(2, dtype=torch.float64), "optimizer0/state/0/step": torch.tensor(2.0, dtype=torch.float64)}
     assert max_abs_diff_by_part(b, {**b, "optimizer0/state/0/step": torch.tensor(3.0, dtype=torch.float64)}) == {

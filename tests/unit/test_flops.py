@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from framework.config.schema import ModelConfig
-from framework.metrics import flops as F
-from framework.model import GPT
+from framework.base.config.schema import ModelConfig
+from framework.base.metrics import flops as F
+from framework.base.model import GPT
 
 # GPT-2 small: L=12, h=768, V=50257, max_seq_len=1024, biases, tied head.
 # Per layer: attention qkv 3h^2+3h + proj h^2+h = 4h^2+4h = 2,362,368
@@ -160,8 +160,8 @@ def test_a_peak_measured_under_load_is_measured_again_later_and_the_cache_keeps_
 
 
 def test_an_mfu_above_1_is_a_calibration_error_not_a_figure():
-    from framework.callbacks.step_metrics import StepMetrics
-    from framework.metrics.emit import MetricEmitter
+    from framework.rank.callbacks.step_metrics import StepMetrics
+    from framework.base.metrics.emit import MetricEmitter
 
     sm = StepMetrics(clock=None, tokens_per_step=256, flops_per_token=100, peak_flops=1000.0, num_devices=2,
                      log_every_n_steps=1, warmup_steps_excluded=0, emit=MetricEmitter())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from framework.config.validate import load_run_config, validate
-from framework.faults.accounting import GOODPUT_PARTS, attempt_parts, goodput_figures, recovery_figures
+from framework.driver.validate import load_run_config, validate
+from framework.driver.faults.accounting import GOODPUT_PARTS, attempt_parts, goodput_figures, recovery_figures
 
 
 def _rec(ev, t, **kw):
@@ -103,10 +103,10 @@ class _Tracker:
 def test_supervise_logs_goodput_and_recovery_for_a_run_without_fault_config(compose, tmp_path, monkeypatch):
     """Issue 13.5: a run with no fault config that crashes and is restarted (``trainer.max_restarts``)
     logs ``recovery/*`` and ``goodput``, at the last step reached, not at step 0."""
-    import framework.launcher
-    from framework.faults.events import FaultLog
-    from framework.faults.supervisor import supervise
-    from framework.launch import LaunchSpec
+    import framework.driver.launcher
+    from framework.base.faults.events import FaultLog
+    from framework.driver.faults.supervisor import supervise
+    from framework.base.launch import LaunchSpec
 
     resolved = validate(load_run_config(compose("trainer.max_restarts=1", "parallelism=single")))
     assert not resolved.run.fault.events and resolved.run.resilience.policy == "none"
@@ -121,7 +121,7 @@ def test_supervise_logs_goodput_and_recovery_for_a_run_without_fault_config(comp
             log.append("step", step=s, d=0.01, c=0.0, v=0.0, seg="0.1")
         log.append("end", step=5, d=0.0, c=0.0, v=0.0, seg="0.1")
 
-    monkeypatch.setattr(framework.launcher, "launch_ranks", fake_launch)
+    monkeypatch.setattr(framework.driver.launcher, "launch_ranks", fake_launch)
     tracker = _Tracker()
     supervise(LaunchSpec(resolved=resolved, run_dir=tmp_path, mlflow_run_id=None, resume_from=None,
                          token_cache_dir=str(tmp_path)), tracker)
@@ -137,7 +137,7 @@ def test_supervise_logs_goodput_and_recovery_for_a_run_without_fault_config(comp
 def test_recovery_table_rows_only_for_runs_with_faults_policy_or_recovery():
     from types import SimpleNamespace as NS
 
-    from framework.faults.report import recovery_rows
+    from framework.driver.faults.report import recovery_rows
 
     def run(rid, metrics, tags=None):
         return NS(info=NS(run_id=rid * 8, status="FINISHED"), data=NS(metrics=metrics, tags=tags or {}, params={}))
@@ -153,9 +153,9 @@ def test_run_timeline_records_steps_saves_and_a_rollback(tmp_path):
     save taken out of its time, a rolled-back step marked, and nothing on another rank."""
     from types import SimpleNamespace
 
-    from framework.callbacks.clock import StepClock
-    from framework.callbacks.goodput import RunTimeline
-    from framework.faults.events import FaultLog
+    from framework.rank.callbacks.clock import StepClock
+    from framework.rank.callbacks.goodput import RunTimeline
+    from framework.base.faults.events import FaultLog
 
     log = FaultLog(tmp_path)
     clock = StepClock()

@@ -1,11 +1,11 @@
-"""The host-sync counter (framework/metrics/syncs.py) and AdamW's implementation choice."""
+"""The host-sync counter (framework/rank/metrics/syncs.py) and AdamW's implementation choice."""
 
 from __future__ import annotations
 
 import torch
 
-from framework.metrics.syncs import HostSyncCounter, host_read, summarize
-from framework.module import adamw_implementation
+from framework.rank.metrics.syncs import HostSyncCounter, host_read, summarize
+from framework.rank.module import adamw_implementation
 
 
 def test_counts_each_read_back_with_its_call_site():
@@ -82,7 +82,7 @@ def test_adamw_is_fused_where_torch_has_the_kernel_unless_the_plugin_needs_the_l
 def test_a_loaded_state_keeps_this_runs_implementation():
     """A fused run's checkpoint loaded by a run that needs the per-tensor loop (tensor parallelism) keeps the loop,
     and the other way round; the step counters move to where the implementation keeps them."""
-    from framework.module import keep_implementation
+    from framework.rank.module import keep_implementation
 
     def make(**impl):
         model = torch.nn.Linear(4, 2)

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from framework.config.validate import load_run_config
-from framework.cost.failure_sim import Policy, goodput_over_seeds, simulate
-from framework.cost.interval import (
+from framework.driver.validate import load_run_config
+from framework.base.cost.failure_sim import Policy, goodput_over_seeds, simulate
+from framework.base.cost.interval import (
     TwoTier,
     daly_goodput,
     daly_interval,
@@ -18,7 +18,7 @@ from framework.cost.interval import (
     young_interval,
     young_waste,
 )
-from framework.faults.schedule import build_schedule
+from framework.base.faults.schedule import build_schedule
 from tests.conftest import REPO
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from framework.config.schema import ConfigError
-from framework.config.validate import load_run_config, validate
-from framework.faults.schedule import build_schedule
-from framework.faults.supervisor import resolve_shrunk
-from framework.launch import LaunchSpec
+from framework.base.config.schema import ConfigError
+from framework.driver.validate import load_run_config, validate
+from framework.base.faults.schedule import build_schedule
+from framework.driver.faults.supervisor import resolve_shrunk
+from framework.base.launch import LaunchSpec
 
 
 def _resolved(compose, *overrides):
@@ -30,7 +30,7 @@ def test_the_launch_object_crosses_the_launch_file_unchanged(compose, tmp_path):
 
 
 def test_a_rank_reads_the_launch_object_without_validating(compose, tmp_path, monkeypatch):
-    import framework.config.validate as validate_module
+    import framework.driver.validate as validate_module
 
     launch = LaunchSpec(resolved=_resolved(compose, "parallelism=pp", "trainer.micro_batch_size=4"), run_dir=tmp_path,
                         mlflow_run_id=None, resume_from=None, token_cache_dir=str(tmp_path))
@@ -66,7 +66,7 @@ def test_a_process_exits_although_a_daemonic_child_ignores_sigterm(tmp_path):
     script = tmp_path / "exits.py"
     script.write_text(textwrap.dedent('''
         import multiprocessing, signal, time
-        from framework.distributed import exit_process
+        from framework.base.distributed import exit_process
 
         def idle():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)

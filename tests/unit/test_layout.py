@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from framework.config.load import resolved_from_dict
-from framework.config.schema import ConfigError, ParallelConfig
-from framework.config.validate import load_run_config, validate
-from framework.layout import MESH_DIM_NAMES, ParallelLayout
-from framework.registry import available_plugins
+from framework.base.load import resolved_from_dict
+from framework.base.config.schema import ConfigError, ParallelConfig
+from framework.driver.validate import load_run_config, validate
+from framework.base.layout import MESH_DIM_NAMES, ParallelLayout
+from framework.base.registry import available_plugins
 
 FRAMEWORK = Path(__file__).resolve().parents[2] / "framework"
 

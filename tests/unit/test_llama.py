@@ -1,4 +1,4 @@
-"""The Llama-style decoder (framework/model/llama.py): attention against a hand-written GQA, RoPE,
+"""The Llama-style decoder (framework/base/model/llama.py): attention against a hand-written GQA, RoPE,
 causality, counts and FLOPs against the cost model and a FLOP counter, activation checkpointing,
 and the config rules that select it."""
 
@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from framework.config.schema import ConfigError, ModelConfig
-from framework.cost.shape import ModelShape
-from framework.model import GPT, Llama, build_model
-from framework.model.llama import apply_rope, rope_cos_sin
-from framework.parallelize import checkpoint_blocks
+from framework.base.config.schema import ConfigError, ModelConfig
+from framework.base.cost.shape import ModelShape
+from framework.base.model import GPT, Llama, build_model
+from framework.base.model.llama import apply_rope, rope_cos_sin
+from framework.base.parallelize import checkpoint_blocks
 from tests.conftest import REPO
 
 V = 96

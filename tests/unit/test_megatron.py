@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from framework.config.schema import ConfigError
-from framework.config.validate import load_run_config, validate
-from framework.cost.bubble import pp_bubble_fraction
-from framework.cost.comm import (
+from framework.base.config.schema import ConfigError
+from framework.driver.validate import load_run_config, validate
+from framework.base.cost.bubble import pp_bubble_fraction
+from framework.base.cost.comm import (
     pp_p2p_bytes_per_step,
     ring_wire_bytes,
     sp_norm_grad_allreduce_bytes,
@@ -108,8 +108,8 @@ def test_bad_layouts_are_one_line_errors(compose, overrides, fragment):
 def test_stage_parameter_names_map_back_to_the_gpt():
     import torch
 
-    from framework.config.schema import ModelConfig
-    from framework.model import GPT
+    from framework.base.config.schema import ModelConfig
+    from framework.base.model import GPT
 
     gpt = GPT(ModelConfig(), vocab_size=300)
     layers = split_layers(4, 4)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from framework.config.schema import ModelConfig
-from framework.model import GPT
+from framework.base.config.schema import ModelConfig
+from framework.base.model import GPT
 
 V = 64
 

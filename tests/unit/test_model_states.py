@@ -1,15 +1,15 @@
 """One model-state formula: the planner's breakdown and every plugin's cost function are the same
-function (framework.cost.memory.model_states_per_rank), equal in fp32 and in mixed precision."""
+function (framework.base.cost.memory.model_states_per_rank), equal in fp32 and in mixed precision."""
 
 import math
 from types import SimpleNamespace
 
 import pytest
 
-from framework.cost.comm import ModelStats
-from framework.cost.estimate import memory_per_rank
-from framework.cost.layout import PlanLayout
-from framework.cost.memory import (
+from framework.base.cost.comm import ModelStats
+from framework.base.cost.estimate import memory_per_rank
+from framework.base.cost.layout import PlanLayout
+from framework.base.cost.memory import (
     ACCOUNTINGS,
     adamw_fp32_local_states_bytes,
     fsdp_model_states_bytes,
@@ -18,7 +18,7 @@ from framework.cost.memory import (
     replicated_adamw_model_states_bytes,
     stage_params,
 )
-from framework.cost.shape import ModelShape
+from framework.base.cost.shape import ModelShape
 from plugins.deepspeed import DeepSpeedConfig
 from plugins.deepspeed.cost import zero_model_states_bytes
 

@@ -1,4 +1,4 @@
-"""Multi-node settings (framework/nodes.py) and the driver's reading of a preemption (framework/faults/preemption.py)."""
+"""Multi-node settings (framework/driver/nodes.py) and the driver's reading of a preemption (framework/base/faults/preemption.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from framework.config.schema import ConfigError
-from framework.config.validate import load_run_config, validate
-from framework.faults.events import FaultLog
-from framework.faults.preemption import preemption_outcome
-from framework.launch import LaunchSpec
-from framework.nodes import MARKER, hydra_run_dir, hydra_sweep_subdir, mark_shared_folder, resolve_nodes, wait_for_shared_folder
+from framework.base.config.schema import ConfigError
+from framework.driver.validate import load_run_config, validate
+from framework.base.faults.events import FaultLog
+from framework.base.faults.preemption import preemption_outcome
+from framework.base.launch import LaunchSpec
+from framework.driver.nodes import MARKER, hydra_run_dir, hydra_sweep_subdir, mark_shared_folder, resolve_nodes, wait_for_shared_folder
 
 TWO_NODES = ["parallelism=ddp", "parallelism.world_size=4", "parallelism.nnodes=2", "trainer.global_batch_size=8",
              "trainer.micro_batch_size=2", "tracking=none", "checkpoint=none"]
@@ -98,7 +98,7 @@ def test_the_early_signal_guard_raises_in_the_main_thread_and_leaves_the_handler
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from framework.faults.preemption import EarlySignals
+    from framework.base.faults.preemption import EarlySignals
 
     before = signal.getsignal(signal.SIGUSR1)
     blocked = []

@@ -1,4 +1,4 @@
-"""framework.parallelize: the order in which a plan is applied, activation checkpointing, compile."""
+"""framework.base.parallelize: the order in which a plan is applied, activation checkpointing, compile."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from framework.config.schema import ModelConfig
-from framework.model import GPT
-from framework.parallelize import CheckpointedForward, ParallelPlan, blocks_of, checkpoint_blocks, parallelize_gpt
+from framework.base.config.schema import ModelConfig
+from framework.base.model import GPT
+from framework.base.parallelize import CheckpointedForward, ParallelPlan, blocks_of, checkpoint_blocks, parallelize_gpt
 
 CFG = ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=16)
 

@@ -7,19 +7,19 @@ import threading
 import pytest
 import torch
 
-from framework.config.schema import ModelConfig
-from framework.cost.comm import (
+from framework.base.config.schema import ModelConfig
+from framework.base.cost.comm import (
     CommEstimate,
     ModelStats,
     ddp_comm_volume,
     dim0_sharded_numel,
     ring_wire_bytes,
 )
-from framework.cost.memory import replicated_adamw_model_states_bytes
-from framework.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes, torch_held_state
-from framework.metrics.timing import WORLD, CommMeter, HostClock, call_group, comm_paused, group_spans_nodes, make_clock
-from framework.model import GPT
-from framework.registry import get_plugin_class
+from framework.base.cost.memory import replicated_adamw_model_states_bytes
+from framework.base.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes, torch_held_state
+from framework.base.metrics.timing import WORLD, CommMeter, HostClock, call_group, comm_paused, group_spans_nodes, make_clock
+from framework.base.model import GPT
+from framework.base.registry import get_plugin_class
 
 
 def test_ring_wire_bytes_follow_nccl_tests_bus_factors():

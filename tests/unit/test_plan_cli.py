@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from framework.plan.__main__ import main
+from framework.driver.plan.__main__ import main
 
 
 def test_help_prints_usage_and_the_plan_keys(capsys):
@@ -17,7 +17,7 @@ def test_help_prints_usage_and_the_plan_keys(capsys):
 
 
 @pytest.mark.parametrize("module", ["framework.plan", "framework.train", "framework.compare", "framework.checkpoint",
-                                    "framework.cost.whatif", "framework.metrics.local_cpu"])
+                                    "framework.base.cost.whatif", "framework.base.metrics.local_cpu"])
 @pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_every_entry_point_prints_help(module):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
@@ -54,9 +54,9 @@ def test_tp_across_nodes_is_warned_and_priced_on_the_nic(capsys):
                  "trainer.global_batch_size=8", "plan.top_k=1", "tracking.enabled=false"]) == 0
     cap = capsys.readouterr()
     assert "trainlab: warning: plan.tp_degrees: tp 16 spans 2 nodes of 8 GPUs" in cap.err
-    from framework.cost.collectives import layout_collectives
-    from framework.cost.layout import PlanLayout
-    from framework.cost.shape import ModelShape
+    from framework.base.cost.collectives import layout_collectives
+    from framework.base.cost.layout import PlanLayout
+    from framework.base.cost.shape import ModelShape
 
     shape = ModelShape(n_layer=8, d_model=512, n_head=16, vocab_size=4096, seq_len=256)
     colls = layout_collectives(shape, PlanLayout(dp=1, tp=16, pp=1, micro_batch_size=1, global_batch_size=8), 8)

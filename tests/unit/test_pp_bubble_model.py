@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.pp_bubble_parts import bubble_model, schedule_orders
-from framework.cost.bubble import pp_bubble_fraction
+from framework.base.cost.bubble import pp_bubble_fraction
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

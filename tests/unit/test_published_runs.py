@@ -14,12 +14,12 @@ from benchmarks.published_runs import (
     ranking_report,
     summary,
 )
-from framework.cost.collectives import Collective, layout_collectives
-from framework.cost.comm import ZERO3_COLLECTIVES
-from framework.cost.hardware import Cluster, Link
-from framework.cost.layout import PlanLayout
-from framework.cost.shape import ModelShape
-from framework.cost.steptime import StepTimeParams, collective_link, step_time
+from framework.base.cost.collectives import Collective, layout_collectives
+from framework.base.cost.comm import ZERO3_COLLECTIVES
+from framework.base.cost.hardware import Cluster, Link
+from framework.base.cost.layout import PlanLayout
+from framework.base.cost.shape import ModelShape
+from framework.base.cost.steptime import StepTimeParams, collective_link, step_time
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_op_sac_keeps_the_block_input_and_every_other_mm_output():
     """torchtitan's op-level selective checkpointing keeps, per token of a SwiGLU block, its input h, the
     outputs of wq (h), wv (kv), w1 (f), w2 (h) and the attention output h (+ fp32 log-sum-exp per head);
     less than Table 2's selective set; the rank adds one rematerialised layer (the selective set)."""
-    from framework.cost.activations import activation_bytes_per_layer, activation_bytes_per_rank
+    from framework.base.cost.activations import activation_bytes_per_layer, activation_bytes_per_rank
 
     sh = ModelShape(n_layer=4, d_model=512, n_head=8, n_kv_head=2, d_ff=1408, mlp="swiglu", vocab_size=1000,
                     seq_len=256, bias=False, dropout=False)
@@ -181,7 +181,7 @@ def test_op_sac_keeps_the_block_input_and_every_other_mm_output():
 def test_op_sac_recomputes_every_second_matmul_of_a_block():
     """torchtitan's op-level selective checkpointing: Llama blocks (wq, wk, wv, wo, w1, w3, w2) recompute
     wk, wo and w3; the backward of one micro-batch grows by those FLOPs at the achievable rate."""
-    from framework.cost.flops import op_sac_recompute_flops_per_token
+    from framework.base.cost.flops import op_sac_recompute_flops_per_token
 
     llama = ModelShape(n_layer=4, d_model=512, n_head=8, n_kv_head=2, d_ff=1408, mlp="swiglu", vocab_size=1000,
                        seq_len=256, bias=False)
@@ -232,7 +232,7 @@ def test_torch_cross_entropy_holds_three_fp32_copies_of_the_logits():
     """PyTorch's F.cross_entropy on fp32 logits (torchtitan's loss_fn) holds log-softmax's saved output, the
     gradient nll_loss passes back and log-softmax's gradient input at once: 3 x 4·s·b·V bytes on the last
     stage, against Megatron's fused cross-entropy's one; nothing else and no step time moves."""
-    from framework.cost.estimate import estimate, memory_per_rank
+    from framework.base.cost.estimate import estimate, memory_per_rank
 
     lay = PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=2, global_batch_size=4, zero_stage=3, recompute="selective")
     _, one = memory_per_rank(SHAPE, lay)

@@ -1,4 +1,4 @@
-"""A rank's signal dispositions do not depend on what it inherited (framework.callbacks.preemption)."""
+"""A rank's signal dispositions do not depend on what it inherited (framework.rank.callbacks.preemption)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # every test starts Python processes (the fast ti
 
 CHILD = """
 import signal
-from framework.callbacks.preemption import install_handlers
+from framework.rank.callbacks.preemption import install_handlers
 assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN, "the test starts the child with SIGINT ignored"
 install_handlers()
 print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,
@@ -32,7 +32,7 @@ def test_a_rank_started_with_sigint_ignored_still_stops_on_ctrl_c():
 SERVER = """
 import signal, types
 from multiprocessing import forkserver
-from framework.launcher import start_rank_server, stop_rank_server
+from framework.driver.launcher import start_rank_server, stop_rank_server
 signal.signal(signal.SIGTERM, lambda *a: None)
 before = signal.getsignal(signal.SIGTERM)
 run = types.SimpleNamespace(trainer=types.SimpleNamespace(preload_ranks=True, threads_per_rank=1))
@@ -56,7 +56,7 @@ def test_the_rank_server_ignores_preemption_signals_sent_to_the_process_group():
 AGREE = """
 import os, signal, sys, json
 import torch.distributed as dist
-from framework.callbacks.preemption import _Received, agree_on_signal
+from framework.rank.callbacks.preemption import _Received, agree_on_signal
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
 if rank == 1:  # the signal reached rank 1 only (e.g. scancel --signal to the job's tasks), in its 7th step

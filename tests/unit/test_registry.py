@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from framework.config.schema import ConfigError, ParallelConfig
-from framework.plugin import ParallelPlugin
-from framework.registry import available_plugins, get_plugin_class, register_plugin
-from framework.cli import check_group_choices
+from framework.base.config.schema import ConfigError, ParallelConfig
+from framework.base.plugin import ParallelPlugin
+from framework.base.registry import available_plugins, get_plugin_class, register_plugin
+from framework.driver.cli import check_group_choices
 from tests.conftest import CONF_DIR
 
 
@@ -48,7 +48,7 @@ def test_a_class_that_is_not_a_plugin_is_refused():
         name = "loose"
         config_cls = ParallelConfig
 
-    with pytest.raises(TypeError, match="is not a subclass of framework.plugin.ParallelPlugin"):
+    with pytest.raises(TypeError, match="is not a subclass of framework.base.plugin.ParallelPlugin"):
         register_plugin(Loose)
 
 
@@ -67,11 +67,11 @@ def test_a_second_driver_on_the_same_run_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from framework.runs import hold_lock
+    from framework.driver.runs import hold_lock
 
     held = hold_lock(tmp_path, "run")
     try:
-        code = f"from pathlib import Path; from framework.runs import hold_lock; hold_lock(Path({str(tmp_path)!r}), 'run')"
+        code = f"from pathlib import Path; from framework.driver.runs import hold_lock; hold_lock(Path({str(tmp_path)!r}), 'run')"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2
         assert f"another trainlab process (pid {os.getpid()}) is running in {tmp_path} (the same run)" in proc.stderr
@@ -89,7 +89,7 @@ def test_the_driver_imports_plugins_without_lightning():
     import subprocess
     import sys
 
-    code = ("import sys; from framework.registry import available_plugins, get_plugin_class;"
+    code = ("import sys; from framework.base.registry import available_plugins, get_plugin_class;"
             "[get_plugin_class(n) for n in available_plugins()];"
             "print(sorted(m for m in ('pytorch_lightning', 'lightning_fabric', 'deepspeed') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

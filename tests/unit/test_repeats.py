@@ -1,4 +1,4 @@
-"""Repeats of a sweep (framework/repeats.py), their aggregation in the compare report, and the load monitor."""
+"""Repeats of a sweep (framework/driver/repeats.py), their aggregation in the compare report, and the load monitor."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from framework.compare import aggregate_rows, contention_note, render_table, table_columns
-from framework.load_monitor import (LoadMonitor, contention_verdict, other_cpu_share, read_cpu_jiffies, summarize_samples,
+from framework.driver.compare import aggregate_rows, contention_note, render_table, table_columns
+from framework.base.load_monitor import (LoadMonitor, contention_verdict, other_cpu_share, read_cpu_jiffies, summarize_samples,
                                     warning)
-from framework.repeats import REPEAT_KEY, child_tags, config_label, install, summary_table
-from framework.sweep import JobOutcome
+from framework.driver.repeats import REPEAT_KEY, child_tags, config_label, install, summary_table
+from framework.driver.sweep import JobOutcome
 
 
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from framework.cli import CONF_DIR
+    from framework.driver.cli import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=["run_name=x", *overrides], return_hydra_config=True)
@@ -44,7 +44,7 @@ def test_repeats_are_the_outer_loop_so_configurations_interleave():
 
 
 def test_repeats_are_refused_with_an_optuna_search_and_a_repeat_on_the_command_line():
-    from framework.config.schema import ConfigError
+    from framework.base.config.schema import ConfigError
 
     cfg = _compose("sweep.repeats=2")
     from omegaconf import open_dict, read_write
@@ -54,7 +54,7 @@ def test_repeats_are_refused_with_an_optuna_search_and_a_repeat_on_the_command_l
     with pytest.raises(ConfigError, match="sweep.repeats=2 needs Hydra's basic sweeper"):
         install(cfg)
     with pytest.raises(ConfigError, match="sweep.repeats must be|sweep.repeats=0"):
-        from framework.config.validate import load_run_config
+        from framework.driver.validate import load_run_config
 
         load_run_config(_compose("sweep.repeats=0"))
 
@@ -201,7 +201,7 @@ def test_the_runs_tree_keeps_the_cpu_time_of_children_that_have_exited():
 def test_a_sweeping_preset_takes_repeats_without_dash_m_and_a_plain_run_is_refused():
     """The study READMEs' commands (`experiment=data_pipeline sweep.repeats=5`: the preset sets hydra.mode
     MULTIRUN) pass the driver's precheck; a single run with repeats is refused in one line (exit 2)."""
-    from framework.cli import precheck
+    from framework.driver.cli import precheck
 
     assert precheck(["experiment=data_pipeline", "sweep.repeats=5"]) is None  # the sweep's own checks follow
     with pytest.raises(SystemExit) as exc:

@@ -1,6 +1,6 @@
-"""A resume compares the configuration stored in the checkpoint with the run's (framework/checkpoint/resume.py):
+"""A resume compares the configuration stored in the checkpoint with the run's (framework/base/checkpoint/resume.py):
 one line naming each differing key, unless ``resume_allow_changed`` names it; a sweep's explicit
-checkpoint.dir is the root of the jobs' own folders (framework/sweep.py)."""
+checkpoint.dir is the root of the jobs' own folders (framework/driver/sweep.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-from framework import sweep
-from framework.checkpoint.format import write_checkpoint
-from framework.checkpoint.resume import check_resume_config, resume_config
-from framework.config.schema import ConfigError, RunConfig
+from framework.driver import sweep
+from framework.base.checkpoint.format import write_checkpoint
+from framework.base.checkpoint.resume import check_resume_config, resume_config
+from framework.base.config.schema import ConfigError, RunConfig
 
 
 def _run(**changes) -> RunConfig:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from framework.cli import CONF_DIR
-from framework.config.load import load_run_config
-from framework.config.schema import ModelConfig
-from framework.config.validate import validate
-from framework.cost.layout import PlanLayout
-from framework.cost.shape import ModelShape
-from framework.plan.runs import default_run_with, plan_layout_of, trainlab_overrides
-from framework.plan.search import SearchSpace, enumerate_layouts
-from framework.registry import get_plugin_class
+from framework.driver.cli import CONF_DIR
+from framework.base.load import load_run_config
+from framework.base.config.schema import ModelConfig
+from framework.driver.validate import validate
+from framework.base.cost.layout import PlanLayout
+from framework.base.cost.shape import ModelShape
+from framework.driver.plan.runs import default_run_with, plan_layout_of, trainlab_overrides
+from framework.driver.plan.search import SearchSpace, enumerate_layouts
+from framework.base.registry import get_plugin_class
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "parallelism").glob("*.yaml"))
 PER_PRESET = 3  # layouts round-tripped per preset (spread over the enumeration; each composes a config)
@@ -79,7 +79,7 @@ def test_a_run_gives_its_plugins_declared_zero_stage(compose):
 
 
 def test_the_declared_zero_stage_is_a_derived_mlflow_param(compose):
-    from framework.tracking import derived_params
+    from framework.base.tracking import derived_params
 
     class Model:  # derived_params reads the model's size only
         vocab_size = 512
@@ -98,7 +98,7 @@ def test_the_declared_zero_stage_is_a_derived_mlflow_param(compose):
 def test_the_planners_node_placement_is_the_runs():
     """PlanLayout's closed form for a group crossing nodes (rank order tp, dp, pp) agrees with the run's
     ParallelLayout, which enumerates the ranks, on every layout of up to 32 ranks on nodes of 1-8."""
-    from framework.layout import ParallelLayout
+    from framework.base.layout import ParallelLayout
 
     checked = 0
     for gpn in (1, 2, 4, 8):

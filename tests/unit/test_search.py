@@ -1,4 +1,4 @@
-"""The Optuna search's loop (framework/search.py): FAIL trials with reasons, the failure budget over
+"""The Optuna search's loop (framework/driver/search.py): FAIL trials with reasons, the failure budget over
 ``n_trials``, a grid whose last point fails, SQLite storage; with a launcher that returns Hydra
 ``JobReturn``s as trainlab's jobs do (an objective, None with the reason in the job's outcome file,
 or an exception), so no job runs."""
@@ -15,13 +15,13 @@ import pytest
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from framework import sweep
-from framework.search import FAIL_REASON_ATTR, OptunaSearch, study_storage
+from framework.driver import sweep
+from framework.driver.search import FAIL_REASON_ATTR, OptunaSearch, study_storage
 
 
 class FakeLauncher:
     """Runs each trial's overrides through ``job(call_index, {key: value})`` -> a float, None (reason in the
-    outcome file, as :func:`framework.sweep.record_job` writes it) or an exception (the job raised)."""
+    outcome file, as :func:`framework.driver.sweep.record_job` writes it) or an exception (the job raised)."""
 
     def __init__(self, tmp: Path, job) -> None:
         self.tmp, self.job, self.calls = tmp, job, 0

@@ -1,4 +1,4 @@
-"""hydra/launcher=submitit_slurm|submitit_local (framework/slurm.py): trainlab's config mapped onto
+"""hydra/launcher=submitit_slurm|submitit_local (framework/driver/slurm.py): trainlab's config mapped onto
 hydra-submitit-launcher's keys, and the one-line error for a Slurm launcher without Slurm."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import framework.cli  # noqa: F401 (registers the launchers and resolvers)
-from framework.config import CONF_DIR
-from framework.slurm import check_launcher, cpus_per_task, gpus_per_node
+import framework.driver.cli  # noqa: F401 (registers the launchers and resolvers)
+from framework.base.config import CONF_DIR
+from framework.driver.slurm import check_launcher, cpus_per_task, gpus_per_node
 
 REPO = Path(__file__).resolve().parents[2]
 

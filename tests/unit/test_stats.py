@@ -1,11 +1,11 @@
-"""framework/stats.py on synthetic samples: interval coverage, verdicts, the batch-means interval."""
+"""framework/base/stats.py on synthetic samples: interval coverage, verdicts, the batch-means interval."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from framework.stats import (MIN_REPEATS, Verdict, batch_means_ci, bootstrap_median_ci, compare_to, cv, established,
+from framework.base.stats import (MIN_REPEATS, Verdict, batch_means_ci, bootstrap_median_ci, compare_to, cv, established,
                              summarize, t_quantile_975, verdicts)
 
 

@@ -1,5 +1,5 @@
-"""framework.step (the step's state and the one callback that runs its parts in phase order) and
-framework.metrics.emit (the one metric emitter)."""
+"""framework.rank.step (the step's state and the one callback that runs its parts in phase order) and
+framework.base.metrics.emit (the one metric emitter)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from framework.metrics.emit import MetricEmitter
-from framework.step import PHASES, StepState, TrainStep
+from framework.base.metrics.emit import MetricEmitter
+from framework.rank.step import PHASES, StepState, TrainStep
 
 
 class _Part(pl.Callback):
@@ -113,13 +113,13 @@ def test_the_worker_puts_every_part_of_a_run_in_its_documented_phase(compose, tm
     in-memory snapshots, a buffering sink): the table of docs/training_step.md."""
     from types import SimpleNamespace
 
-    from framework.config.validate import load_run_config, validate
-    from framework.faults.events import FaultLog
-    from framework.faults.guard import FaultGuard
-    from framework.faults.schedule import build_schedule
-    from framework.launch import LaunchSpec
-    from framework.registry import get_plugin_class
-    from framework.worker import _build_step
+    from framework.driver.validate import load_run_config, validate
+    from framework.base.faults.events import FaultLog
+    from framework.rank.faults.guard import FaultGuard
+    from framework.base.faults.schedule import build_schedule
+    from framework.base.launch import LaunchSpec
+    from framework.base.registry import get_plugin_class
+    from framework.rank.worker import _build_step
 
     resolved = validate(load_run_config(compose(
         "tracking=none", "fault=nan_grad", "resilience=rollback", "checkpoint.memory_every_n_steps=5",

@@ -1,12 +1,12 @@
-"""framework.callbacks.clock: step ends, rollback and the seconds kept out of the metric callbacks' steps."""
+"""framework.rank.callbacks.clock: step ends, rollback and the seconds kept out of the metric callbacks' steps."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from framework.callbacks.clock import StepClock
-from framework.callbacks.step_metrics import StepMetrics
-from framework.metrics.emit import MetricEmitter
+from framework.rank.callbacks.clock import StepClock
+from framework.rank.callbacks.step_metrics import StepMetrics
+from framework.base.metrics.emit import MetricEmitter
 
 
 def test_step_ends_warmup_and_rollback():

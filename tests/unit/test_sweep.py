@@ -1,4 +1,4 @@
-"""A sweep's identity (framework/sweep.py) and the compare report's swept-key table (framework/compare.py)."""
+"""A sweep's identity (framework/driver/sweep.py) and the compare report's swept-key table (framework/driver/compare.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from framework.compare import build_rows, natural_key, pick_x, render_table, short_names, swept_keys, swept_values, table_columns
-from framework.sweep import display_name, job_name, parse_sweep
+from framework.driver.compare import (
+    build_rows,
+    natural_key,
+    pick_x,
+    render_table,
+    short_names,
+    swept_keys,
+    swept_values,
+    table_columns,
+)
+from framework.driver.sweep import display_name, job_name, parse_sweep
 
 EXCLUDED = ["resume", "experiment", "trainer.max_steps", "checkpoint.every_n_steps", "data.num_workers", "tracking.uri"]
 
@@ -91,8 +100,8 @@ def test_rows_are_labelled_by_swept_values_and_sorted_numerically():
 def test_bad_sweeps_are_refused_in_one_line(capsys, sweep, message):
     from hydra import compose, initialize_config_dir
 
-    from framework.cli import CONF_DIR
-    from framework.sweep import check_sweep
+    from framework.driver.cli import CONF_DIR
+    from framework.driver.sweep import check_sweep
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_name=x"], return_hydra_config=True)
@@ -112,7 +121,7 @@ def test_a_bad_sweep_fails_before_any_job_starts(tmp_path):
 
 
 def test_a_run_leads_with_rounded_summary_figures_and_a_one_line_description():
-    from framework.run_summary import run_description, summary_metrics
+    from framework.driver.run_summary import run_description, summary_metrics
 
     summary = {"perf/tokens_per_sec_mean": 2226.923037830342, "perf/mfu_mean": 0.10768294699582898,
                "perf/step_time_s_mean": 0.4598272965004071}
@@ -126,7 +135,7 @@ def test_a_run_leads_with_rounded_summary_figures_and_a_one_line_description():
 
 
 def test_the_report_says_when_mfu_denominators_differ():
-    from framework.compare import mfu_peak_note
+    from framework.driver.compare import mfu_peak_note
 
     same = [_run({}, {"mfu.peak_flops_per_device": "2.348e11"}), _run({}, {"mfu.peak_flops_per_device": "2.35e11"})]
     assert mfu_peak_note(same) is None

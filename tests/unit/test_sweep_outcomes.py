@@ -1,6 +1,6 @@
 """What a sweep concludes: the best job in the objective's direction, a job's objective (any logged
 figure, non-finite training refused), the parent run ended on every path, the compare table replaced
-(framework/sweep.py, framework/compare.py)."""
+(framework/driver/sweep.py, framework/driver/compare.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from framework.config.schema import ConfigError
-from framework.sweep import JobOutcome, best_outcome, nonfinite_training, objective_direction, objective_of
+from framework.base.config.schema import ConfigError
+from framework.driver.sweep import JobOutcome, best_outcome, nonfinite_training, objective_direction, objective_of
 
 
 def _outcomes() -> list[JobOutcome]:

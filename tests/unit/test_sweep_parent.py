@@ -1,6 +1,6 @@
 """A sweep's parent MLflow run on a local store: ended with status, reason and counts on an early exit,
 the best job in the objective's direction on its tag, and a compare table that a second report
-replaces instead of appending to (framework/sweep.py, framework/compare.py)."""
+replaces instead of appending to (framework/driver/sweep.py, framework/driver/compare.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
-from framework import sweep
-from framework.compare import log_to_run
-from framework.tracking import PARENT_TAG
+from framework.driver import sweep
+from framework.driver.compare import log_to_run
+from framework.base.tracking import PARENT_TAG
 
 
 @pytest.fixture()

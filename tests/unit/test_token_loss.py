@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from framework.config.schema import ModelConfig
-from framework.data.step_tokens import StepTokenCounts, valid_targets
-from framework.model import GPT
-from framework.model.gpt import IGNORE_INDEX, lm_loss
-from framework.module import LMModule
+from framework.base.config.schema import ModelConfig
+from framework.rank.data.step_tokens import StepTokenCounts, valid_targets
+from framework.base.model import GPT
+from framework.base.model.gpt import IGNORE_INDEX, lm_loss
+from framework.rank.module import LMModule
 
 V, S = 64, 16
 FP32_RTOL = 1e-6  # one fp32 sum in another order: ~1e-7 relative

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from framework.callbacks.clock import StepClock
-from framework.metrics.emit import MetricEmitter
-from framework.callbacks.metric_flush import FlushMetrics
-from framework.tracking import MLflowMetricSink
+from framework.rank.callbacks.clock import StepClock
+from framework.base.metrics.emit import MetricEmitter
+from framework.rank.callbacks.metric_flush import FlushMetrics
+from framework.base.tracking import MLflowMetricSink
 
 
 class CountingClient:

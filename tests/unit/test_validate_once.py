@@ -7,16 +7,16 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-import framework.cli  # noqa: F401  (registers the run-name resolver)
-import framework.config.validate as validate_module
-from framework import runs
-from framework.config import CONF_DIR
-from framework.config.schema import ConfigError
+import framework.driver.cli  # noqa: F401  (registers the run-name resolver)
+import framework.driver.validate as validate_module
+from framework.driver import runs
+from framework.base.config import CONF_DIR
+from framework.base.config.schema import ConfigError
 
 
 @pytest.fixture()
 def validations(monkeypatch):
-    """Count calls of :func:`framework.config.validate.validate` (the whole cross-field validation);
+    """Count calls of :func:`framework.driver.validate.validate` (the whole cross-field validation);
     forget the runs this process validated before the test."""
     calls: list[str] = []
     real = validate_module.validate
@@ -37,12 +37,12 @@ def _job_cfg(*overrides: str):
 
 
 def test_a_single_run_is_validated_once(validations, monkeypatch):
-    """Precheck, then the job's own resolution in the driver (:func:`framework.train._resolve`): one validation."""
-    from framework import train
+    """Precheck, then the job's own resolution in the driver (:func:`framework.driver.train._resolve`): one validation."""
+    from framework.driver import train
 
-    monkeypatch.setattr("framework.launcher.start_rank_server", lambda resolved: None)  # no rank server in a unit test
+    monkeypatch.setattr("framework.driver.launcher.start_rank_server", lambda resolved: None)  # no rank server in a unit test
     argv = ["parallelism=single", "trainer.max_steps=2"]
-    pre = framework.cli.precheck(argv)
+    pre = framework.driver.cli.precheck(argv)
     resolved, _, _ = train._resolve(_job_cfg(*argv))
     assert len(validations) <= 1, f"validated {len(validations)} times in one run: {validations}"
     assert validations == ["precheck"]
@@ -65,8 +65,8 @@ def test_another_configuration_is_validated_again(validations):
 
 
 def test_a_sweep_job_checked_before_the_sweep_is_validated_once(validations):
-    """:func:`framework.sweep.check_jobs` validates the first job that holds; that job then resolves without validating."""
-    from framework.sweep import check_jobs
+    """:func:`framework.driver.sweep.check_jobs` validates the first job that holds; that job then resolves without validating."""
+    from framework.driver.sweep import check_jobs
 
     fixed = ["parallelism=single", "trainer.max_steps=2"]
     swept = {o.key_or_group: o for o in OverridesParser.create().parse_overrides(["optim.lr=0.001,0.002"])}

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework.cost.comm import CommEstimate, ModelStats
-from framework.metrics.timing import CommMeter
+from framework.base.cost.comm import CommEstimate, ModelStats
+from framework.base.metrics.timing import CommMeter
 from plugins.ddp import DDPConfig, DDPPlugin
 
 

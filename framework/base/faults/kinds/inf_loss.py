@@ -1,0 +1,17 @@
+"""``inf_loss``: the step's micro-batch losses on the rank are multiplied by ``inf`` (through
+``StepState.loss_transform``), so the logged loss and the gradients show it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from framework.base.faults.kinds import FaultContext, FaultKind, register_fault_kind
+
+
+@register_fault_kind
+class InfLoss(FaultKind):
+    name = "inf_loss"
+    summary = "the rank's loss (and so its gradients) becomes Inf in the step"
+
+    def start(self, event: dict[str, Any], ctx: FaultContext) -> None:
+        ctx.module.step_state.loss_transform = lambda loss: loss * float("inf")

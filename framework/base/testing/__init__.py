@@ -1,0 +1,1 @@
+"""Test helpers for plugin authors: :mod:`framework.base.testing.conformance` (the conformance suite)."""

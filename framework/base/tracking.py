@@ -1,0 +1,423 @@
+"""MLflow tracking: the driver owns the run, rank 0 writes metrics into it.
+
+The driver (which outlives every rank) creates or re-opens the run, logs params (the flattened
+resolved config), tags and the resolved config artifact, and sets the final status, so a run
+that fails ends FAILED (or KILLED on Ctrl-C), never stuck RUNNING. Rank 0 only appends metrics
+with :class:`MLflowMetricSink`. Every MLflow call during training is best-effort: a tracking
+error is warned about once and never stops training.
+
+A run is identified by ``experiment_name/run_name`` (tag ``trainlab.run_key``): running the same
+command again resumes the checkpoint *and* continues the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+RUN_KEY_TAG = "trainlab.run_key"
+NOTE_TAG = "mlflow.note.content"  # MLflow's own: a run's or an experiment's description in the UI
+KIND_TAG = "mlflow.experimentKind"  # MLflow 3's own: which UI an experiment opens in
+SWEEP_TAG = "trainlab.sweep"  # "parent" on a sweep's parent run (framework.driver.sweep)
+SWEPT_TAG = "trainlab.swept"  # on a child: its swept values, ``key=value,...``
+OVERRIDES_TAG = "trainlab.overrides"  # on a child: the job's whole override string
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the child under the parent
+# Paths and tracking settings: they differ between runs without changing what is trained, so they
+# stay out of the params (the MLflow compare view would line runs up by them) and in the
+# resolved_config.yaml artifact.
+LEFT_OUT_PARAMS = frozenset({"checkpoint.dir", "data.cache_dir", "derived.checkpoint_dir", "experiment_description", "tracking.uri",
+                             "tracking.enabled", "tracking.system_metrics_interval_s", "trainer.progress_bar"})
+_BAD_KEY_CHARS = re.compile(r"[^\w/.\- ]")
+
+
+def sanitize_key(key: str) -> str:
+    """MLflow keys allow only letters, digits, ``_ - . /`` and space; replace anything else with ``_``."""
+    return _BAD_KEY_CHARS.sub("_", key)
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``; lists become their JSON text."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+    return out
+
+
+def git_commit(path: str | Path = ".") -> str:
+    """The current git commit of ``path`` (with ``-dirty`` when there are uncommitted changes), or ``unknown``."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class DriverRun:
+    """The driver's handle on one MLflow run (create or resume, params, tags, artifacts, status)."""
+
+    def __init__(self, uri: str, experiment_name: str, description: str = "") -> None:
+        """Open (or create) the experiment ``experiment_name``; a non-empty ``description`` becomes
+        its description in the UI (tag ``mlflow.note.content``), replacing an older one. An
+        experiment without a kind is marked a model-training one (tag ``mlflow.experimentKind``),
+        so MLflow 3's UI opens it on its training-runs view rather than its GenAI one."""
+        from mlflow.tracking import MlflowClient
+
+        # MLflow sets its loggers to INFO on import; keep its "Creating initial MLflow database
+        # tables" chatter out of the run's output.
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment_name)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment_name)
+        if description and (exp is None or exp.tags.get(NOTE_TAG) != description):
+            self.client.set_experiment_tag(self.experiment_id, NOTE_TAG, description)
+        if exp is None or KIND_TAG not in exp.tags:
+            self.client.set_experiment_tag(self.experiment_id, KIND_TAG, "custom_model_development")
+        self.run_id: str | None = None
+        self.monitor: Any = None  # MLflow's system metrics monitor, when started (open_driver_run)
+
+    def find(self, run_key: str) -> str | None:
+        """Id of the newest run tagged ``trainlab.run_key == run_key`` in this experiment, or None."""
+        runs = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", order_by=["attributes.start_time DESC"], max_results=1
+        )
+        return runs[0].info.run_id if runs else None
+
+    def start(self, *, run_name: str, run_key: str, resume_run_id: str | None) -> str:
+        """Re-open ``resume_run_id`` (status back to RUNNING) or create a new run; returns its id."""
+        if resume_run_id is not None:
+            self.client.update_run(resume_run_id, status="RUNNING")
+            self.run_id = resume_run_id
+        else:
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags={RUN_KEY_TAG: run_key})
+            self.run_id = run.info.run_id
+        return self.run_id
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        """Log params (values cut to MLflow's limit); a value that changed on resume is logged as a tag instead."""
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        fresh = {k: v[:6000] for k, v in params.items() if k not in existing}
+        changed = {f"changed.{k}": v[:5000] for k, v in params.items() if k in existing and existing[k] != v[:6000]}
+        items = [Param(sanitize_key(k), v) for k, v in fresh.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        if changed:
+            self.set_tags(changed)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, sanitize_key(k), str(v))
+
+    def clear_tag(self, key: str) -> None:
+        """Remove tag ``key`` from the run if it has it."""
+        if key in self.client.get_run(self.run_id).data.tags:
+            self.client.delete_tag(self.run_id, key)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(sanitize_key(k), float(v), ts, step) for k, v in metrics.items()])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / artifact_file
+            path.write_text(text)
+            self.client.log_artifact(self.run_id, str(path))
+
+    def log_artifact(self, path: str | Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def end(self, status: str) -> None:
+        """Set the terminal status: FINISHED, FAILED or KILLED."""
+        self.client.set_terminated(self.run_id, status=status)
+
+    def metric_history(self, key: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)]
+
+
+def start_system_metrics(uri: str, run_id: str, interval_s: float, *, resume: bool) -> Any:
+    """Start MLflow's system metrics monitor (``system/*``: CPU, memory, disk, network; GPU with
+    ``nvidia-ml-py``) for ``run_id``, sampling every ``interval_s`` seconds in a daemon thread of
+    the driver, i.e. the whole machine the ranks run on. Returns the monitor (call ``finish()``)
+    or None when it could not start (warned, never raised: tracking must not stop training).
+    """
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notes are noise
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=resume, tracking_uri=uri)
+        monitor.start()
+        return monitor
+    except Exception as err:  # e.g. psutil missing
+        log.warning("MLflow system metrics are off: %s", err)
+        return None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def derived_params(resolved: Any, model: Any) -> dict[str, Any]:
+    """Values the driver derived (layout, its nodes and the mesh axes whose groups cross nodes, the plugin's ZeRO
+    stage, batch split in sequences, tokens per step, checkpoint folder) and the model's size (``model``: the
+    configured GPT, e.g. on the meta device)."""
+    from framework.base.registry import get_plugin_class
+
+    lay = resolved.layout
+    return {
+        "derived.dp_degree": lay.dp, "derived.tp_degree": lay.tp, "derived.pp_degree": lay.pp,
+        "derived.zero_stage": get_plugin_class(resolved.plugin_name)(resolved.run.parallelism).zero_stage,
+        "derived.world_size": resolved.world_size, "derived.nnodes": lay.nnodes, "derived.nproc_per_node": lay.nproc_per_node,
+        "derived.cross_node_axes": ",".join(lay.cross_node_axes()) or "none",
+        "derived.micro_batch_size": resolved.micro_batch_size,
+        "derived.grad_accum_steps": resolved.grad_accum_steps, "derived.global_batch_size": resolved.global_batch_size,
+        "derived.tokens_per_step": resolved.tokens_per_step, "derived.checkpoint_dir": resolved.checkpoint_dir,
+        "derived.vocab_size": model.vocab_size, "model.num_params": model.num_params(exclude_position_embedding=False),
+        "model.num_flops_params": model.num_flops_params(),
+    }
+
+
+def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
+    """Open the run's MLflow run (re-open it when ``resumed``) and log what the run is.
+
+    Params: the flattened config and :func:`derived_params`, less :data:`LEFT_OUT_PARAMS`; tags: plugin, world size, layout,
+    git commit; artifact ``resolved_config.yaml``. Starts MLflow's system metrics
+    (``tracking.system_metrics_interval_s`` > 0); :func:`finish_driver_run` stops them.
+
+    Raises:
+        ConfigError: the tracking URI cannot be used (a bad URI, an unreachable server), one line,
+            before any rank starts.
+    """
+    from omegaconf import OmegaConf
+
+    from framework.base.config.schema import ConfigError
+    from framework.base.config.schema import run_to_dict
+
+    run = resolved.run
+    run_key = f"{run.experiment_name}/{run.run_name}"
+    try:
+        tracker = DriverRun(run.tracking.uri, run.experiment_name, run.experiment_description)
+        tracker.start(run_name=run.run_name, run_key=run_key, resume_run_id=tracker.find(run_key) if resumed else None)
+    except Exception as err:
+        raise ConfigError(f"tracking.uri={run.tracking.uri!r}: {_first_line(err)} (allowed: a sqlite:///, file:// or"
+                          " http(s):// MLflow URI; or tracking=none)") from None
+    config = run_to_dict(run)
+    params = {**flatten(config), **{k: str(v) for k, v in derived_params(resolved, model).items()}}
+    tracker.log_params({k: v for k, v in params.items() if k not in LEFT_OUT_PARAMS})  # all of it: resolved_config.yaml
+    lay = resolved.layout
+    tracker.set_tags({"plugin": resolved.plugin_name, "world_size": resolved.world_size,
+                      "layout": lay.describe(), "git_commit": git_commit(Path(__file__).parent.parent)})
+    tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(config)), "resolved_config.yaml")
+    print(f"trainlab: MLflow run {tracker.run_id} in experiment {run.experiment_name!r} ({run.tracking.uri})", flush=True)
+    if run.tracking.system_metrics_interval_s > 0:
+        tracker.monitor = start_system_metrics(run.tracking.uri, tracker.run_id, run.tracking.system_metrics_interval_s,
+                                               resume=resumed)
+    return tracker
+
+
+def log_token_cache_input(tracker: DriverRun, cache: Any, data: Any) -> None:
+    """Log the run's token cache as its MLflow dataset input (the UI's "Datasets used" column); never raises.
+
+    The dataset is named after the corpus (``data.name``), its digest is the cache key's hash (the
+    same digest: the same files, tokenizer and split), its source the cache folder, and its profile
+    the token and document counts and vocabulary size (from the cache's ``meta.json``).
+    """
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    meta = cache.meta
+    key = str(meta.get("key", cache.dir.name))
+    profile = {"train_tokens": cache.train_tokens, "val_tokens": cache.val_tokens, "vocab_size": cache.vocab_size,
+               **{k: meta[k] for k in ("train_docs", "val_docs") if k in meta}}
+    try:
+        dataset = Dataset(name=str(data.name), digest=key.rsplit("-", 1)[-1][:16], source_type="local",
+                          source=json.dumps({"uri": str(Path(cache.dir).resolve())}), profile=json.dumps(profile))
+        tracker.client.log_inputs(tracker.run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "train")])])
+    except Exception as err:  # tracking must not fail a run
+        print(f"trainlab: warning: could not log the token cache as the run's dataset: {_first_line(err)}",
+              file=sys.stderr, flush=True)
+
+
+def steps_done(run_dir: str | Path) -> int:
+    """Optimizer steps the run has trained (``train/steps`` of its ``summary.json``; 0 without one)."""
+    summary = Path(run_dir) / "summary.json"
+    if summary.exists():
+        return int(json.loads(summary.read_text()).get("train/steps", 0))
+    return 0
+
+
+def finish_driver_run(tracker: DriverRun, status: str, *, run_dir: Path, started_at: float, error: str | None,
+                      resumed: bool) -> None:
+    """Close the attempt's MLflow bookkeeping; never raises (a tracking error is a warning).
+
+    Stops the system metrics, logs ``time/attempt_wall_s`` (seconds since ``started_at``, a
+    ``time.time()``) at the step reached, the ``metrics.jsonl`` and ``faults.jsonl`` (the fault
+    log of :mod:`framework.base.faults.events`, when the run has one) artifacts, the ``error`` tag and
+    ``error.txt`` of a failed attempt (or clears an earlier attempt's tag when ``resumed``), the
+    profiler traces, and sets ``status`` (FINISHED, FAILED or KILLED).
+    """
+    if tracker.monitor is not None:
+        tracker.monitor.finish()
+    try:
+        tracker.log_metrics({"time/attempt_wall_s": time.time() - started_at}, step=steps_done(run_dir))
+        for record in ("metrics.jsonl", "faults.jsonl"):  # every execution of every step; the fault log
+            if (run_dir / record).exists():
+                tracker.log_artifact(run_dir / record)
+        if error is not None:  # why a FAILED run failed, next to its metrics in the MLflow UI
+            # MLflow caps a tag's length: keep the head (exception, failed rank) and the tail.
+            tracker.set_tags({"error": error if len(error) <= 4000 else f"{error[:1500]}\n...\n{error[-2400:]}"})
+            tracker.log_artifact(run_dir / "error.txt")
+        elif resumed:
+            tracker.clear_tag("error")  # an earlier attempt failed; this one did not
+        if (run_dir / "profile").is_dir():  # trainer.profile_steps traces, one per rank
+            tracker.client.log_artifacts(tracker.run_id, str(run_dir / "profile"), artifact_path="profile")
+        tracker.end(status)
+    except Exception as err:  # never mask the training outcome with a tracking error
+        print(f"trainlab: warning: could not finalise the MLflow run: {err}", file=sys.stderr)
+
+
+class MLflowMetricSink:
+    """Rank 0's best-effort metric writer: one MLflow request per logged step, one point per step.
+
+    ``sink(metrics, step)`` only buffers; :meth:`flush` sends everything buffered in one
+    ``log_batch`` request (:class:`~framework.rank.callbacks.metric_flush.FlushMetrics` calls it once
+    per logged optimizer step, after every callback has written that step's metrics). Points
+    buffered for one ``(key, step)`` merge, the last write winning (e.g. the run's peak memory
+    written at the end replaces the last step's sample).
+
+    **One point per step.** MLflow keeps every point it is sent and cannot delete one, so a step
+    run again after a resume (or an in-process rollback) must not be sent twice: a point whose
+    step is at or below the newest step already sent for its key is dropped. The newest step of
+    each key is read once from the run (one ``get_run``) before the first request, so a resumed
+    run (the same MLflow run, :mod:`framework.base.tracking`) continues each key's history where it
+    ended. MLflow therefore holds the *first* completed execution of a replayed step (exact
+    resume makes it equal to the replay; after a shrink the replayed steps ran at the new world
+    size, see docs/metrics.md); ``metrics.jsonl`` keeps every execution in order. A step rolled
+    back before its flush (:meth:`discard_after`) is never sent: its replay is.
+
+    Warns once on a tracking error and never raises (training goes on without MLflow).
+
+    Args:
+        uri: MLflow tracking URI.
+        run_id: the driver's run.
+        client: an ``MlflowClient``-like object (tests pass a fake); None = ``MlflowClient(uri)``.
+    """
+
+    MAX_METRICS_PER_REQUEST = 1000  # MLflow's log_batch limit
+
+    def __init__(self, uri: str, run_id: str, client: Any = None) -> None:
+        if client is None:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=uri)
+        self.client = client
+        self.run_id = run_id
+        self._warned = False
+        self._pending: dict[int, dict[str, float]] = {}  # step -> key -> value
+        self._newest: dict[str, int] | None = None  # key -> newest step sent (None: not read from the run yet)
+
+    def __call__(self, metrics: Mapping[str, float], step: int) -> None:
+        bucket = self._pending.setdefault(int(step), {})
+        for k, v in metrics.items():
+            bucket[sanitize_key(k)] = float(v)
+
+    def discard_after(self, step: int) -> None:
+        """Drop buffered points of steps after ``step`` (training was rewound to ``step``)."""
+        for s in [s for s in self._pending if s > step]:
+            del self._pending[s]
+
+    def _read_newest(self) -> dict[str, int]:
+        """Newest step of each metric the run already holds (from an earlier attempt); {} if unreadable."""
+        try:
+            return {m.key: int(m.step) for m in self.client.get_run(self.run_id).data.to_proto().metrics}
+        except Exception as err:
+            self._warn(err)
+            return {}
+
+    def flush(self) -> None:
+        """Send the buffered points not sent before in one ``log_batch`` (more only past 1000 metrics)."""
+        from mlflow.entities import Metric
+
+        if not self._pending:
+            return
+        if self._newest is None:
+            self._newest = self._read_newest()
+        pending, self._pending = self._pending, {}
+        ts = int(time.time() * 1000)
+        batch = []
+        for step in sorted(pending):
+            for k, v in pending[step].items():
+                if step > self._newest.get(k, -1):
+                    batch.append(Metric(k, v, ts, step))
+                    self._newest[k] = step
+        for i in range(0, len(batch), self.MAX_METRICS_PER_REQUEST):
+            try:
+                self.client.log_batch(self.run_id, metrics=batch[i : i + self.MAX_METRICS_PER_REQUEST])
+            except Exception as err:  # tracking must never stop training
+                self._warn(err)
+
+    def _warn(self, err: BaseException) -> None:
+        if not self._warned:
+            log.warning("MLflow logging failed (training goes on; further errors are silent): %s", err)
+            self._warned = True
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        """Best-effort params from rank 0 (e.g. how the peak FLOP/s was obtained); existing keys are kept."""
+        for k, v in params.items():
+            try:
+                self.client.log_param(self.run_id, sanitize_key(k), str(v))
+            except Exception:  # an existing param with another value (resumed run): keep the first
+                pass
+
+
+class JsonlMetricSink:
+    """Appends ``{"step": ..., **metrics}`` lines to a file (works without MLflow; read by tests and the summary)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, metrics: Mapping[str, float], step: int) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": int(step), **{k: float(v) for k, v in metrics.items()}}) + "\n")
+
+
+def read_jsonl_metrics(path: str | Path) -> list[dict[str, float]]:
+    """All records of a :class:`JsonlMetricSink` file, in write order."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def sweep_children(client: Any, parent_run_id: str) -> list[Any]:
+    """The parent's child runs, the newest per run key (a job re-run without a checkpoint makes a new run)."""
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+                              max_results=5000, order_by=["attributes.start_time DESC"])
+    newest: dict[str, Any] = {}
+    for r in runs:
+        newest.setdefault(r.data.tags.get(RUN_KEY_TAG, r.info.run_id), r)
+    return list(newest.values())

@@ -1,0 +1,310 @@
+"""The command line around the driver: Hydra entry, one-line errors and exit codes.
+
+``python -m framework.train [overrides]`` runs :func:`main` with the driver's Hydra app
+(:mod:`framework.driver.train`). Before Hydra starts, :func:`precheck` composes and validates a single
+run's config so that every bad input is one ``trainlab: error:`` line with exit code 2 (no
+output folder is made). Exit codes: 0 done, 1 training failed (in a sweep: at least one job
+failed, after every job has run; in an Optuna search: over its failure budget or no trial
+COMPLETE; or the sweeper, launcher or Hydra raised), 2 bad input, 75 preempted (SIGTERM/SIGUSR1/SIGUSR2; the same command
+resumes: :mod:`framework.base.faults.preemption`), 130 interrupted.
+
+Importing this module registers the ``tl_run_name`` resolver that ``conf/config.yaml`` names
+runs with.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from framework.driver import slurm
+from framework.base.config import CONF_DIR, fail, near_keys, path_safe
+from framework.base.config.schema import ConfigError
+
+
+
+def _find_trainlab_hydra_plugins() -> None:
+    """Put this checkout's ``hydra_plugins/`` (trainlab's Optuna sweeper) on the ``hydra_plugins``
+    namespace package's path, before Hydra scans its plugins: an editable install made before the
+    folder existed maps only ``framework`` and ``plugins``, and a command may start from any folder."""
+    import hydra_plugins
+
+    here = str(Path(__file__).resolve().parents[2] / "hydra_plugins")
+    if Path(here).is_dir() and here not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(here)
+
+
+_find_trainlab_hydra_plugins()
+slurm.register_launchers()  # hydra/launcher=submitit_slurm|submitit_local with trainlab's resources mapped in
+
+
+def register_optuna_sweeper() -> bool:
+    """Store ``hydra/sweeper=optuna`` as trainlab's search (:mod:`framework.driver.search`, behind
+    ``hydra_plugins.trainlab_search.TrainlabOptunaSweeper``) over hydra-optuna-sweeper's option,
+    after Hydra's plugin scan (which executes the library's config module, storing its own). Every
+    key of the library's sweeper keeps its meaning except ``max_failure_rate`` (a share of
+    ``n_trials``, not of a batch). Returns False when hydra-optuna-sweeper is not installed."""
+    try:
+        from hydra.core.config_store import ConfigStore
+        from hydra.core.plugins import Plugins
+        from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
+    except ImportError:
+        return False
+    Plugins.instance()  # the scan (a no-op once made)
+    node = OmegaConf.structured(OptunaSweeperConf)
+    node._target_ = "hydra_plugins.trainlab_search.TrainlabOptunaSweeper"
+    ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=node, provider="trainlab")
+    return True
+
+
+register_optuna_sweeper()
+
+
+
+def run_name_from_overrides(override_dirname: str, task_overrides: list[str] | None = None) -> str:
+    """A stable, path-safe run name from Hydra's ``job.override_dirname`` (``default`` when empty).
+
+    A job of a sweep (``task_overrides``: the job's ``hydra.overrides.task``) is named
+    ``<sweep>/<its swept values>`` instead (:func:`framework.driver.sweep.sweep_run_name`), so every key
+    that differs between the jobs of a sweep names them, excluded keys included.
+    """
+    if task_overrides is not None:
+        from framework.driver.sweep import sweep_run_name
+
+        in_sweep = sweep_run_name(override_dirname, list(task_overrides))
+        if in_sweep is not None:
+            return in_sweep
+    if not override_dirname:
+        return "default"
+    return path_safe(override_dirname)
+
+
+OmegaConf.register_new_resolver("tl_run_name", run_name_from_overrides, replace=True)
+
+
+def run_dir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None) -> str:
+    """The driver's Hydra output folder: the run's on node 0 (and on one node), a folder inside the shared
+    checkpoint folder on the other nodes of a multi-node run (:func:`framework.driver.nodes.hydra_run_dir`)."""
+    from framework.driver.nodes import hydra_run_dir
+
+    return hydra_run_dir(experiment_name, run_name, checkpoint_dir, node_rank)
+
+
+OmegaConf.register_new_resolver("tl_run_dir", run_dir_for_node, replace=True)
+
+
+def sweep_subdir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None) -> str:
+    """A sweep job's Hydra sub-folder: the run name on node 0, node k's folder on the others
+    (:func:`framework.driver.nodes.hydra_sweep_subdir`)."""
+    from framework.driver.nodes import hydra_sweep_subdir
+    from framework.driver.sweep import job_checkpoint_dir
+
+    return hydra_sweep_subdir(experiment_name, run_name, job_checkpoint_dir(checkpoint_dir, run_name), node_rank)
+
+
+OmegaConf.register_new_resolver("tl_sweep_subdir", sweep_subdir_for_node, replace=True)
+
+
+def in_sweep() -> bool:
+    """Whether this job is one of a Hydra multirun (``-m`` or a preset with ``hydra.mode: MULTIRUN``)."""
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
+    """Reject ``group=option`` overrides naming a missing option, in one line (exit code 2).
+
+    Hydra would report these too, but over several lines with a hint about stack traces;
+    this check runs first so every bad input reads the same way.
+    """
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if not key or "." in key or "/" in key or "(" in value or not (conf_dir / key).is_dir():
+            continue
+        options = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
+        for choice in (v.strip() for v in value.split(",")):
+            if choice and choice != "null" and choice not in options:
+                options = group_options(key, conf_dir)  # with installed packages' configs (e.g. an outside plugin's)
+                if choice not in options:
+                    fail(f"{key}={choice!r} is not an option of config group {key!r}; available: {', '.join(options)}")
+
+
+def group_options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
+    """Options of config group ``group`` on Hydra's whole search path: ``conf/<group>/*.yaml`` plus
+    those that installed packages add through a Hydra ``SearchPathPlugin`` (how an outside
+    parallelism plugin ships ``parallelism/<name>.yaml``; see plugins/README.md)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+
+
+def presets_writing(kind: str, conf_dir: Path | None = None) -> list[str]:
+    """``conf/parallelism`` presets whose plugin writes checkpoints of manifest kind ``kind`` (imports every plugin class)."""
+    from framework.base.registry import available_plugins, get_plugin_class
+
+    conf_dir = conf_dir or CONF_DIR
+    writers = {n for n in available_plugins() if get_plugin_class(n).capabilities.checkpoint_format == kind}
+    return sorted(p.stem for p in (conf_dir / "parallelism").glob("*.yaml")
+                  if re.search(r"^name:\s*(\S+)", p.read_text(), re.M).group(1) in writers)
+
+
+def _preset_sweeps(argv: list[str]) -> bool:
+    """Whether the composed run is a multirun by its config (an experiment preset's ``hydra.mode:
+    MULTIRUN``): the compose API leaves the ``hydra`` node out unless asked for it."""
+    if not any(a.split("=", 1)[0].lstrip("+~") == "experiment" for a in argv):
+        return False
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*argv, "run_name=precheck"], return_hydra_config=True)
+    return str(cfg.hydra.get("mode")).endswith("MULTIRUN")
+
+
+def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
+    """Hydra's multi-line composition errors as one line; a mistyped key gets suggestions."""
+    text = str(err)
+    m = re.search(r"Could not override '([^']+)'", text)
+    if m:
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            groups = [o for o in overrides  # e.g. parallelism=fsdp, to suggest that plugin's keys (not nosuchkey=1)
+                      if "=" in o and "," not in o and (CONF_DIR / o.split("=")[0].lstrip("+~")).is_dir()]
+            defaults = compose(config_name="config", overrides=["run_name=x", *groups])  # suggest the chosen plugin's keys
+        from framework.base.tracking import flatten
+
+        keys = list(flatten(OmegaConf.to_container(defaults, resolve=False)))
+        near = near_keys(m.group(1), keys)
+        hint = f"did you mean {', '.join(near)}?" if near else "see conf/ and framework/base/config/schema.py for the keys"
+        return f"{m.group(1)} is not a config key; {hint} (to add a new key write +{m.group(1)}=...)"
+    lines = [
+        ln.strip() for ln in text.splitlines()
+        if ln.strip() and "HYDRA_FULL_ERROR" not in ln and not ln.strip().startswith(("full_key", "object_type", "reference_type"))
+    ]
+    return " ".join(lines) or type(err).__name__
+
+
+def precheck(argv: list[str]) -> Any:
+    """Compose and validate a single run's config before Hydra starts (no output folder yet).
+
+    Every bad input becomes one ``trainlab: error:`` line and exit code 2. Sweeps (``-m``) and
+    Hydra's own flags are left to Hydra (each job is validated when it starts). Returns the
+    validated run (:class:`~framework.base.resolved.ResolvedRun`), None when left to Hydra.
+    """
+    check_group_choices(argv)
+    launcher_error = slurm.check_launcher(argv)  # e.g. submitit_slurm without sbatch on PATH
+    if launcher_error:
+        fail(launcher_error)
+    if any(a.startswith("-") for a in argv):
+        return None
+    from hydra import compose, initialize_config_dir
+
+    from framework.driver.runs import resolve_run
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[*argv, "run_name=precheck"])
+    except Exception as err:  # Hydra's override/composition errors
+        fail(_one_line_hydra_error(err, argv))
+    if int(cfg.get("sweep", {}).get("repeats", 1) or 1) > 1:
+        if _preset_sweeps(argv):  # an experiment preset that sweeps (hydra.mode: MULTIRUN): its jobs are checked then
+            return None
+        fail(f"sweep.repeats={cfg.sweep.repeats} repeats the jobs of a sweep; add -m and a swept key"
+             " (e.g. -m sweep.label=a sweep.repeats=5 for one configuration)")
+    try:
+        resolved = resolve_run(cfg)  # the job reuses it (validated once per run)
+    except ConfigError as err:
+        fail(str(err))
+    return resolved
+
+
+def _close_open_sweep(code: int, cause: BaseException | None) -> None:
+    """End the parent run of a sweep that did not reach its end (a sweeper, launcher or Hydra
+    exception, Ctrl-C, a preemption, bad input): KILLED for 130/75, else FAILED, with the one-line
+    reason and its jobs' counts (:func:`framework.driver.sweep.close_sweep`); nothing when no sweep is open."""
+    from framework.driver.sweep import close_sweep, current
+
+    if current() is None:
+        return
+    from framework.base.faults.preemption import EXIT_PREEMPTED
+
+    if code == 130:
+        status, reason = "KILLED", "interrupted (exit 130)"
+    elif code == EXIT_PREEMPTED:
+        status, reason = "KILLED", f"preempted (exit {EXIT_PREEMPTED}); the same command continues the sweep"
+    else:
+        status = "FAILED"
+        if cause is not None and not isinstance(cause, SystemExit):
+            lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+            reason = f"{type(cause).__name__}: {lines[0] if lines else ''}".rstrip(": ") + f" (exit {code})"
+        else:
+            reason = f"exit {code}"
+    print(f"trainlab: the sweep ended {status}: {reason}", file=sys.stderr, flush=True)
+    close_sweep(status, reason)
+
+
+def main(app: Callable[[], None]) -> None:
+    """Console entry point: run the Hydra ``app`` once per call (``-m``: once per sweep point).
+
+    ``app`` is the driver's ``@hydra.main`` function (:mod:`framework.driver.train`; its module names
+    the Hydra job). Ends the process through :func:`framework.base.distributed.exit_process` (no
+    interpreter finalization) with the exit status the jobs asked for: 0, 1 (training failed;
+    in a sweep: at least one job failed, after every job has run), 2 (bad input), 75
+    (preempted), 130 (interrupted).
+    """
+    # Fail fast on an unreachable MLflow server instead of minutes of retries (driver and ranks;
+    # set before the rank server starts, whose environment the ranks inherit).
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    try:
+        resolved = precheck(sys.argv[1:])
+        if resolved is not None:
+            from framework.driver.launcher import start_rank_server
+
+            start_rank_server(resolved)  # its imports overlap the driver's set-up
+        app()
+        code = 0
+        from framework.driver.runs import FAILED_JOBS
+        from framework.driver.sweep import SEARCH
+
+        if SEARCH:  # an Optuna search: its failure budget decides (framework/driver/search.py)
+            code = 1 if SEARCH.get("error") else 0
+        elif FAILED_JOBS:
+            print(f"trainlab: {len(FAILED_JOBS)} sweep job(s) FAILED: {', '.join(FAILED_JOBS)}"
+                  " (each run's error.txt and MLflow tag 'error' say why)", file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:  # Ctrl-C before the ranks start (while composing, tokenizing, importing)
+        print("trainlab: interrupted before training started", file=sys.stderr)
+        code = 130
+    except SystemExit as done:
+        if done.code is None or isinstance(done.code, int):
+            code = done.code or 0
+        else:  # sys.exit("message"): printed to stderr, status 1, as Python does
+            print(done.code, file=sys.stderr)
+            code = 1
+        cause = done.__context__  # Hydra reports a sweeper's or launcher's exception, then exits 1 inside its handler
+    except Exception as err:  # HYDRA_FULL_ERROR=1: Hydra re-raises instead
+        import traceback
+
+        traceback.print_exc()
+        code, cause = 1, err
+    else:
+        cause = None
+    _close_open_sweep(code, cause)
+    from framework.base.distributed import exit_process
+    from framework.driver.launcher import stop_rank_server
+
+    stop_rank_server()
+    exit_process(code)

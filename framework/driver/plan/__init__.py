@@ -1,0 +1,1 @@
+"""``python -m framework.plan``: which layout to buy and run, from the cost model (:mod:`framework.base.cost`)."""

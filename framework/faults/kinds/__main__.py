@@ -1,6 +1,0 @@
-"""``python -m framework.faults.kinds``: the registered fault kinds, one line each (name: summary)."""
-
-from framework.faults.kinds import fault_kinds
-
-for name, kind in sorted(fault_kinds().items()):
-    print(f"{name}: {kind.summary}")

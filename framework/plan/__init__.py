@@ -1,1 +1,0 @@
-"""``python -m framework.plan``: which layout to buy and run, from the cost model (:mod:`framework.cost`)."""

@@ -1,1 +1,0 @@
-"""Test helpers for plugin authors: :mod:`framework.testing.conformance` (the conformance suite)."""
