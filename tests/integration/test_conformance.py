@@ -123,10 +123,15 @@ def example_plugin(tmp_path_factory) -> str:
     return str(target)
 
 
+def _with_example(example_plugin: str) -> str:
+    """``PYTHONPATH`` of the example package and this checkout (not whatever tree the venv's editable install names)."""
+    return os.pathsep.join([example_plugin, str(REPO)])
+
+
 def test_outside_plugin_is_found_only_where_installed(example_plugin, tmp_path):
     code = "from framework.base.registry import available_plugins; from framework.driver.cli import group_options;" \
            "print(available_plugins(), group_options('parallelism'))"
-    env = {**os.environ, "PYTHONPATH": example_plugin}
+    env = {**os.environ, "PYTHONPATH": _with_example(example_plugin)}
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
     assert found.stdout.count("'ddp_rsag'") == 2, found.stdout  # entry point and Hydra config both discovered
     assert "ddp_rsag" not in available_plugins(), "the example must not be installed into the shared environment"
@@ -139,4 +144,4 @@ def test_outside_plugin_is_found_only_where_installed(example_plugin, tmp_path):
 
 @pytest.mark.parametrize("check", OUTSIDE.checks)
 def test_outside_plugin_conformance(conformance, example_plugin, check):
-    conformance.check(dataclasses.replace(OUTSIDE, env={"PYTHONPATH": example_plugin}), check)
+    conformance.check(dataclasses.replace(OUTSIDE, env={"PYTHONPATH": _with_example(example_plugin)}), check)
