@@ -40,7 +40,11 @@ from framework.base.model import GPT  # noqa: E402
 
 def build(model_name: str, vocab_size: int, lr: float, seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
     """The preset ``conf/model/<model_name>.yaml`` as a GPT with an AdamW optimizer."""
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / f"{model_name}.yaml")))
+    cfg = OmegaConf.to_object(
+        OmegaConf.merge(
+            OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / f"{model_name}.yaml")
+        )
+    )
     torch.manual_seed(seed)
     model = GPT(cfg, vocab_size=cfg.vocab_size or vocab_size)
     return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
@@ -66,7 +70,7 @@ def run_policy(name: str, model: GPT, opt: torch.optim.Optimizer, out: Path, arg
     )
     rows = []
     step = 0
-    for i in range(args.saves):
+    for _ in range(args.saves):
         train_steps(model, opt, args.steps_between, batch=args.batch, seq_len=args.seq_len)
         step += args.steps_between
         state = {"global_step": step, "state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()]}
@@ -77,16 +81,30 @@ def run_policy(name: str, model: GPT, opt: torch.optim.Optimizer, out: Path, arg
         (result,) = io.pop_results()
         if result.error:
             raise RuntimeError(result.error)
-        rows.append({"blocking_s": blocking, "save_s": result.save_s, "bytes": result.bytes, "kind": result.kind,
-                     "delta_ratio": result.delta_ratio})
+        rows.append(
+            {
+                "blocking_s": blocking,
+                "save_s": result.save_s,
+                "bytes": result.bytes,
+                "kind": result.kind,
+                "delta_ratio": result.delta_ratio,
+            }
+        )
     io.teardown()
     return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt_50m", help="conf/model/<name>.yaml preset (>= 50M parameters for the issue's figures)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary when the preset leaves it null (the default tokenizer's)")
+    p.add_argument(
+        "--model", default="gpt_50m", help="conf/model/<name>.yaml preset (>= 50M parameters for the issue's figures)"
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=4096,
+        help="vocabulary when the preset leaves it null (the default tokenizer's)",
+    )
     p.add_argument("--saves", type=int, default=3, help="saves per policy (medians are reported)")
     p.add_argument("--steps-between", type=int, default=1, help="optimizer steps between two saves")
     p.add_argument("--batch", type=int, default=2, help="sequences per optimizer step")
@@ -97,8 +115,11 @@ def main() -> None:
 
     model, opt = build(args.model, args.vocab_size, args.lr)
     n_params = sum(t.numel() for t in model.parameters())
-    print(f"model {args.model}: {n_params:,} parameters; {args.saves} saves per policy, {args.steps_between} optimizer"
-          f" step(s) between saves; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"model {args.model}: {n_params:,} parameters; {args.saves} saves per policy, {args.steps_between} optimizer"
+        f" step(s) between saves; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         results = {name: run_policy(name, model, opt, Path(tmp), args) for name in ("sync", "async", "incremental")}
 
@@ -107,14 +128,24 @@ def main() -> None:
 
     sync_save = med(results["sync"], "save_s")
     full_bytes = med(results["sync"], "bytes")
-    print(f"\n{'policy':<22} {'blocking_s':>10} {'save_s':>8} {'blocking/sync_save':>19} {'MB/save':>9} {'bytes/full':>11}")
+    print(
+        f"\n{'policy':<22} {'blocking_s':>10} {'save_s':>8} {'blocking/sync_save':>19} {'MB/save':>9} {'bytes/full':>11}"
+    )
     for name, rows in results.items():
-        groups = [("incremental (full)", [r for r in rows if r["kind"] == "full"]),
-                  ("incremental (delta)", [r for r in rows if r["kind"] == "delta"])] if name == "incremental" else [(name, rows)]
+        groups = (
+            [
+                ("incremental (full)", [r for r in rows if r["kind"] == "full"]),
+                ("incremental (delta)", [r for r in rows if r["kind"] == "delta"]),
+            ]
+            if name == "incremental"
+            else [(name, rows)]
+        )
         for label, g in groups:
             if g:
-                print(f"{label:<22} {med(g, 'blocking_s'):>10.3f} {med(g, 'save_s'):>8.3f} {med(g, 'blocking_s') / sync_save:>19.3f}"
-                      f" {med(g, 'bytes') / 1e6:>9.1f} {med(g, 'bytes') / full_bytes:>11.3f}")
+                print(
+                    f"{label:<22} {med(g, 'blocking_s'):>10.3f} {med(g, 'save_s'):>8.3f} {med(g, 'blocking_s') / sync_save:>19.3f}"
+                    f" {med(g, 'bytes') / 1e6:>9.1f} {med(g, 'bytes') / full_bytes:>11.3f}"
+                )
     print("\nper save (blocking_s / save_s), in order; the first async save also allocates its CPU buffers:")
     for name, rows in results.items():
         print(f"  {name:<12} " + "  ".join(f"{r['blocking_s']:.3f}/{r['save_s']:.3f}" for r in rows))

@@ -93,13 +93,21 @@ class Layout:
         return self.global_batch // (self.dp * self.m)
 
     def overrides(self) -> list[str]:
-        o = [f"parallelism={self.plugin}", f"trainer.micro_batch_size={self.micro_batch_size}",
-             f"trainer.global_batch_size={self.global_batch}", "trainer.grad_accum_steps=null"]
+        o = [
+            f"parallelism={self.plugin}",
+            f"trainer.micro_batch_size={self.micro_batch_size}",
+            f"trainer.global_batch_size={self.global_batch}",
+            "trainer.grad_accum_steps=null",
+        ]
         if self.plugin != "single":
             o.append(f"parallelism.world_size={self.world}")
         if self.plugin in ("tp", "pp"):
-            o += [f"parallelism.tp_degree={self.tp}", f"parallelism.pp_degree={self.pp}",
-                  f"parallelism.schedule={self.schedule}", f"parallelism.virtual_stages={self.v}"]
+            o += [
+                f"parallelism.tp_degree={self.tp}",
+                f"parallelism.pp_degree={self.pp}",
+                f"parallelism.schedule={self.schedule}",
+                f"parallelism.virtual_stages={self.v}",
+            ]
         # 1 thread per rank everywhere: single as the ddp ranks (its default, 2 threads, times erratically on
         # 2 shared cores); 4 ranks get 1 by default (cores // ranks, at least 1; an explicit 1 x 4 > 2 cores is
         # refused) and are oversubscribed 2x (the step-time adapter's core share).
@@ -110,22 +118,32 @@ class Layout:
 
 def layouts() -> list[Layout]:
     """Every layout a 2-core machine holds at 2 or 4 ranks (see the module docstring)."""
-    out = [Layout("single", "single", 1, m=2), Layout("ddp", "ddp", 2, dp=2),
-           Layout("zero1", "zero1", 2, dp=2), Layout("zero2", "zero2", 2, dp=2), Layout("zero3", "zero3", 2, dp=2),
-           Layout("fsdp", "fsdp", 2, dp=2), Layout("tp2", "tp", 2, tp=2, m=2)]
+    out = [
+        Layout("single", "single", 1, m=2),
+        Layout("ddp", "ddp", 2, dp=2),
+        Layout("zero1", "zero1", 2, dp=2),
+        Layout("zero2", "zero2", 2, dp=2),
+        Layout("zero3", "zero3", 2, dp=2),
+        Layout("fsdp", "fsdp", 2, dp=2),
+        Layout("tp2", "tp", 2, tp=2, m=2),
+    ]
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         for m in (2, 4, 8):
             out.append(Layout(f"pp2-{schedule}-m{m}", "pp", 2, pp=2, schedule=schedule, v=v, m=m))
-    out += [Layout("dp2tp2", "tp", 4, dp=2, tp=2), Layout("dp2pp2", "pp", 4, dp=2, pp=2, m=4),
-            Layout("tp2pp2", "pp", 4, tp=2, pp=2, m=4)]
+    out += [
+        Layout("dp2tp2", "tp", 4, dp=2, tp=2),
+        Layout("dp2pp2", "pp", 4, dp=2, pp=2, m=4),
+        Layout("tp2pp2", "pp", 4, tp=2, pp=2, m=4),
+    ]
     return out
 
 
 # gpt_50m (~60M parameters, ~0.37 TFLOP per step of 8 sequences) takes ~8-20 s per step on 2 shared cores:
 # a subset at a global batch of 8, 4 steps (1 warm-up). Left out: zero1/zero2 (the same compute as ddp), the
 # pipeline schedules but 1F1B at m = 4, dp2pp2 and tp2pp2 (4 ranks at half a core each).
-GPT50M = dict(global_batch=8, steps=4, warmup=1,
-              layouts=("single", "ddp", "zero3", "fsdp", "tp2", "pp2-1f1b-m4", "dp2tp2"))
+GPT50M = dict(
+    global_batch=8, steps=4, warmup=1, layouts=("single", "ddp", "zero3", "fsdp", "tp2", "pp2-1f1b-m4", "dp2tp2")
+)
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -135,17 +153,32 @@ NANO = {"d_model": 32, "n_head": 4}
 per-tensor work at ~1/150 of gpt_tiny's FLOPs); its measured step is the layout's framework overhead."""
 
 
-def run_layout(model: str, lay: Layout, *, steps: int, warmup: int, work: Path, reuse: bool, nano: bool = False) -> dict:
+def run_layout(
+    model: str, lay: Layout, *, steps: int, warmup: int, work: Path, reuse: bool, nano: bool = False
+) -> dict:
     """Train ``lay`` for ``steps`` steps (the caller holds the heavy-job lock); returns the run's last value of each
     metric. ``nano``: the model's :data:`NANO` twin (run name ``<model>-nano-<layout>``)."""
     name = f"{model}-nano-{lay.name}" if nano else f"{model}-{lay.name}"
     run_dir = work / "outputs" / "default" / name
     metrics = run_dir / "metrics.jsonl"
     if not (reuse and metrics.exists()):
-        cmd = [sys.executable, "-m", "framework.train", f"model={model}", *lay.overrides(),
-               "checkpoint=none", "tracking=none", "trainer.progress_bar=false", f"trainer.max_steps={steps}",
-               f"trainer.log_every_n_steps={steps}", f"trainer.warmup_steps_excluded={warmup}", "trainer.val_sequences=8",
-               "trainer.val_every_n_steps=1000", "resume=never", f"run_name={name}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "framework.train",
+            f"model={model}",
+            *lay.overrides(),
+            "checkpoint=none",
+            "tracking=none",
+            "trainer.progress_bar=false",
+            f"trainer.max_steps={steps}",
+            f"trainer.log_every_n_steps={steps}",
+            f"trainer.warmup_steps_excluded={warmup}",
+            "trainer.val_sequences=8",
+            "trainer.val_every_n_steps=1000",
+            "resume=never",
+            f"run_name={name}",
+        ]
         if nano:
             cmd += [f"model.{k}={v}" for k, v in NANO.items()]
         if metrics.exists():
@@ -166,8 +199,19 @@ def run_layout(model: str, lay: Layout, *, steps: int, warmup: int, work: Path, 
 
 # -- ADAPTER: activation memory of trainlab's GPT ---------------------------------------------------
 
-def gpt_activation_bytes(*, n_layer: int, d_model: int, n_head: int, d_ff: int, vocab: int, seq_len: int,
-                         micro_batch_size: int, tp: int = 1, act_bytes: int = 4) -> dict[str, float]:
+
+def gpt_activation_bytes(
+    *,
+    n_layer: int,
+    d_model: int,
+    n_head: int,
+    d_ff: int,
+    vocab: int,
+    seq_len: int,
+    micro_batch_size: int,
+    tp: int = 1,
+    act_bytes: int = 4,
+) -> dict[str, float]:
     """Bytes trainlab's GPT saves for backward per micro-batch, by part (fp32, no dropout, fused attention).
 
     Korthikanti et al. 2022 §4.1 / Table 2 (``s·b·h·(34 + 5·a·s/h)`` at 2 bytes) adapted, per layer
@@ -194,8 +238,13 @@ def gpt_activation_bytes(*, n_layer: int, d_model: int, n_head: int, d_ff: int, 
     """
     s, b, h, a, f, e, t = seq_len, micro_batch_size, d_model, n_head, d_ff, act_bytes, tp
     layer = 4 * e * s * b * h + 16 * s * b + (4 * e * s * b * h + 2 * e * s * b * f + 4 * b * a * s) / t
-    return {"layer": layer, "ids": 8 * s * b, "pos": 8 * s, "head": 2 * e * s * b * h + 8 * s * b + 4 * s * b * vocab + 8,
-            "targets": 8 * s * b}
+    return {
+        "layer": layer,
+        "ids": 8 * s * b,
+        "pos": 8 * s,
+        "head": 2 * e * s * b * h + 8 * s * b + 4 * s * b * vocab + 8,
+        "targets": 8 * s * b,
+    }
 
 
 def inflight(schedule: str, *, pp: int, m: int, v: int, stage: int) -> float:
@@ -225,8 +274,16 @@ def predicted_activation_bytes(cfg: dict, lay: Layout) -> float:
     micro-batch in flight keeps all ``m`` alive (``m·8·sb`` each); under gradient accumulation each
     micro-batch is its own loader batch.
     """
-    parts = gpt_activation_bytes(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], d_ff=cfg["d_ff"],
-                                 vocab=cfg["vocab"], seq_len=cfg["seq_len"], micro_batch_size=lay.micro_batch_size, tp=lay.tp)
+    parts = gpt_activation_bytes(
+        n_layer=cfg["n_layer"],
+        d_model=cfg["d_model"],
+        n_head=cfg["n_head"],
+        d_ff=cfg["d_ff"],
+        vocab=cfg["vocab"],
+        seq_len=cfg["seq_len"],
+        micro_batch_size=lay.micro_batch_size,
+        tp=lay.tp,
+    )
     whole_batch = lay.m if lay.pp > 1 else 1
     best = 0.0
     for stage in range(lay.pp):
@@ -247,12 +304,23 @@ def cost_model_activation_bytes(cfg: dict, lay: Layout) -> float:
 
     shape = _shape(cfg)
     sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[lay.schedule]
-    return activation_bytes_per_rank(shape, micro_batch_size=lay.micro_batch_size, tp=lay.tp, pp=lay.pp, n_microbatches=lay.m,
-                                     sequence_parallel=False, recompute="selective", schedule=sched, virtual_stages=lay.v,
-                                     act_bytes=4, dropout=False)["total"]
+    return activation_bytes_per_rank(
+        shape,
+        micro_batch_size=lay.micro_batch_size,
+        tp=lay.tp,
+        pp=lay.pp,
+        n_microbatches=lay.m,
+        sequence_parallel=False,
+        recompute="selective",
+        schedule=sched,
+        virtual_stages=lay.v,
+        act_bytes=4,
+        dropout=False,
+    )["total"]
 
 
 # -- step time: the cost model on conf/cluster/local_cpu --------------------------------------------
+
 
 def local_cpu(cache_dir: Path):
     """``conf/cluster/local_cpu.yaml`` with its measured figures (GEMM rate of one rank at 1 thread, gloo alpha and
@@ -261,21 +329,23 @@ def local_cpu(cache_dir: Path):
 
     from framework.base.metrics.local_cpu import cluster_of
 
-    raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "cluster" / "local_cpu.yaml"))
+    raw = OmegaConf.to_container(
+        OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "cluster" / "local_cpu.yaml")
+    )
     return cluster_of(raw, where="cluster=local_cpu", cache_dir=str(cache_dir))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_layout(lay: Layout):
     """The cost model's :class:`~framework.base.cost.layout.PlanLayout` of a run: its overrides composed and validated as
     the driver does, then :func:`framework.driver.plan.runs.plan_layout_of` with the ZeRO stage its plugin declares
     (``ParallelPlugin.zero_stage``; fp32: the runs' ``32-true``)."""
     from hydra import compose, initialize_config_dir
 
-    from framework.driver.cli import CONF_DIR
-    from framework.driver.validate import load_run_config, validate
-    from framework.driver.plan.runs import default_run_with, plan_layout_of
     from framework.base.registry import get_plugin_class
+    from framework.driver.cli import CONF_DIR
+    from framework.driver.plan.runs import default_run_with, plan_layout_of
+    from framework.driver.validate import load_run_config, validate
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*lay.overrides(), "checkpoint=none", "run_name=plan"])
@@ -354,7 +424,9 @@ def _n_params(cfg: dict) -> int:
     from framework.base.config.schema import ModelConfig
     from framework.base.model import GPT
 
-    gpt = GPT(ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], d_model=cfg["d_model"], max_seq_len=256), cfg["vocab"])
+    gpt = GPT(
+        ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], d_model=cfg["d_model"], max_seq_len=256), cfg["vocab"]
+    )
     return sum(p.numel() for p in gpt.parameters())
 
 
@@ -364,8 +436,10 @@ def load_or_measure_rates(model: str, work: Path, sizes: tuple) -> dict:
     path = work / f"rates-{model}.json"
     if path.exists():
         raw = json.loads(path.read_text())
-        return {"flops_per_s": {int(b): v for b, v in raw["flops_per_s"].items()},
-                "optimizer_bytes_per_s": raw["optimizer_bytes_per_s"]}
+        return {
+            "flops_per_s": {int(b): v for b, v in raw["flops_per_s"].items()},
+            "optimizer_bytes_per_s": raw["optimizer_bytes_per_s"],
+        }
     cfg = _model_cfg(model)
     iters = 20 if cfg["d_model"] <= 256 else 3
     print(f"measuring {model}'s forward+backward and AdamW rates ...", file=sys.stderr, flush=True)
@@ -374,8 +448,9 @@ def load_or_measure_rates(model: str, work: Path, sizes: tuple) -> dict:
     return rates
 
 
-def concurrent_slowdown(model: str, single: Layout, single_s: float, *, steps: int, warmup: int, work: Path,
-                        reuse: bool) -> float:
+def concurrent_slowdown(
+    model: str, single: Layout, single_s: float, *, steps: int, warmup: int, work: Path, reuse: bool
+) -> float:
     """How much slower one rank trains while another trains beside it: two ``single`` runs of ``model`` at once
     (1 thread each), their mean step time over ``single_s`` (the same run alone). This machine's effective cores:
     2 ranks on 2 cores get ``2 / slowdown`` cores' worth of compute (memory bandwidth, caches, page faults and the
@@ -399,8 +474,9 @@ def step_time_s(cfg: dict, lay: Layout, cluster, cores: int) -> float:
     return step_time(_shape(cfg), plan_layout(lay), cluster).total * max(1.0, lay.world / cores)
 
 
-def predicted_step_s(cfg: dict, lay: Layout, cluster, cores: int, rates: dict, slowdown: float,
-                     nano_measured_s: float) -> tuple[float, float]:
+def predicted_step_s(
+    cfg: dict, lay: Layout, cluster, cores: int, rates: dict, slowdown: float, nano_measured_s: float
+) -> tuple[float, float]:
     """Predicted seconds per optimizer step with this machine's measured inputs (module docstring), and the
     framework overhead per step it used.
 
@@ -416,7 +492,9 @@ def predicted_step_s(cfg: dict, lay: Layout, cluster, cores: int, rates: dict, s
 
     share = min(1.0, cores / lay.world) / (slowdown if lay.world > 1 else 1.0)
     flops = rates["flops_per_s"].get(lay.micro_batch_size) or min(rates["flops_per_s"].values())
-    cl = replace(cluster, peak_flops=flops * share, achievable_fraction=1.0, hbm_bandwidth=rates["optimizer_bytes_per_s"] * share)
+    cl = replace(
+        cluster, peak_flops=flops * share, achievable_fraction=1.0, hbm_bandwidth=rates["optimizer_bytes_per_s"] * share
+    )
     pl = plan_layout(lay)
     # Nothing overlaps on this CPU: gloo's threads reduce and copy on the cores the rank computes on (1 thread per
     # rank, ranks x threads <= cores). trainlab's TP plugin keeps the output head whole on every rank.
@@ -428,18 +506,32 @@ def predicted_step_s(cfg: dict, lay: Layout, cluster, cores: int, rates: dict, s
 def _shape(cfg: dict):
     from framework.base.cost.shape import ModelShape
 
-    return ModelShape(n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"], vocab_size=cfg["vocab"],
-                      seq_len=cfg["seq_len"], d_ff=cfg["d_ff"], max_seq_len=256)
+    return ModelShape(
+        n_layer=cfg["n_layer"],
+        d_model=cfg["d_model"],
+        n_head=cfg["n_head"],
+        vocab_size=cfg["vocab"],
+        seq_len=cfg["seq_len"],
+        d_ff=cfg["d_ff"],
+        max_seq_len=256,
+    )
 
 
 # -- the table --------------------------------------------------------------------------------------
+
 
 def _model_cfg(model: str) -> dict:
     from omegaconf import OmegaConf
 
     conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / f"{model}.yaml")
-    return {"n_layer": conf.n_layer, "d_model": conf.d_model, "n_head": conf.n_head, "d_ff": conf.d_ff or 4 * conf.d_model,
-            "vocab": conf.vocab_size or 4096, "seq_len": 128}
+    return {
+        "n_layer": conf.n_layer,
+        "d_model": conf.d_model,
+        "n_head": conf.n_head,
+        "d_ff": conf.d_ff or 4 * conf.d_model,
+        "vocab": conf.vocab_size or 4096,
+        "seq_len": 128,
+    }
 
 
 def _spearman(x: list[float], y: list[float]) -> float:
@@ -466,30 +558,48 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:.2f}"
 
 
-def _row(model: str, lay: Layout, r: dict, r_nano: dict, cluster, bubble_parts: dict, rates: dict, slowdown: float) -> dict:
+def _row(
+    model: str, lay: Layout, r: dict, r_nano: dict, cluster, bubble_parts: dict, rates: dict, slowdown: float
+) -> dict:
     """Predicted and measured figures of one run (``r_nano``: its nano twin's run; ``rates``: :func:`load_or_measure_rates`;
     ``slowdown``: :func:`concurrent_slowdown`)."""
     from framework.base.cost.bubble import pp_bubble_fraction
 
     cfg = _model_cfg(model)
-    kinds = sorted({k[len("perf/comm_bytes_"):-len("_model")] for k in r
-                    if k.startswith("perf/comm_bytes_") and k.endswith("_model")} - {"wire", ""})
+    kinds = sorted(
+        {
+            k[len("perf/comm_bytes_") : -len("_model")]
+            for k in r
+            if k.startswith("perf/comm_bytes_") and k.endswith("_model")
+        }
+        - {"wire", ""}
+    )
     comm = {k: (r.get(f"perf/comm_bytes_{k}", 0.0), r[f"perf/comm_bytes_{k}_model"]) for k in kinds}
     parts = bubble_parts.get(model, {}).get(f"{lay.schedule}-m{lay.m}") if lay.pp > 1 else None
-    row = {"model": model, "layout": lay.name, "lay": lay, "comm": comm,
-           "states": (r["mem/model_states_bytes"], r["mem/model_states_bytes_model"]),
-           "act": (r.get("mem/activation_peak_bytes", float("nan")), predicted_activation_bytes(cfg, lay)),
-           "act_cost_model": cost_model_activation_bytes(cfg, lay),
-           "step": (r.get("perf/step_time_s_mean", float("nan")),
-                    step_time_s(cfg, lay, cluster, os.cpu_count() or 2))}
+    row = {
+        "model": model,
+        "layout": lay.name,
+        "lay": lay,
+        "comm": comm,
+        "states": (r["mem/model_states_bytes"], r["mem/model_states_bytes_model"]),
+        "act": (r.get("mem/activation_peak_bytes", float("nan")), predicted_activation_bytes(cfg, lay)),
+        "act_cost_model": cost_model_activation_bytes(cfg, lay),
+        "step": (r.get("perf/step_time_s_mean", float("nan")), step_time_s(cfg, lay, cluster, os.cpu_count() or 2)),
+    }
     nano_s = r_nano.get("perf/step_time_s_mean", float("nan")) if r_nano else float("nan")
-    row["step_measured_inputs"] = (predicted_step_s(cfg, lay, cluster, os.cpu_count() or 2, rates, slowdown, nano_s)
-                                   if rates and slowdown == slowdown and nano_s == nano_s else (float("nan"), float("nan")))
+    row["step_measured_inputs"] = (
+        predicted_step_s(cfg, lay, cluster, os.cpu_count() or 2, rates, slowdown, nano_s)
+        if rates and slowdown == slowdown and nano_s == nano_s
+        else (float("nan"), float("nan"))
+    )
     row["nano_s"] = nano_s
     if lay.pp > 1:
         modelled = parts["model"] if parts and lay.dp == 1 and lay.tp == 1 else float("nan")
-        row["bubble"] = (r.get("perf/pp_bubble_frac", float("nan")), pp_bubble_fraction(pp=lay.pp, n_microbatches=lay.m, virtual_stages=lay.v),
-                         modelled)
+        row["bubble"] = (
+            r.get("perf/pp_bubble_frac", float("nan")),
+            pp_bubble_fraction(pp=lay.pp, n_microbatches=lay.m, virtual_stages=lay.v),
+            modelled,
+        )
     return row
 
 
@@ -497,15 +607,23 @@ def report(results: list, *, cluster, bubble_parts: dict, rates: dict, slowdowns
     """The markdown table of predicted / measured per layout, the misses, and the rank correlation per model.
 
     ``results``: ``(model, layout, run metrics, nano run metrics or None)``; ``rates``, ``slowdowns``: by model."""
-    rows = [_row(model, lay, r, rn, cluster, bubble_parts, rates.get(model), slowdowns.get(model, float("nan")))
-            for model, lay, r, rn in results]
-    lines = ["| model | layout | comm payload bytes/step, measured (= model unless shown) | model states MiB meas / model "
-             "| activations MiB meas / model (err) [cost model: fp32, no dropout, selective] | bubble meas / formula / model "
-             "| step s measured | cost model alone (err) | nano run s | overhead s | predicted (err) |", "|" + "---|" * 11]
+    rows = [
+        _row(model, lay, r, rn, cluster, bubble_parts, rates.get(model), slowdowns.get(model, float("nan")))
+        for model, lay, r, rn in results
+    ]
+    lines = [
+        "| model | layout | comm payload bytes/step, measured (= model unless shown) | model states MiB meas / model "
+        "| activations MiB meas / model (err) [cost model: fp32, no dropout, selective] | bubble meas / formula / model "
+        "| step s measured | cost model alone (err) | nano run s | overhead s | predicted (err) |",
+        "|" + "---|" * 11,
+    ]
     misses: list[str] = []
     for row in rows:
         name = f"{row['model']} {row['layout']}"
-        comm = ", ".join(f"{k} {m:,.0f}" + ("" if m == p else f" != {p:,.0f}") for k, (m, p) in row["comm"].items()) or "none"
+        comm = (
+            ", ".join(f"{k} {m:,.0f}" + ("" if m == p else f" != {p:,.0f}") for k, (m, p) in row["comm"].items())
+            or "none"
+        )
         if any(m != p for m, p in row["comm"].values()):
             misses.append(f"{name}: comm bytes not exact")
         sm, sp = row["states"]
@@ -524,25 +642,35 @@ def report(results: list, *, cluster, bubble_parts: dict, rates: dict, slowdowns
         tp, overhead = row["step_measured_inputs"]
         if not abs(tm / tp - 1) <= 0.20:
             misses.append(f"{name}: step time {tm:.3f} s vs predicted {tp:.3f} s ({tm / tp - 1:+.0%})")
-        lines.append(f"| {row['model']} | {row['layout']} | {comm} | {_mib(sm)} / {_mib(sp)} | {_mib(am)} / {_mib(ap)} "
-                     f"({am / ap - 1:+.1%}) [{_mib(row['act_cost_model'])}] | {bub} | {tm:.3f} | {talone:.3f} ({tm / talone - 1:+.0%}) "
-                     f"| {row['nano_s']:.3f} | {overhead:.3f} | {tp:.3f} ({tm / tp - 1:+.0%}) |")
+        lines.append(
+            f"| {row['model']} | {row['layout']} | {comm} | {_mib(sm)} / {_mib(sp)} | {_mib(am)} / {_mib(ap)} "
+            f"({am / ap - 1:+.1%}) [{_mib(row['act_cost_model'])}] | {bub} | {tm:.3f} | {talone:.3f} ({tm / talone - 1:+.0%}) "
+            f"| {row['nano_s']:.3f} | {overhead:.3f} | {tp:.3f} ({tm / tp - 1:+.0%}) |"
+        )
     out = "\n".join(lines) + "\n"
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model and r["step"][0] == r["step"][0]]
         if len(mine) > 2:
             rho_alone = _spearman([r["step"][1] for r in mine], [r["step"][0] for r in mine])
             ok = [r for r in mine if r["step_measured_inputs"][0] == r["step_measured_inputs"][0]]
-            rho = _spearman([r["step_measured_inputs"][0] for r in ok], [r["step"][0] for r in ok]) if len(ok) > 2 else float("nan")
+            rho = (
+                _spearman([r["step_measured_inputs"][0] for r in ok], [r["step"][0] for r in ok])
+                if len(ok) > 2
+                else float("nan")
+            )
             within = sum(abs(r["step"][0] / r["step_measured_inputs"][0] - 1) <= 0.20 for r in ok)
-            out += (f"\n{model}: Spearman rank correlation of predicted and measured step time over {len(ok)} layouts: "
-                    f"**{rho:.2f}** ({within} of {len(ok)} within 20%); the cost model alone: {rho_alone:.2f} over {len(mine)}")
+            out += (
+                f"\n{model}: Spearman rank correlation of predicted and measured step time over {len(ok)} layouts: "
+                f"**{rho:.2f}** ({within} of {len(ok)} within 20%); the cost model alone: {rho_alone:.2f} over {len(mine)}"
+            )
         r = rates.get(model)
         if r:
-            out += (f"\n{model} inputs: forward+backward GFLOP/s of one process by micro-batch "
-                    + ", ".join(f"b={b}: {r['flops_per_s'][b] / 1e9:.1f}" for b in sorted(r["flops_per_s"]))
-                    + f"; AdamW GB/s {r['optimizer_bytes_per_s'] / 1e9:.2f}; slowdown (step time of two concurrent single runs "
-                    f"/ one alone) {slowdowns.get(model, float('nan')):.2f}")
+            out += (
+                f"\n{model} inputs: forward+backward GFLOP/s of one process by micro-batch "
+                + ", ".join(f"b={b}: {r['flops_per_s'][b] / 1e9:.1f}" for b in sorted(r["flops_per_s"]))
+                + f"; AdamW GB/s {r['optimizer_bytes_per_s'] / 1e9:.2f}; slowdown (step time of two concurrent single runs "
+                f"/ one alone) {slowdowns.get(model, float('nan')):.2f}"
+            )
     return out + "\n\nMisses:\n" + ("\n".join(f"- {x}" for x in misses) if misses else "- none") + "\n"
 
 
@@ -557,7 +685,9 @@ def one_process_activations(model: str, micro_batch_sizes: tuple[int, ...] = (1,
 
     cfg = _model_cfg(model)
     torch.manual_seed(0)
-    gpt = GPT(ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], d_model=cfg["d_model"], max_seq_len=256), cfg["vocab"])
+    gpt = GPT(
+        ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], d_model=cfg["d_model"], max_seq_len=256), cfg["vocab"]
+    )
     lines = []
     for b in micro_batch_sizes:
         x, y = torch.randint(0, cfg["vocab"], (2, b, cfg["seq_len"])).unbind(0)
@@ -567,8 +697,10 @@ def one_process_activations(model: str, micro_batch_sizes: tuple[int, ...] = (1,
             loss = gpt(x, y)
         del loss
         lay = Layout("single", "single", 1, m=1, global_batch=b)
-        lines.append(f"{model} b={b}: measured {meter.peak_bytes:,} bytes, model {predicted_activation_bytes(cfg, lay):,.0f}, "
-                     f"cost model {cost_model_activation_bytes(cfg, lay):,.0f}")
+        lines.append(
+            f"{model} b={b}: measured {meter.peak_bytes:,} bytes, model {predicted_activation_bytes(cfg, lay):,.0f}, "
+            f"cost model {cost_model_activation_bytes(cfg, lay):,.0f}"
+        )
     return "\n".join(lines)
 
 
@@ -576,14 +708,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt_tiny", "gpt_50m"])
     parser.add_argument("--layouts", nargs="*", default=None, help="layout names (default: all)")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per gpt_tiny run, 3 left out of timing (gpt_50m: 4, 1)")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="optimizer steps per gpt_tiny run, 3 left out of timing (gpt_50m: 4, 1)"
+    )
     parser.add_argument("--workdir", default="bench-cost-model")
     parser.add_argument("--out", default=None, help="also write the table as markdown here")
     parser.add_argument("--reuse", action="store_true", help="read runs already in --workdir")
-    parser.add_argument("--activations-only", action="store_true",
-                        help="one forward per model in this process: measured vs modelled activation bytes, no runs")
-    parser.add_argument("--bubble-parts", default=None,
-                        help="JSON from pp_bubble_parts.py --json-by-model: {model: {schedule-mM: {model, handoff_s, ...}}}")
+    parser.add_argument(
+        "--activations-only",
+        action="store_true",
+        help="one forward per model in this process: measured vs modelled activation bytes, no runs",
+    )
+    parser.add_argument(
+        "--bubble-parts",
+        default=None,
+        help="JSON from pp_bubble_parts.py --json-by-model: {model: {schedule-mM: {model, handoff_s, ...}}}",
+    )
     args = parser.parse_args()
     if args.activations_only:
         print("\n".join(one_process_activations(model) for model in args.models))
@@ -593,8 +733,11 @@ def main() -> None:
     results, rates, slowdowns = [], {}, {}
     for model in args.models:
         steps, warmup = (args.steps, 3) if model != "gpt_50m" else (GPT50M["steps"], GPT50M["warmup"])
-        todo = [lay for lay in layouts() if (not args.layouts or lay.name in args.layouts)
-                and (model != "gpt_50m" or lay.name in GPT50M["layouts"])]
+        todo = [
+            lay
+            for lay in layouts()
+            if (not args.layouts or lay.name in args.layouts) and (model != "gpt_50m" or lay.name in GPT50M["layouts"])
+        ]
         if model == "gpt_50m":
             todo = [replace(lay, global_batch=GPT50M["global_batch"]) for lay in todo]
         with open(LOCK, "a") as lock:  # one model's runs back to back, one heavy job at a time on the machine
@@ -613,14 +756,25 @@ def main() -> None:
                         runs.append(None)
                         continue
                     print(f"[{i + 1}/{len(todo)}] running {name} ...", file=sys.stderr, flush=True)
-                    runs.append(run_layout(model, lay, steps=steps, warmup=warmup, work=work, reuse=args.reuse, nano=nano))
+                    runs.append(
+                        run_layout(model, lay, steps=steps, warmup=warmup, work=work, reuse=args.reuse, nano=nano)
+                    )
                 if runs[0] is not None:
                     results.append((model, lay, runs[0], runs[1]))
                     measured[lay.name] = (lay, runs[0]["perf/step_time_s_mean"])
-            if "single" in measured and (not args.reuse or (work / "outputs" / "default" / f"{model}-single-concurrent2").exists()):
+            if "single" in measured and (
+                not args.reuse or (work / "outputs" / "default" / f"{model}-single-concurrent2").exists()
+            ):
                 print(f"running {model} single twice at once ...", file=sys.stderr, flush=True)
-                slowdowns[model] = concurrent_slowdown(model, measured["single"][0], measured["single"][1], steps=steps,
-                                                       warmup=warmup, work=work, reuse=args.reuse)
+                slowdowns[model] = concurrent_slowdown(
+                    model,
+                    measured["single"][0],
+                    measured["single"][1],
+                    steps=steps,
+                    warmup=warmup,
+                    work=work,
+                    reuse=args.reuse,
+                )
     if not args.reuse:  # gloo alpha/beta and the GEMM rate, measured now (2 ranks: under the lock) unless cached
         with open(LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

@@ -35,18 +35,34 @@ def final_record(path: Path) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default="bench-data-pipeline", help="folder for outputs/, mlruns.db (default: %(default)s)")
+    parser.add_argument(
+        "--workdir", default="bench-data-pipeline", help="folder for outputs/, mlruns.db (default: %(default)s)"
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args()
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "framework.train", "experiment=data_pipeline", "trainer.progress_bar=false", *args.overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "framework.train",
+        "experiment=data_pipeline",
+        "trainer.progress_bar=false",
+        *args.overrides,
+    ]
     subprocess.run(cmd, cwd=work, check=True, stdout=subprocess.DEVNULL)
     rows = []
     for f in sorted((work / "outputs" / "data_pipeline").glob("*/*/metrics.jsonl")):  # <sweep>/<job>/
         r = final_record(f)
-        rows.append((f.parent.name, r["perf/data_wait_frac_mean"], r["perf/step_time_s_mean"], r["perf/step_time_std_s_run"],
-                     r["perf/tokens_per_sec_mean"]))
+        rows.append(
+            (
+                f.parent.name,
+                r["perf/data_wait_frac_mean"],
+                r["perf/step_time_s_mean"],
+                r["perf/step_time_std_s_run"],
+                r["perf/tokens_per_sec_mean"],
+            )
+        )
     print(f"{'run':40s} {'data_wait_frac':>14s} {'step_s_mean':>12s} {'step_s_std':>11s} {'tokens_per_s':>13s}")
     for name, dw, mean, std, tps in rows:
         print(f"{name:40s} {dw:14.3f} {mean:12.4f} {std:11.4f} {tps:13,.0f}")

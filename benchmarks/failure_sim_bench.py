@@ -23,9 +23,13 @@ STEPS = 1_000_000
 def main() -> None:
     print(f"{'policy':<9} {'every':>6} {'seconds':>8} {'steps/s':>12} {'failures':>9} {'goodput':>8}")
     for every in (1, 10, 100, 1000):
-        for pol in (Policy("sync", every, 2.0), Policy("async", every, 0.2, write_s=5.0),
-                    Policy("two_tier", every, 0.1, disk_every=every * 10, disk_delta_s=2.0, mem_fraction=0.5,
-                           mem_restart_s=10.0)):
+        for pol in (
+            Policy("sync", every, 2.0),
+            Policy("async", every, 0.2, write_s=5.0),
+            Policy(
+                "two_tier", every, 0.1, disk_every=every * 10, disk_delta_s=2.0, mem_fraction=0.5, mem_restart_s=10.0
+            ),
+        ):
             t0 = time.perf_counter()
             r = simulate(steps=STEPS, step_s=1.0, policy=pol, restart_s=60.0, mtbf_s=5000.0, seed=0)
             dt = time.perf_counter() - t0

@@ -39,6 +39,7 @@ def register_entry_points(site: Path) -> bool:
     ``dist-info`` folder under ``site`` declaring pyproject.toml's ``trainlab.parallelism`` entry points,
     so that ``importlib.metadata`` finds the plugins; returns whether it did (then put ``site`` on the path)."""
     import importlib.metadata
+
     import tomllib
 
     if importlib.metadata.entry_points(group="trainlab.parallelism"):
@@ -57,9 +58,19 @@ def _last_json_records(path: Path) -> list[dict]:
 
 def run_trainlab(out: Path, name: str, overrides: list[str], timeout: int) -> dict:
     """One driver run; returns its summary figures (empty on failure, with the log's tail printed)."""
-    cmd = [sys.executable, "-m", "framework.train", "parallelism=single", "tracking=none", "checkpoint=none",
-           "trainer.progress_bar=false", "trainer.count_host_syncs=true", "experiment_name=gpu_check", f"run_name={name}",
-           *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "framework.train",
+        "parallelism=single",
+        "tracking=none",
+        "checkpoint=none",
+        "trainer.progress_bar=false",
+        "trainer.count_host_syncs=true",
+        "experiment_name=gpu_check",
+        f"run_name={name}",
+        *overrides,
+    ]
     t0 = time.time()
     log = out / f"{name}.log"
     try:
@@ -76,9 +87,13 @@ def run_trainlab(out: Path, name: str, overrides: list[str], timeout: int) -> di
     records = _last_json_records(run_dir / "metrics.jsonl")
     syncs = json.loads((run_dir / "host_syncs.json").read_text()) if (run_dir / "host_syncs.json").exists() else {}
     peaks = [r["mem/peak_bytes"] for r in records if "mem/peak_bytes" in r]
-    return {"tokens_per_sec": summary.get("perf/tokens_per_sec_mean"), "mfu": summary.get("perf/mfu_mean"),
-            "step_time_s": summary.get("perf/step_time_s_mean"), "peak_bytes": max(peaks) if peaks else None,
-            "syncs": {int(k): v for k, v in syncs.items()}}
+    return {
+        "tokens_per_sec": summary.get("perf/tokens_per_sec_mean"),
+        "mfu": summary.get("perf/mfu_mean"),
+        "step_time_s": summary.get("perf/step_time_s_mean"),
+        "peak_bytes": max(peaks) if peaks else None,
+        "syncs": {int(k): v for k, v in syncs.items()},
+    }
 
 
 def run_plain(out: Path, steps: int, overrides: list[str], timeout: int, name: str) -> dict:
@@ -105,9 +120,9 @@ def planner_memory(model: str, overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
 
     import framework.driver.cli  # noqa: F401  (registers the run-name resolver)
-    from framework.driver.validate import load_run_config, validate
     from framework.base.cost.activations import activation_bytes_per_rank
     from framework.base.cost.shape import ModelShape
+    from framework.driver.validate import load_run_config, validate
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["parallelism=single", "run_name=plan", *overrides])
@@ -116,14 +131,27 @@ def planner_memory(model: str, overrides: list[str]) -> dict:
     shape = ModelShape.from_model_config(run.model, seq_len=run.data.seq_len, vocab_size=run.data.vocab_size)
     states = 16 * shape.num_params()  # fp32 weights + grads + AdamW moments (autocast keeps fp32 weights)
     act_bytes = 2 if run.trainer.precision.startswith("bf16") else 4
-    kw = dict(micro_batch_size=resolved.micro_batch_size, tp=1, pp=1, n_microbatches=resolved.grad_accum_steps,
-              sequence_parallel=False, recompute="full" if run.model.activation_checkpointing else "none",
-              act_bytes=act_bytes, dropout=run.model.dropout > 0)
+    kw = dict(
+        micro_batch_size=resolved.micro_batch_size,
+        tp=1,
+        pp=1,
+        n_microbatches=resolved.grad_accum_steps,
+        sequence_parallel=False,
+        recompute="full" if run.model.activation_checkpointing else "none",
+        act_bytes=act_bytes,
+        dropout=run.model.dropout > 0,
+    )
     acts = activation_bytes_per_rank(shape, **kw)
     # The table's a·s² score term is what a kernel without flash attention keeps; SDPA's flash/efficient kernels do not.
     scores = shape.n_head * shape.seq_len**2 * resolved.micro_batch_size * act_bytes * shape.n_layer
-    return {"params": shape.num_params(), "states_bytes": states, "activations_bytes": acts["total"],
-            "scores_bytes": scores, "total_bytes": states + acts["total"], "total_flash_bytes": states + acts["total"] - scores}
+    return {
+        "params": shape.num_params(),
+        "states_bytes": states,
+        "activations_bytes": acts["total"],
+        "scores_bytes": scores,
+        "total_bytes": states + acts["total"],
+        "total_flash_bytes": states + acts["total"] - scores,
+    }
 
 
 def sync_summary(per_step: dict[int, dict], log_every: int, val_every: int, max_steps: int) -> str:
@@ -134,8 +162,10 @@ def sync_summary(per_step: dict[int, dict], log_every: int, val_every: int, max_
     loud = {s: v["count"] for s, v in per_step.items() if s not in quiet}
     sites = sorted({site for s in quiet for site in per_step[s]["sites"]})
     counts = [per_step[s]["count"] for s in sorted(per_step)]
-    text = (f"{max(quiet.values()) if quiet else 0} on {len(quiet)} quiet steps (max), {sorted(set(loud.values()))} on"
-            f" logging/validation/first steps; per step {counts}")
+    text = (
+        f"{max(quiet.values()) if quiet else 0} on {len(quiet)} quiet steps (max), {sorted(set(loud.values()))} on"
+        f" logging/validation/first steps; per step {counts}"
+    )
     return text + (f"; quiet-step sites: {'; '.join(sites[:4])}" if sites else "")
 
 
@@ -144,27 +174,51 @@ def main() -> None:
     parser.add_argument("--out", default="gpu_check_out", help="output folder (default: %(default)s)")
     parser.add_argument("--models", nargs="+", default=["gpt_1b", "llama_1b"])
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the timings (default: %(default)s)")
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="first steps left out of the timings (default: %(default)s)"
+    )
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--no-compile", action="store_true", help="eager (no torch.compile) on both sides")
-    parser.add_argument("--timeout", type=int, default=240, help="seconds per run before it is given up (default: %(default)s)")
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, few steps: checks the script end to end")
+    parser.add_argument(
+        "--timeout", type=int, default=240, help="seconds per run before it is given up (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="CPU, tiny models, few steps: checks the script end to end"
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    models, steps, warmup, mb, seq, extra = args.models, args.steps, args.warmup, args.micro_batch_size, args.seq_len, []
+    models, steps, warmup, mb, seq, extra = (
+        args.models,
+        args.steps,
+        args.warmup,
+        args.micro_batch_size,
+        args.seq_len,
+        [],
+    )
     if args.smoke:
         models = ["gpt_tiny", "llama_tiny"]
         steps, warmup, mb, seq = 6, 2, 2, 64
         extra = ["trainer.accelerator=cpu", "data.vocab_size=1024"]
     log_every = max(2, steps // 5)
-    common = [f"data.seq_len={seq}", f"trainer.micro_batch_size={mb}", f"trainer.global_batch_size={mb}",
-              f"trainer.max_steps={steps}", f"trainer.warmup_steps_excluded={warmup}", f"trainer.log_every_n_steps={log_every}",
-              f"trainer.val_every_n_steps={steps}", "trainer.val_sequences=16", "trainer.precision=bf16-mixed",
-              f"trainer.compile={'false' if args.no_compile or args.smoke else 'true'}",
-              f"data.max_bytes={3_000_000 if args.smoke else 12_000_000}", f"data.cache_dir={out / 'cache'}", *extra, *args.overrides]
+    common = [
+        f"data.seq_len={seq}",
+        f"trainer.micro_batch_size={mb}",
+        f"trainer.global_batch_size={mb}",
+        f"trainer.max_steps={steps}",
+        f"trainer.warmup_steps_excluded={warmup}",
+        f"trainer.log_every_n_steps={log_every}",
+        f"trainer.val_every_n_steps={steps}",
+        "trainer.val_sequences=16",
+        "trainer.precision=bf16-mixed",
+        f"trainer.compile={'false' if args.no_compile or args.smoke else 'true'}",
+        f"data.max_bytes={3_000_000 if args.smoke else 12_000_000}",
+        f"data.cache_dir={out / 'cache'}",
+        *extra,
+        *args.overrides,
+    ]
     site = out / "site"
     if register_entry_points(site):
         sys.path.insert(0, str(site))
@@ -172,7 +226,10 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(site), os.environ.get("PYTHONPATH", "")) if p)
     import torch
 
-    print(f"torch {torch.__version__}; device {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}", flush=True)
+    print(
+        f"torch {torch.__version__}; device {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}",
+        flush=True,
+    )
     results = {}
     for model in models:
         ov = [f"model={model}", *common]
@@ -181,23 +238,33 @@ def main() -> None:
         plan = planner_memory(model, ov)
         results[model] = {"trainlab": lab, "plain": plain, "planner": plan}
         (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"\n{'model':11s} {'params':>7s} {'MFU':>6s} {'tok/s trainlab':>15s} {'tok/s plain':>12s} {'ratio':>6s}"
-          f" {'peak GiB':>9s} {'plain GiB':>9s} {'plan GiB':>9s} {'plan-flash':>10s}")
+    print(
+        f"\n{'model':11s} {'params':>7s} {'MFU':>6s} {'tok/s trainlab':>15s} {'tok/s plain':>12s} {'ratio':>6s}"
+        f" {'peak GiB':>9s} {'plain GiB':>9s} {'plan GiB':>9s} {'plan-flash':>10s}"
+    )
     for model, r in results.items():
         lab, plain, plan = r["trainlab"], r["plain"], r["planner"]
 
         def f(x, fmt):
             return format(x, fmt) if isinstance(x, (int, float)) else "n/a"
 
-        ratio = lab["tokens_per_sec"] / plain["tokens_per_sec"] if lab.get("tokens_per_sec") and plain.get("tokens_per_sec") else None
-        print(f"{model:11s} {plan['params'] / 1e9:6.2f}B {f(lab.get('mfu'), '6.3f')} {f(lab.get('tokens_per_sec'), '15,.0f')}"
-              f" {f(plain.get('tokens_per_sec'), '12,.0f')} {f(ratio, '6.3f')}"
-              f" {f(lab['peak_bytes'] / GIB if lab.get('peak_bytes') else None, '9.2f')}"
-              f" {f(plain['peak_bytes'] / GIB if plain.get('peak_bytes') else None, '9.2f')}"
-              f" {plan['total_bytes'] / GIB:9.2f} {plan['total_flash_bytes'] / GIB:10.2f}")
+        ratio = (
+            lab["tokens_per_sec"] / plain["tokens_per_sec"]
+            if lab.get("tokens_per_sec") and plain.get("tokens_per_sec")
+            else None
+        )
+        print(
+            f"{model:11s} {plan['params'] / 1e9:6.2f}B {f(lab.get('mfu'), '6.3f')} {f(lab.get('tokens_per_sec'), '15,.0f')}"
+            f" {f(plain.get('tokens_per_sec'), '12,.0f')} {f(ratio, '6.3f')}"
+            f" {f(lab['peak_bytes'] / GIB if lab.get('peak_bytes') else None, '9.2f')}"
+            f" {f(plain['peak_bytes'] / GIB if plain.get('peak_bytes') else None, '9.2f')}"
+            f" {plan['total_bytes'] / GIB:9.2f} {plan['total_flash_bytes'] / GIB:10.2f}"
+        )
         print(f"  host syncs per step: {sync_summary(lab.get('syncs', {}), log_every, steps, steps)}")
-    print("(MFU: trainlab's perf/mfu_mean, model FLOPs 6N + 12·L·h·s over the device's bf16 peak; ratio = trainlab / plain"
-          " tokens/s, one run each; plan = 16 B/param + Korthikanti activations (bf16), plan-flash without the a·s² scores)")
+    print(
+        "(MFU: trainlab's perf/mfu_mean, model FLOPs 6N + 12·L·h·s over the device's bf16 peak; ratio = trainlab / plain"
+        " tokens/s, one run each; plan = 16 B/param + Korthikanti activations (bf16), plan-flash without the a·s² scores)"
+    )
 
 
 if __name__ == "__main__":

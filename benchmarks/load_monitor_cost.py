@@ -24,7 +24,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--children", type=int, default=4, help="idle child processes in the tree (ranks, workers)")
-    parser.add_argument("--interval", type=float, default=5.0, help="the monitor's interval (s) for the share of a core")
+    parser.add_argument(
+        "--interval", type=float, default=5.0, help="the monitor's interval (s) for the share of a core"
+    )
     args = parser.parse_args()
     kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(args.children)]
     try:

@@ -28,8 +28,10 @@ LAYOUTS = {
     "dp2pp2": ("parallelism=pp", "parallelism.world_size=4"),
     "tp2pp2": ("parallelism=pp", "parallelism.tp_degree=2", "parallelism.world_size=4"),
 }
-CROSS = {"tp2": LAYOUTS["tp2"],
-         "pp2-interleaved": ("parallelism=pp", "parallelism.schedule=interleaved_1f1b", "parallelism.virtual_stages=2")}
+CROSS = {
+    "tp2": LAYOUTS["tp2"],
+    "pp2-interleaved": ("parallelism=pp", "parallelism.schedule=interleaved_1f1b", "parallelism.virtual_stages=2"),
+}
 
 
 def max_rel(a: RunResult, b: RunResult, steps: range) -> float:
@@ -54,13 +56,17 @@ def main() -> None:
             same = c.run(f"{name}-again", sel, save_every=STEPS, resume=ckpt)
             print(f"{name:<10} {name:<18} {max_rel(same, full, after):>15.1e} {max_rel(same, ref, after):>10.1e}")
             single = c.run(f"{name}-as-single", ("parallelism=single",), save_every=0, resume=ckpt)
-            print(f"{name:<10} {'single':<18} {max_rel(single, full, after):>15.1e} {max_rel(single, ref, after):>10.1e}")
+            print(
+                f"{name:<10} {'single':<18} {max_rel(single, full, after):>15.1e} {max_rel(single, ref, after):>10.1e}"
+            )
             rev = c.run(f"{name}-from-single", sel, save_every=0, resume=ref.ckpt_dir / f"step{SAVE_AT:08d}")
             print(f"{'single':<10} {name:<18} {max_rel(rev, full, after):>15.1e} {max_rel(rev, ref, after):>10.1e}")
             if name == "tp2pp2":
                 for other, osel in CROSS.items():
                     got = c.run(f"{name}-as-{other}", osel, save_every=0, resume=ckpt)
-                    print(f"{name:<10} {other:<18} {max_rel(got, full, after):>15.1e} {max_rel(got, ref, after):>10.1e}")
+                    print(
+                        f"{name:<10} {other:<18} {max_rel(got, full, after):>15.1e} {max_rel(got, ref, after):>10.1e}"
+                    )
 
 
 if __name__ == "__main__":

@@ -45,19 +45,27 @@ def row(conf: Conformance, case) -> str:
     ref, got = conf.reference(case.model), conf.plugin_run(case)
     steps = [s for s in range(1, STEPS + 1) if s in ref.losses and s in got.losses]
     diff = max(abs(got.losses[s] - ref.losses[s]) / abs(ref.losses[s]) for s in steps)
-    comm = [r for r in got.records if "perf/comm_bytes" in r and "perf/comm_bytes_model" in r]  # measured steps (not warm-up)
+    comm = [
+        r for r in got.records if "perf/comm_bytes" in r and "perf/comm_bytes_model" in r
+    ]  # measured steps (not warm-up)
     if comm:
         kinds = [k for k in KINDS if f"perf/comm_bytes_{k}_model" in comm[0]]
         exact = all(r.get(f"perf/comm_bytes_{k}") == r[f"perf/comm_bytes_{k}_model"] for r in comm for k in kinds)
         r = comm[-1]
-        by_kind = ", ".join(f"{k} {r.get(f'perf/comm_bytes_{k}', 0):,.0f}/{r[f'perf/comm_bytes_{k}_model']:,.0f}" for k in kinds)
-        bytes_ = (f"{r.get('perf/comm_bytes', 0):,.0f} / {r['perf/comm_bytes_model']:,.0f} ({by_kind});"
-                  f" wire {r.get('perf/comm_bytes_wire', 0):,.0f} / {r['perf/comm_bytes_wire_model']:,.0f};"
-                  f" {'equal' if exact else 'DIFFER'} on {len(comm)} steps")
+        by_kind = ", ".join(
+            f"{k} {r.get(f'perf/comm_bytes_{k}', 0):,.0f}/{r[f'perf/comm_bytes_{k}_model']:,.0f}" for k in kinds
+        )
+        bytes_ = (
+            f"{r.get('perf/comm_bytes', 0):,.0f} / {r['perf/comm_bytes_model']:,.0f} ({by_kind});"
+            f" wire {r.get('perf/comm_bytes_wire', 0):,.0f} / {r['perf/comm_bytes_wire_model']:,.0f};"
+            f" {'equal' if exact else 'DIFFER'} on {len(comm)} steps"
+        )
     else:
         bytes_ = "(not metered)"
     mem = [r for r in got.records if "mem/model_states_bytes_model" in r]
-    states = (f"{mem[-1]['mem/model_states_bytes']:,.0f} / {mem[-1]['mem/model_states_bytes_model']:,.0f}" if mem else "n/a")
+    states = (
+        f"{mem[-1]['mem/model_states_bytes']:,.0f} / {mem[-1]['mem/model_states_bytes_model']:,.0f}" if mem else "n/a"
+    )
     return f"| {case.name} | {' '.join(case.select)} | {diff:.1e} | {bytes_} | {states} |"
 
 
@@ -67,13 +75,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama_tiny", help="the cases of this model (default: %(default)s)")
     parser.add_argument("--cases", nargs="*", help="case names (default: every case of --model)")
-    parser.add_argument("--reuse", type=Path, help="a conformance folder whose finished runs are read instead of re-run")
+    parser.add_argument(
+        "--reuse", type=Path, help="a conformance folder whose finished runs are read instead of re-run"
+    )
     args = parser.parse_args()
     cases = [c for c in CASES + LLAMA_CASES if c.model == args.model and (not args.cases or c.name in args.cases)]
     work = args.reuse or Path(tempfile.mkdtemp(prefix="parity_table_"))
     conf = Reusing(work, work / "token_cache")
-    print(f"{args.model}: loss vs single at global batch 8 (fp32, CPU, {STEPS} steps); bytes per step measured / modelled"
-          " (payload by kind, ring wire bytes; the last logged step shown); model-state bytes per rank measured / modelled")
+    print(
+        f"{args.model}: loss vs single at global batch 8 (fp32, CPU, {STEPS} steps); bytes per step measured / modelled"
+        " (payload by kind, ring wire bytes; the last logged step shown); model-state bytes per rank measured / modelled"
+    )
     print("| case | overrides | max rel. loss diff | comm bytes per step | model states |\n|---|---|---|---|---|")
     for case in cases:
         print(row(conf, case), flush=True)

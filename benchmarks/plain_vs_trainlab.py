@@ -29,15 +29,29 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's framework, also where another is installed
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # this checkout's framework, also where another is installed
 
 
 def trainlab_tokens_per_sec(workdir: Path, steps: int, overrides: list[str], tag: str) -> float:
     """tokens/s of one trainlab ``single`` run through the driver (from its summary.json)."""
     name = f"bench-{tag}"
-    cmd = [sys.executable, "-m", "framework.train", "parallelism=single", "tracking=none", "checkpoint=none",
-           "trainer.progress_bar=false", f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={steps}",
-           f"trainer.val_every_n_steps={steps}", f"run_name={name}", "experiment_name=bench", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "framework.train",
+        "parallelism=single",
+        "tracking=none",
+        "checkpoint=none",
+        "trainer.progress_bar=false",
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every_n_steps={steps}",
+        f"trainer.val_every_n_steps={steps}",
+        f"run_name={name}",
+        "experiment_name=bench",
+        *overrides,
+    ]
     subprocess.run(cmd, cwd=workdir, check=True, stdout=subprocess.DEVNULL)
     return json.loads((workdir / "outputs" / "bench" / name / "summary.json").read_text())["perf/tokens_per_sec_mean"]
 
@@ -48,22 +62,33 @@ def plain_tokens_per_sec(overrides: list[str], steps: int) -> tuple[float, float
     from hydra import compose, initialize_config_dir
 
     import framework.driver.cli  # noqa: F401  (registers the run-name resolver)
-    from framework.driver.validate import load_run_config, validate
-    from framework.rank.data import TextDataModule
     from framework.base.data.tokens import prepare_data
     from framework.base.distributed import cap_threads
     from framework.base.model import build_model
+    from framework.driver.validate import load_run_config, validate
+    from framework.rank.data import TextDataModule
     from framework.rank.module import adamw_implementation, warmup_cosine
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["parallelism=single", "run_name=bench", f"trainer.max_steps={steps}", *overrides])
+        cfg = compose(
+            config_name="config",
+            overrides=["parallelism=single", "run_name=bench", f"trainer.max_steps={steps}", *overrides],
+        )
     run = load_run_config(cfg)
     resolved = validate(run)
     cap_threads(resolved.threads_per_rank)
     cache = prepare_data(run.data, progress=False)
-    dm = TextDataModule(run.data, global_batch_size=resolved.global_batch_size, micro_batch_size=resolved.micro_batch_size,
-                        dp_rank=0, dp_size=1, max_steps=steps, val_sequences=0, cache_dir=str(cache.dir))
+    dm = TextDataModule(
+        run.data,
+        global_batch_size=resolved.global_batch_size,
+        micro_batch_size=resolved.micro_batch_size,
+        dp_rank=0,
+        dp_size=1,
+        max_steps=steps,
+        val_sequences=0,
+        cache_dir=str(cache.dir),
+    )
     torch.manual_seed(run.trainer.seed)
     model = build_model(run.model, vocab_size=run.model.vocab_size or cache.vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() and run.trainer.accelerator != "cpu" else "cpu")
@@ -74,10 +99,16 @@ def plain_tokens_per_sec(overrides: list[str], steps: int) -> tuple[float, float
     o = run.optim
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **adamw_implementation(None, device.type, run.trainer.precision))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        **adamw_implementation(None, device.type, run.trainer.precision),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, warmup_steps=o.warmup_steps, max_steps=steps, min_lr_ratio=o.min_lr_ratio))
+        opt, lambda s: warmup_cosine(s, warmup_steps=o.warmup_steps, max_steps=steps, min_lr_ratio=o.min_lr_ratio)
+    )
     accum = resolved.grad_accum_steps
     batches = iter(dm.train_dataloader())
     warmup = run.trainer.warmup_steps_excluded
@@ -116,8 +147,13 @@ def main() -> None:
     plain, lab = [], []
     for i in range(args.repeats):
         # The plain loop runs in a child process too, so both start cold and the same way.
-        out = subprocess.run([sys.executable, __file__, "--_plain", str(args.steps), *args.overrides],
-                             cwd=work, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--_plain", str(args.steps), *args.overrides],
+            cwd=work,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         plain.append(float(out.strip().splitlines()[-1].split()[0]))
         lab.append(trainlab_tokens_per_sec(work, args.steps, args.overrides, str(i)))
         print(f"repeat {i}: plain {plain[-1]:,.0f} tokens/s, trainlab single {lab[-1]:,.0f} tokens/s", flush=True)

@@ -13,10 +13,10 @@ import time
 
 import yaml
 
-from framework.driver.cli import CONF_DIR
 from framework.base.config.schema import ModelConfig
 from framework.base.cost.hardware import cluster_from_dict
 from framework.base.cost.shape import ModelShape
+from framework.driver.cli import CONF_DIR
 from framework.driver.plan.search import search
 
 
@@ -31,8 +31,10 @@ def main() -> None:
         t0 = time.perf_counter()
         res = search(shape, cluster, world=nodes * cluster.gpus_per_node, global_batch_size=1536)
         best = min(best, time.perf_counter() - t0)
-    print(f"{model} on {nodes} x 8 h100_sxm: {res.evaluated} layouts priced, {len(res.fitting)} fit; "
-          f"search wall time {best:.2f} s (best of 3)")
+    print(
+        f"{model} on {nodes} x 8 h100_sxm: {res.evaluated} layouts priced, {len(res.fitting)} fit; "
+        f"search wall time {best:.2f} s (best of 3)"
+    )
 
 
 if __name__ == "__main__":

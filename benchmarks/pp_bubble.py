@@ -34,25 +34,50 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="bench-pp-bubble", help="folder for outputs/ (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default: %(default)s)")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (default model: 8 layers of d_model 256, so 4 chunks fit)")
+    parser.add_argument(
+        "overrides", nargs="*", help="extra Hydra overrides (default model: 8 layers of d_model 256, so 4 chunks fit)"
+    )
     args = parser.parse_args()
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    common = ["parallelism=pp", "checkpoint=none", "tracking=none", "trainer.progress_bar=false", "model.n_layer=8",
-              "model.d_model=256", "model.n_head=8", f"trainer.max_steps={args.steps}", "trainer.log_every_n_steps=4", "trainer.micro_batch_size=2",
-              "trainer.global_batch_size=null", "trainer.val_sequences=16", *args.overrides]
+    common = [
+        "parallelism=pp",
+        "checkpoint=none",
+        "tracking=none",
+        "trainer.progress_bar=false",
+        "model.n_layer=8",
+        "model.d_model=256",
+        "model.n_head=8",
+        f"trainer.max_steps={args.steps}",
+        "trainer.log_every_n_steps=4",
+        "trainer.micro_batch_size=2",
+        "trainer.global_batch_size=null",
+        "trainer.val_sequences=16",
+        *args.overrides,
+    ]
     print(f"{'schedule':18s} {'v':>2s} {'m':>3s} {'measured':>9s} {'max rank':>9s} {'model':>7s}")
     for schedule, v in SCHEDULES:
         for m in MICROBATCHES:
             name = f"{schedule}-m{m}"
-            cmd = [sys.executable, "-m", "framework.train", *common, f"parallelism.schedule={schedule}",
-                   f"parallelism.virtual_stages={v}", f"trainer.grad_accum_steps={m}", f"run_name={name}"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "framework.train",
+                *common,
+                f"parallelism.schedule={schedule}",
+                f"parallelism.virtual_stages={v}",
+                f"trainer.grad_accum_steps={m}",
+                f"run_name={name}",
+            ]
             subprocess.run(cmd, cwd=work, check=True, stdout=subprocess.DEVNULL)
             path = work / "outputs" / "default" / name / "metrics.jsonl"
             recs = [r for r in map(json.loads, path.read_text().splitlines()) if "perf/pp_bubble_frac" in r]
             mean = sum(r["perf/pp_bubble_frac"] for r in recs) / len(recs)
             top = sum(r["perf/pp_bubble_frac_max"] for r in recs) / len(recs)
-            print(f"{schedule:18s} {v:2d} {m:3d} {mean:9.3f} {top:9.3f} {recs[-1]['perf/pp_bubble_frac_model']:7.3f}", flush=True)
+            print(
+                f"{schedule:18s} {v:2d} {m:3d} {mean:9.3f} {top:9.3f} {recs[-1]['perf/pp_bubble_frac_model']:7.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

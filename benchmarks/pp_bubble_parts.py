@@ -33,8 +33,12 @@ import time
 from pathlib import Path
 
 SHAPES = {  # micro-batch = global_batch / m, or fixed (micro_batch)
-    "gpt_tiny": dict(n_layer=4, d_model=128, n_head=4, vocab=4096, seq_len=128, global_batch=16),  # the validation's runs
-    "gpt_50m": dict(n_layer=8, d_model=768, n_head=12, vocab=4096, seq_len=128, global_batch=8),  # the validation's gpt_50m runs
+    "gpt_tiny": dict(
+        n_layer=4, d_model=128, n_head=4, vocab=4096, seq_len=128, global_batch=16
+    ),  # the validation's runs
+    "gpt_50m": dict(
+        n_layer=8, d_model=768, n_head=12, vocab=4096, seq_len=128, global_batch=8
+    ),  # the validation's gpt_50m runs
     "bench": dict(n_layer=8, d_model=256, n_head=8, vocab=4096, seq_len=128, micro_batch=2),  # benchmarks/pp_bubble.py
 }
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
@@ -53,13 +57,30 @@ def _worker(rank: int, world: int, port: int, shape: dict, schedule: str, v: int
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     b = shape.get("micro_batch") or shape["global_batch"] // m
-    gpt = GPT(ModelConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], d_model=shape["d_model"], max_seq_len=256), shape["vocab"])
+    gpt = GPT(
+        ModelConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], d_model=shape["d_model"], max_seq_len=256),
+        shape["vocab"],
+    )
     n_stages = world * v
     split = split_layers(shape["n_layer"], n_stages)
-    stages = {k: GPTStage(gpt, split[k], first=k == 0, last=k == n_stages - 1) for k in range(n_stages) if k % world == rank}
-    runner = PipelineRunner(stages, num_stages=n_stages, pp_group=dist.group.WORLD, pp_rank=rank, pp_size=world, embed_group=None,
-                            schedule_name=schedule, n_microbatches=m, micro_batch_size=b, seq_len=shape["seq_len"],
-                            d_model=shape["d_model"], vocab_size=shape["vocab"], device=torch.device("cpu"))
+    stages = {
+        k: GPTStage(gpt, split[k], first=k == 0, last=k == n_stages - 1) for k in range(n_stages) if k % world == rank
+    }
+    runner = PipelineRunner(
+        stages,
+        num_stages=n_stages,
+        pp_group=dist.group.WORLD,
+        pp_rank=rank,
+        pp_size=world,
+        embed_group=None,
+        schedule_name=schedule,
+        n_microbatches=m,
+        micro_batch_size=b,
+        seq_len=shape["seq_len"],
+        d_model=shape["d_model"],
+        vocab_size=shape["vocab"],
+        device=torch.device("cpu"),
+    )
     events: list = []
 
     def label(stage, method, kind):  # outermost wrapper: (kind, stage, micro-batch, start, end)
@@ -101,7 +122,7 @@ def _worker(rank: int, world: int, port: int, shape: dict, schedule: str, v: int
     g = torch.Generator().manual_seed(1)
     steps_out = []
     runner.train()
-    for step in range(steps):
+    for _ in range(steps):
         x = torch.randint(0, shape["vocab"], (m * b, shape["seq_len"]), generator=g)
         y = torch.randint(0, shape["vocab"], (m * b, shape["seq_len"]), generator=g)
         dist.barrier()
@@ -129,6 +150,7 @@ def measure(shape: dict, schedule: str, v: int, m: int, steps: int) -> list[list
 
 
 # -- the model --------------------------------------------------------------------------------------
+
 
 def _dep(kind: str, stage: int, mb: int, last: int) -> tuple | None:
     """The action whose result ``(kind, stage, mb)`` needs (None: the micro-batch's input)."""
@@ -163,7 +185,9 @@ def schedule_orders(schedule: str, *, pp: int, m: int) -> list[list[tuple]]:
                     o += fwd(nf)
                     nf += 1
         else:
-            raise ValueError(f"schedule={schedule!r}: orders are generated for gpipe and 1f1b (interleaved: interleaved_orders)")
+            raise ValueError(
+                f"schedule={schedule!r}: orders are generated for gpipe and 1f1b (interleaved: interleaved_orders)"
+            )
         orders.append(o)
     return orders
 
@@ -192,15 +216,35 @@ def interleaved_orders(*, pp: int, v: int, m: int) -> list[list[tuple]]:
     return orders
 
 
-def bubble_model(orders: list[list[tuple]], *, dur: dict, handoff_s: float, gap_s: float, head_s: float = 0.0,
-                 tail_s: float = 0.0, pp: int) -> list[float]:
+def bubble_model(
+    orders: list[list[tuple]],
+    *,
+    dur: dict,
+    handoff_s: float,
+    gap_s: float,
+    head_s: float = 0.0,
+    tail_s: float = 0.0,
+    pp: int,
+) -> list[float]:
     """Idle fraction of each rank, ``1 - busy / wall`` (:func:`pipeline_walls`)."""
-    return [1.0 - busy / wall for busy, wall in pipeline_walls(orders, dur=dur, handoff_s=handoff_s, gap_s=gap_s,
-                                                               head_s=head_s, tail_s=tail_s, pp=pp)]
+    return [
+        1.0 - busy / wall
+        for busy, wall in pipeline_walls(
+            orders, dur=dur, handoff_s=handoff_s, gap_s=gap_s, head_s=head_s, tail_s=tail_s, pp=pp
+        )
+    ]
 
 
-def pipeline_walls(orders: list[list[tuple]], *, dur: dict, handoff_s: float, gap_s: float, head_s: float = 0.0,
-                   tail_s: float = 0.0, pp: int) -> list[tuple[float, float]]:
+def pipeline_walls(
+    orders: list[list[tuple]],
+    *,
+    dur: dict,
+    handoff_s: float,
+    gap_s: float,
+    head_s: float = 0.0,
+    tail_s: float = 0.0,
+    pp: int,
+) -> list[tuple[float, float]]:
     """``(busy_s, wall_s)`` of each rank for a schedule run on a timeline (the measurement's definition:
     busy = forward and backward compute, wall = the rank's own ``schedule.step``, all ranks starting together).
 
@@ -249,6 +293,7 @@ def pipeline_walls(orders: list[list[tuple]], *, dur: dict, handoff_s: float, ga
 
 # -- measurement -> parts ---------------------------------------------------------------------------
 
+
 def parts(runs: list[list[dict]], warmup: int, stat: str = "mean") -> dict:
     """Stage times, hand-off, local gap, head and tail over the steps after ``warmup`` (``stat``: ``mean``, like the
     measured ratio of sums, or ``median``, robust to a descheduled rank); the rank orders; measured idle per rank."""
@@ -280,10 +325,17 @@ def parts(runs: list[list[dict]], warmup: int, stat: str = "mean") -> dict:
                     gaps.append(t0 - prev_end)  # nothing to wait for
                 prev_end = t1
     med = statistics.median if stat == "median" else statistics.mean
-    return {"dur": {k: med(v) for k, v in dur.items()}, "handoff_s": med(handoff) if handoff else 0.0,
-            "gap_s": med(gaps) if gaps else 0.0, "head_s": med(heads), "tail_s": med(tails), "orders": orders,
-            "measured": [statistics.mean(x) for x in idle], "n_handoff": len(handoff),
-            "measured_steps": [[round(v, 3) for v in x] for x in idle]}
+    return {
+        "dur": {k: med(v) for k, v in dur.items()},
+        "handoff_s": med(handoff) if handoff else 0.0,
+        "gap_s": med(gaps) if gaps else 0.0,
+        "head_s": med(heads),
+        "tail_s": med(tails),
+        "orders": orders,
+        "measured": [statistics.mean(x) for x in idle],
+        "n_handoff": len(handoff),
+        "measured_steps": [[round(v, 3) for v in x] for x in idle],
+    }
 
 
 def explain(p: dict, *, pp: int) -> dict[str, float]:
@@ -302,8 +354,11 @@ def explain(p: dict, *, pp: int) -> dict[str, float]:
         "+imbalance": mean(bubble_model(o, dur=no_loss, handoff_s=0, gap_s=0, pp=pp)),
         "+loss": mean(bubble_model(o, dur=d, handoff_s=0, gap_s=0, pp=pp)),
         "+handoff": mean(bubble_model(o, dur=d, handoff_s=p["handoff_s"], gap_s=p["gap_s"], pp=pp)),
-        "+head/tail": mean(bubble_model(o, dur=d, handoff_s=p["handoff_s"], gap_s=p["gap_s"], head_s=p["head_s"],
-                                        tail_s=p["tail_s"], pp=pp)),
+        "+head/tail": mean(
+            bubble_model(
+                o, dur=d, handoff_s=p["handoff_s"], gap_s=p["gap_s"], head_s=p["head_s"], tail_s=p["tail_s"], pp=pp
+            )
+        ),
     }
 
 
@@ -318,10 +373,12 @@ def main() -> None:
     from framework.base.cost.bubble import pp_bubble_fraction
 
     shape = SHAPES[args.shape]
-    rows, dump = [], {}
-    print(f"{'schedule':17s} {'m':>2s} {'formula':>7s} {'equal':>7s} {'+imbal':>7s} {'+loss':>7s} {'+hand':>7s} {'model':>7s} "
-          f"{'measured':>8s} {'r0':>5s} {'r1':>5s} | {'f0 ms':>6s} {'b0 ms':>6s} {'f1 ms':>6s} {'b1 ms':>6s} {'loss':>5s} "
-          f"{'c ms':>5s} {'gap':>5s} {'head':>5s} {'tail':>5s}")
+    dump = {}
+    print(
+        f"{'schedule':17s} {'m':>2s} {'formula':>7s} {'equal':>7s} {'+imbal':>7s} {'+loss':>7s} {'+hand':>7s} {'model':>7s} "
+        f"{'measured':>8s} {'r0':>5s} {'r1':>5s} | {'f0 ms':>6s} {'b0 ms':>6s} {'f1 ms':>6s} {'b1 ms':>6s} {'loss':>5s} "
+        f"{'c ms':>5s} {'gap':>5s} {'head':>5s} {'tail':>5s}"
+    )
     for schedule, v in SCHEDULES:
         if schedule not in args.schedules:
             continue
@@ -338,13 +395,21 @@ def main() -> None:
             f1 = sum(d[("F", s)] for s in range(n_st) if s % 2 == 1) * 1e3
             b1 = sum(d[("B", s)] for s in range(n_st) if s % 2 == 1) * 1e3
             formula = pp_bubble_fraction(pp=2, n_microbatches=m, virtual_stages=v)
-            print(f"{schedule:17s} {m:2d} {formula:7.3f} {e['equal']:7.3f} {e['+imbalance']:7.3f} {e['+loss']:7.3f} {e['+handoff']:7.3f} "
-                  f"{e['+head/tail']:7.3f} {meas:8.3f} {p['measured'][0]:5.2f} {p['measured'][1]:5.2f} | {f0:6.1f} {b0:6.1f} "
-                  f"{f1:6.1f} {b1:6.1f} {d[('L', n_st - 1)] * 1e3:5.1f} {p['handoff_s'] * 1e3:5.2f} {p['gap_s'] * 1e3:5.2f} "
-                  f"{p['head_s'] * 1e3:5.1f} {p['tail_s'] * 1e3:5.1f} | median-based model {e['model_median']:.3f}", flush=True)
-            dump[f"{schedule}-m{m}"] = {**{k: v for k, v in p.items() if k != "orders"}, "dur": {f"{k}{s}": t for (k, s), t in d.items()},
-                                        "explain": e, "formula": formula, "measured_mean": meas,
-                                        "model": e["+head/tail"]}
+            print(
+                f"{schedule:17s} {m:2d} {formula:7.3f} {e['equal']:7.3f} {e['+imbalance']:7.3f} {e['+loss']:7.3f} {e['+handoff']:7.3f} "
+                f"{e['+head/tail']:7.3f} {meas:8.3f} {p['measured'][0]:5.2f} {p['measured'][1]:5.2f} | {f0:6.1f} {b0:6.1f} "
+                f"{f1:6.1f} {b1:6.1f} {d[('L', n_st - 1)] * 1e3:5.1f} {p['handoff_s'] * 1e3:5.2f} {p['gap_s'] * 1e3:5.2f} "
+                f"{p['head_s'] * 1e3:5.1f} {p['tail_s'] * 1e3:5.1f} | median-based model {e['model_median']:.3f}",
+                flush=True,
+            )
+            dump[f"{schedule}-m{m}"] = {
+                **{k: v for k, v in p.items() if k != "orders"},
+                "dur": {f"{k}{s}": t for (k, s), t in d.items()},
+                "explain": e,
+                "formula": formula,
+                "measured_mean": meas,
+                "model": e["+head/tail"],
+            }
     if args.json:
         path = Path(args.json)
         everything = json.loads(path.read_text()) if path.exists() else {}

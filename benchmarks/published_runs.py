@@ -26,20 +26,19 @@ import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
-from framework.driver.cli import CONF_DIR
+from framework.base.cost.collectives import layout_collectives
+from framework.base.cost.comm import ZERO3_COLLECTIVES
 from framework.base.cost.estimate import estimate
 from framework.base.cost.flops import megatron_flops_per_step
 from framework.base.cost.hardware import cluster_from_dict
 from framework.base.cost.layout import PlanLayout
-from framework.base.cost.shape import ModelShape
-from framework.base.cost.collectives import layout_collectives
-from framework.base.cost.comm import ZERO3_COLLECTIVES
 from framework.base.cost.memory import stage_layers
+from framework.base.cost.shape import ModelShape
 from framework.base.cost.steptime import StepTimeParams, step_time
+from framework.driver.cli import CONF_DIR
 
 DATA = Path(__file__).with_name("published_runs.yaml")
 FIT_GROUPS = {"a100": ("a100_80gb", "a100_40gb"), "h100": ("h100_sxm", "h100_96gb", "h200")}
@@ -62,7 +61,7 @@ class Row:
     published: float
     assumed: str = ""
     params: tuple = ()  # (name, value) StepTimeParams overrides of the source (the framework it ran), then of the row
-    memory_gib: Optional[float] = None  # peak memory per GPU the source reports (GiB), where it does
+    memory_gib: float | None = None  # peak memory per GPU the source reports (GiB), where it does
 
 
 def load_rows(path: Path = DATA) -> tuple[dict, list[Row]]:
@@ -77,8 +76,10 @@ def load_rows(path: Path = DATA) -> tuple[dict, list[Row]]:
     docs: dict[str, str] = {}
     for name, src in sources.items():
         if src["document"] in docs:
-            raise ValueError(f"{path.name}: sources {docs[src['document']]!r} and {name!r} are one document "
-                             f"({src['document']}): one publication is one source")
+            raise ValueError(
+                f"{path.name}: sources {docs[src['document']]!r} and {name!r} are one document "
+                f"({src['document']}): one publication is one source"
+            )
         docs[src["document"]] = name
     rows = []
     for r in raw["runs"]:
@@ -89,20 +90,40 @@ def load_rows(path: Path = DATA) -> tuple[dict, list[Row]]:
         tp, pp = r["tp"], r["pp"]
         if r["gpus"] % (tp * pp):
             raise ValueError(f"{where}: gpus={r['gpus']} is not a multiple of tp*pp={tp * pp}")
-        lay = PlanLayout(dp=r["gpus"] // (tp * pp), tp=tp, pp=pp, micro_batch_size=r.get("micro_batch", 1),
-                         global_batch_size=r["global_batch"], schedule=r.get("schedule", "1F1B"),
-                         virtual_stages=r.get("virtual_stages", 1), zero_stage=r.get("zero_stage", 0),
-                         recompute=r.get("recompute", "none"), sequence_parallel=r.get("sequence_parallel", False),
-                         precision=r.get("precision", "bf16"))
-        rows.append(Row(r["source"], sources[r["source"]]["set"], r["name"], r["model"], shape, r["gpu"], lay,
-                        r["metric"], float(r["published"]), r.get("assumed", ""),
-                        tuple(sorted({**(sources[r["source"]].get("params") or {}), **(r.get("params") or {})}.items())),
-                        r.get("memory_gib")))
+        lay = PlanLayout(
+            dp=r["gpus"] // (tp * pp),
+            tp=tp,
+            pp=pp,
+            micro_batch_size=r.get("micro_batch", 1),
+            global_batch_size=r["global_batch"],
+            schedule=r.get("schedule", "1F1B"),
+            virtual_stages=r.get("virtual_stages", 1),
+            zero_stage=r.get("zero_stage", 0),
+            recompute=r.get("recompute", "none"),
+            sequence_parallel=r.get("sequence_parallel", False),
+            precision=r.get("precision", "bf16"),
+        )
+        rows.append(
+            Row(
+                r["source"],
+                sources[r["source"]]["set"],
+                r["name"],
+                r["model"],
+                shape,
+                r["gpu"],
+                lay,
+                r["metric"],
+                float(r["published"]),
+                r.get("assumed", ""),
+                tuple(sorted({**(sources[r["source"]].get("params") or {}), **(r.get("params") or {})}.items())),
+                r.get("memory_gib"),
+            )
+        )
     return sources, rows
 
 
-@functools.lru_cache(maxsize=None)
-def load_cluster(name: str, fraction: Optional[float] = None, peak_flops: Optional[float] = None):
+@functools.cache
+def load_cluster(name: str, fraction: float | None = None, peak_flops: float | None = None):
     """``conf/cluster/<name>.yaml`` (``fraction`` replaces its achievable fraction, ``peak_flops`` its peak)."""
     raw = yaml.safe_load((CONF_DIR / "cluster" / f"{name}.yaml").read_text(encoding="utf-8"))
     if fraction is not None:
@@ -117,8 +138,13 @@ def group_of(cluster: str) -> str:
     return next(g for g, names in FIT_GROUPS.items() if cluster in names)
 
 
-def predict(row: Row, params: StepTimeParams = StepTimeParams(), fractions: Optional[dict] = None,
-            off: tuple[str, ...] = (), peaks: Optional[dict] = None):
+def predict(
+    row: Row,
+    params: StepTimeParams = StepTimeParams(),
+    fractions: dict | None = None,
+    off: tuple[str, ...] = (),
+    peaks: dict | None = None,
+):
     """``(predicted metric, Estimate)`` for ``row`` (``fractions``: achievable fraction per :data:`FIT_GROUPS`
     key; ``off``: model terms switched off for the term-by-term report, :data:`TERMS`; ``peaks``: peak
     FLOP/s per cluster file, replacing the file's, for :func:`sensitivity_report`)."""
@@ -129,16 +155,26 @@ def predict(row: Row, params: StepTimeParams = StepTimeParams(), fractions: Opti
         colls = layout_collectives(row.shape, row.layout, c.gpus_per_node)
         layers = stage_layers(row.shape.n_layer, row.layout.pp)
         if "per_layer" in off:
-            colls = [replace(x, payload_bytes=x.payload_bytes * layers, calls=x.calls / layers)
-                     if x.name in ZERO3_COLLECTIVES else x for x in colls]
+            colls = [
+                replace(x, payload_bytes=x.payload_bytes * layers, calls=x.calls / layers)
+                if x.name in ZERO3_COLLECTIVES
+                else x
+                for x in colls
+            ]
         if "k_rings" in off:
             colls = [replace(x, ranks_per_node=1) for x in colls]
         e = replace(e, time=step_time(row.shape, row.layout, c, params, colls))
     lay, sh = row.layout, row.shape
     step = e.time.total
     if row.metric == "hfu_tflops":
-        f = megatron_flops_per_step(batch=lay.global_batch_size, seq_len=sh.seq_len, n_layer=sh.n_layer,
-                                    d_model=sh.d_model, vocab=sh.vocab_size, recompute=True)
+        f = megatron_flops_per_step(
+            batch=lay.global_batch_size,
+            seq_len=sh.seq_len,
+            n_layer=sh.n_layer,
+            d_model=sh.d_model,
+            vocab=sh.vocab_size,
+            recompute=True,
+        )
         return f / step / lay.world_size / 1e12, e
     if row.metric == "tflops_8n":
         return 8 * sh.num_params() * lay.global_batch_size * sh.seq_len / step / lay.world_size / 1e12, e
@@ -157,7 +193,9 @@ def error(row: Row, pred: float) -> float:
     return row.published / pred - 1 if row.metric == "step_s" else pred / row.published - 1
 
 
-def errors(rows: list[Row], params: StepTimeParams, fractions: Optional[dict] = None, off: tuple[str, ...] = ()) -> list[float]:
+def errors(
+    rows: list[Row], params: StepTimeParams, fractions: dict | None = None, off: tuple[str, ...] = ()
+) -> list[float]:
     """Signed errors of ``rows`` (:func:`error`)."""
     return [error(r, predict(r, params, fractions, off)[0]) for r in rows]
 
@@ -168,7 +206,7 @@ def summary(errs: list[float]) -> tuple[float, float]:
     return statistics.median(a), max(a)
 
 
-def objective(rows: list[Row], params: StepTimeParams, fractions: Optional[dict] = None) -> float:
+def objective(rows: list[Row], params: StepTimeParams, fractions: dict | None = None) -> float:
     """Mean over sources of each source's median |log error| (every source weighs the same, however many rows)."""
     by_source: dict[str, list[float]] = {}
     for r, x in zip(rows, errors(rows, params, fractions)):
@@ -196,20 +234,24 @@ def fit(rows: list[Row], params: StepTimeParams) -> tuple[dict, StepTimeParams]:
     return best[1], best[2]
 
 
-def table(rows: list[Row], params: StepTimeParams, fractions: Optional[dict] = None) -> list[str]:
+def table(rows: list[Row], params: StepTimeParams, fractions: dict | None = None) -> list[str]:
     """The printed table: one line per row, then median and worst |error| per set."""
-    out = [f"{'set':<8} {'source':<19} {'run':<24} {'layout':<46} {'metric':<14} {'published':>10} {'predicted':>10} "
-           f"{'error':>7} {'mem GiB':>8} {'mem pub':>8}"]
+    out = [
+        f"{'set':<8} {'source':<19} {'run':<24} {'layout':<46} {'metric':<14} {'published':>10} {'predicted':>10} "
+        f"{'error':>7} {'mem GiB':>8} {'mem pub':>8}"
+    ]
     by_set: dict[str, list[float]] = {}
     for r in sorted(rows, key=lambda r: (r.set != "fit", r.source)):
         pred, e = predict(r, params, fractions)
         err = error(r, pred)
         by_set.setdefault(r.set, []).append(err)
         fmt = "{:.1%}" if r.metric == "mfu" else ("{:.2f}" if r.metric == "step_s" else "{:.0f}")
-        out.append(f"{r.set:<8} {r.source:<19} {r.name:<24} {r.layout.describe():<46} {r.metric:<14} "
-                   f"{fmt.format(r.published):>10} {fmt.format(pred):>10} {err:>+7.1%} {e.memory_bytes / 2**30:>8.1f} "
-                   + (f"{r.memory_gib:>8.1f}" if r.memory_gib else f"{'':>8}")
-                   + ("" if e.fits else f"  DOES NOT FIT ({e.memory_limit / 2**30:.1f} GiB usable)"))
+        out.append(
+            f"{r.set:<8} {r.source:<19} {r.name:<24} {r.layout.describe():<46} {r.metric:<14} "
+            f"{fmt.format(r.published):>10} {fmt.format(pred):>10} {err:>+7.1%} {e.memory_bytes / 2**30:>8.1f} "
+            + (f"{r.memory_gib:>8.1f}" if r.memory_gib else f"{'':>8}")
+            + ("" if e.fits else f"  DOES NOT FIT ({e.memory_limit / 2**30:.1f} GiB usable)")
+        )
     for s, errs in by_set.items():
         med, worst = summary(errs)
         n_src = len({r.source for r in rows if r.set == s})
@@ -234,10 +276,12 @@ def terms_report(rows: list[Row], params: StepTimeParams) -> list[str]:
     it moves most (before -> after error)."""
     base = replace(params, elementwise_bytes_per_h=0.0)
     fitted_fr, fitted_p = fit([r for r in rows if r.set == "fit"], params)
-    steps = [("before", base, BEFORE_FRACTIONS, ("per_layer", "k_rings")),
-             ("+ per_layer", base, BEFORE_FRACTIONS, ("k_rings",)),
-             ("+ k_rings", base, BEFORE_FRACTIONS, ()),
-             ("+ elementwise, refit", fitted_p, fitted_fr, ())]
+    steps = [
+        ("before", base, BEFORE_FRACTIONS, ("per_layer", "k_rings")),
+        ("+ per_layer", base, BEFORE_FRACTIONS, ("k_rings",)),
+        ("+ k_rings", base, BEFORE_FRACTIONS, ()),
+        ("+ elementwise, refit", fitted_p, fitted_fr, ()),
+    ]
     out, prev = [], None
     for label, p, fr, off in steps:
         errs = errors(rows, p, fr, off)
@@ -250,14 +294,21 @@ def terms_report(rows: list[Row], params: StepTimeParams) -> list[str]:
             moved = sorted(zip(rows, prev, errs), key=lambda t: -abs(abs(t[2]) - abs(t[1])))[:4]
             out.append("    moved most: " + "; ".join(f"{r.name} ({r.set}) {a:+.0%} -> {b:+.0%}" for r, a, b in moved))
         prev = errs
-    out.append(f"fitted (fit set only): achievable_fraction {fitted_fr}, elementwise_bytes_per_h {fitted_p.elementwise_bytes_per_h:g}")
+    out.append(
+        f"fitted (fit set only): achievable_fraction {fitted_fr}, elementwise_bytes_per_h {fitted_p.elementwise_bytes_per_h:g}"
+    )
     return out
 
 
 SENSITIVITY = (
     ("MT-NLG's micro-batch (§2.4 does not publish it; the table assumes 1)", "mtnlg", "micro_batch_size", (1, 2, 4)),
-    ("H100 96GB dense peak at 500 W (torchtitan's footnote: between the NVL and SXM parts, not known; the table "
-     "assumes 886.8 TFLOP/s, linear in board power)", "h100_96gb", "peak_flops", (835.5e12, 886.8e12, 989.4e12)),
+    (
+        "H100 96GB dense peak at 500 W (torchtitan's footnote: between the NVL and SXM parts, not known; the table "
+        "assumes 886.8 TFLOP/s, linear in board power)",
+        "h100_96gb",
+        "peak_flops",
+        (835.5e12, 886.8e12, 989.4e12),
+    ),
 )
 """The settings the held-out worst rows hang on that no source publishes: (what, the source or cluster file
 whose rows it moves, the setting, its values: the table's assumption and the ends of a plausible range)."""
@@ -283,8 +334,11 @@ def sensitivity_report(rows: list[Row], params: StepTimeParams = StepTimeParams(
             errs = {id(r): error(r, predict(r, params, peaks=peaks)[0]) for r in new}
             med, worst = summary([errs[id(r)] for r in new if r.set == "heldout"])
             fits = all(predict(r, params, peaks=peaks)[1].fits for r in moved)
-            out.append(f"  {label:<22} " + ", ".join(f"{r.name} {errs[id(r)]:+.1%}" for r in moved)
-                       + f"{'' if fits else ' (some do not fit)'}; held out: median {med:.1%}, worst {worst:.1%}")
+            out.append(
+                f"  {label:<22} "
+                + ", ".join(f"{r.name} {errs[id(r)]:+.1%}" for r in moved)
+                + f"{'' if fits else ' (some do not fit)'}; held out: median {med:.1%}, worst {worst:.1%}"
+            )
     return out
 
 
@@ -308,7 +362,7 @@ def ranking_report(rows: list[Row], params: StepTimeParams = StepTimeParams()) -
     for r in rows:
         groups.setdefault((r.source, r.model, r.metric), []).append(r)
     conc = total = 0
-    for (src, model, metric), rs in groups.items():
+    for (src, _model, metric), rs in groups.items():
         if len(rs) < 2:
             continue
         sign = -1 if metric == "step_s" else 1
@@ -321,8 +375,10 @@ def ranking_report(rows: list[Row], params: StepTimeParams = StepTimeParams()) -
                 total += 1
                 ok = (pa > pb) == (qa > qb)
                 conc += ok
-                out.append(f"  {'ok  ' if ok else 'MISS'} {src}: {a.name} {'>' if pa > pb else '<'} {b.name} "
-                           f"(published {abs(pa):.3g} vs {abs(pb):.3g}; predicted {abs(qa):.3g} vs {abs(qb):.3g})")
+                out.append(
+                    f"  {'ok  ' if ok else 'MISS'} {src}: {a.name} {'>' if pa > pb else '<'} {b.name} "
+                    f"(published {abs(pa):.3g} vs {abs(pb):.3g}; predicted {abs(qa):.3g} vs {abs(qb):.3g})"
+                )
     out.append(f"  {conc} of {total} pairs ordered as published")
     out.append("the authors' (tp, pp) among the planner's three fastest (tp, pp) under the options they had:")
     hits = n = 0
@@ -332,10 +388,19 @@ def ranking_report(rows: list[Row], params: StepTimeParams = StepTimeParams()) -
             continue
         c = load_cluster(r.cluster)
         L = r.shape.n_layer
-        pps = sorted({q for q in range(1, L + 1) if L % q == 0} | {2**i for i in range(1, 12) if 2**i <= L // 2} | {lay.pp})
-        space = SearchSpace(micro_batch_sizes=(lay.micro_batch_size,), pp_degrees=tuple(pps), virtual_stages=(lay.virtual_stages,),
-                            schedules=(lay.schedule,), zero_stages=(lay.zero_stage,), recompute=(lay.recompute,),
-                            sequence_parallel=(lay.sequence_parallel,), precision=lay.precision)
+        pps = sorted(
+            {q for q in range(1, L + 1) if L % q == 0} | {2**i for i in range(1, 12) if 2**i <= L // 2} | {lay.pp}
+        )
+        space = SearchSpace(
+            micro_batch_sizes=(lay.micro_batch_size,),
+            pp_degrees=tuple(pps),
+            virtual_stages=(lay.virtual_stages,),
+            schedules=(lay.schedule,),
+            zero_stages=(lay.zero_stage,),
+            recompute=(lay.recompute,),
+            sequence_parallel=(lay.sequence_parallel,),
+            precision=lay.precision,
+        )
         p = replace(params, **dict(r.params))
         res = search(r.shape, c, world=lay.world_size, global_batch_size=lay.global_batch_size, space=space, params=p)
         ranked: list[tuple[int, int]] = []
@@ -346,19 +411,30 @@ def ranking_report(rows: list[Row], params: StepTimeParams = StepTimeParams()) -
         pos = ranked.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in ranked else None
         n += 1
         hits += pos is not None and pos <= 3
-        out.append(f"  {'ok  ' if pos and pos <= 3 else 'MISS'} {r.source} {r.name}: authors tp{lay.tp} pp{lay.pp} is #{pos} "
-                   f"of {len(ranked)}; planner's top 3: " + ", ".join(f"tp{t} pp{q}" for t, q in ranked[:3]))
+        out.append(
+            f"  {'ok  ' if pos and pos <= 3 else 'MISS'} {r.source} {r.name}: authors tp{lay.tp} pp{lay.pp} is #{pos} "
+            f"of {len(ranked)}; planner's top 3: " + ", ".join(f"tp{t} pp{q}" for t, q in ranked[:3])
+        )
     out.append(f"  {hits} of {n} authors' layouts in the top 3")
     return out, {"pairs": (conc, total), "top3": (hits, n)}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/published_runs.py", description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="refit the fitted numbers on the fit sources and use them")
-    ap.add_argument("--terms", action="store_true", help="median/worst per set with the model terms added one at a time")
-    ap.add_argument("--rankings", action="store_true", help="orderings within a source, and the authors' layout in the planner's top 3")
-    ap.add_argument("--sensitivity", action="store_true",
-                    help="the held-out worst rows under other values of the settings their sources do not publish")
+    ap.add_argument(
+        "--terms", action="store_true", help="median/worst per set with the model terms added one at a time"
+    )
+    ap.add_argument(
+        "--rankings",
+        action="store_true",
+        help="orderings within a source, and the authors' layout in the planner's top 3",
+    )
+    ap.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="the held-out worst rows under other values of the settings their sources do not publish",
+    )
     args = ap.parse_args(argv)
     sources, rows = load_rows()
     if args.sensitivity:
@@ -373,8 +449,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     params, fractions = StepTimeParams(), None
     if args.fit:
         fractions, params = fit([r for r in rows if r.set == "fit"], params)
-        print("fitted on the fit set: achievable_fraction " + ", ".join(f"{k}={v:.2f}" for k, v in fractions.items())
-              + f"; elementwise_bytes_per_h={params.elementwise_bytes_per_h:g}")
+        print(
+            "fitted on the fit set: achievable_fraction "
+            + ", ".join(f"{k}={v:.2f}" for k, v in fractions.items())
+            + f"; elementwise_bytes_per_h={params.elementwise_bytes_per_h:g}"
+        )
     print("\n".join(table(rows, params, fractions)))
     return 0
 

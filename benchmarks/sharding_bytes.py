@@ -46,11 +46,26 @@ DATA = ("data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64")
 def run(workdir: Path, model: str, plugin: str, steps: int) -> dict:
     """One driver run; returns the last record holding measured comm bytes (merged with the memory figures)."""
     name = f"{model}-{plugin}"
-    args = [sys.executable, "-m", "framework.train", *DATA, f"data.cache_dir={workdir / 'cache'}", f"model={model}",
-            *PLUGINS[plugin], "tracking=none", "checkpoint=none", "trainer.progress_bar=false",
-            "trainer.log_every_n_steps=1", "trainer.warmup_steps_excluded=1", f"trainer.max_steps={steps}",
-            "trainer.global_batch_size=4", "trainer.micro_batch_size=1", "trainer.grad_accum_steps=null",
-            "trainer.val_sequences=8", f"run_name={name}"]
+    args = [
+        sys.executable,
+        "-m",
+        "framework.train",
+        *DATA,
+        f"data.cache_dir={workdir / 'cache'}",
+        f"model={model}",
+        *PLUGINS[plugin],
+        "tracking=none",
+        "checkpoint=none",
+        "trainer.progress_bar=false",
+        "trainer.log_every_n_steps=1",
+        "trainer.warmup_steps_excluded=1",
+        f"trainer.max_steps={steps}",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=1",
+        "trainer.grad_accum_steps=null",
+        "trainer.val_sequences=8",
+        f"run_name={name}",
+    ]
     proc = subprocess.run(args, cwd=workdir, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -69,8 +84,10 @@ def main() -> None:
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="sharding_bytes_"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"work folder {workdir}; 2 CPU ranks, fp32 AdamW, micro-batch 1, 2 micro-batches per rank per step\n")
-    head = (f"{'model':<9} {'plugin':<15} {'states/rank':>12} {'model':>12} {'ratio':>6}  "
-            f"{'kind':<15} {'payload/step':>13} {'model':>13} {'wire':>12} {'wire model':>12}")
+    head = (
+        f"{'model':<9} {'plugin':<15} {'states/rank':>12} {'model':>12} {'ratio':>6}  "
+        f"{'kind':<15} {'payload/step':>13} {'model':>13} {'wire':>12} {'wire model':>12}"
+    )
     print(head)
     print("-" * len(head))
     for model in args.models:
@@ -80,11 +97,12 @@ def main() -> None:
             kinds = [k for k in KINDS if f"perf/comm_bytes_{k}_model" in r]
             first = True
             for kind in kinds:
-                left = (f"{model:<9} {plugin:<15} {ms:>12,.0f} {mm:>12,.0f} {ms / mm:>6.3f}" if first
-                        else " " * 58)
-                wire = (f"{r['perf/comm_bytes_wire']:>12,.0f} {r['perf/comm_bytes_wire_model']:>12,.0f}" if first else "")
-                print(f"{left}  {kind:<15} {r.get(f'perf/comm_bytes_{kind}', 0.0):>13,.0f}"
-                      f" {r[f'perf/comm_bytes_{kind}_model']:>13,.0f} {wire}")
+                left = f"{model:<9} {plugin:<15} {ms:>12,.0f} {mm:>12,.0f} {ms / mm:>6.3f}" if first else " " * 58
+                wire = f"{r['perf/comm_bytes_wire']:>12,.0f} {r['perf/comm_bytes_wire_model']:>12,.0f}" if first else ""
+                print(
+                    f"{left}  {kind:<15} {r.get(f'perf/comm_bytes_{kind}', 0.0):>13,.0f}"
+                    f" {r[f'perf/comm_bytes_{kind}_model']:>13,.0f} {wire}"
+                )
                 first = False
 
 

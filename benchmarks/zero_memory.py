@@ -38,21 +38,46 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    common = ["trainer.max_steps=4", "trainer.log_every_n_steps=2", "trainer.warmup_steps_excluded=1",
-              "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.grad_accum_steps=null",
-              "trainer.val_sequences=0", "checkpoint=none", "tracking=none", "trainer.progress_bar=false",
-              "data.seq_len=64", *args.overrides]
-    print(f"{'model':9s} {'plugin':6s} {'states_MB':>10s} {'model_MB':>9s} {'ratio':>6s}  "
-          + "  ".join(f"{k + '_MB meas/model':>26s}" for k in KINDS))
+    common = [
+        "trainer.max_steps=4",
+        "trainer.log_every_n_steps=2",
+        "trainer.warmup_steps_excluded=1",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=2",
+        "trainer.grad_accum_steps=null",
+        "trainer.val_sequences=0",
+        "checkpoint=none",
+        "tracking=none",
+        "trainer.progress_bar=false",
+        "data.seq_len=64",
+        *args.overrides,
+    ]
+    print(
+        f"{'model':9s} {'plugin':6s} {'states_MB':>10s} {'model_MB':>9s} {'ratio':>6s}  "
+        + "  ".join(f"{k + '_MB meas/model':>26s}" for k in KINDS)
+    )
     for model in args.models:
         for plugin in PLUGINS:
             name = f"{model}-{plugin}"
-            subprocess.run([sys.executable, "-m", "framework.train", f"model={model}", f"parallelism={plugin}",
-                            f"run_name={name}", *common], cwd=work, check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "framework.train",
+                    f"model={model}",
+                    f"parallelism={plugin}",
+                    f"run_name={name}",
+                    *common,
+                ],
+                cwd=work,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             r = last_logged(work / "outputs" / "default" / name / "metrics.jsonl")
             meas, mod = r["mem/model_states_bytes"], r["mem/model_states_bytes_model"]
             comm = "  ".join(
-                f"{r.get(f'perf/comm_bytes_{k}', 0) / 1e6:12.3f}/{r.get(f'perf/comm_bytes_{k}_model', 0) / 1e6:<13.3f}" for k in KINDS
+                f"{r.get(f'perf/comm_bytes_{k}', 0) / 1e6:12.3f}/{r.get(f'perf/comm_bytes_{k}_model', 0) / 1e6:<13.3f}"
+                for k in KINDS
             )
             print(f"{model:9s} {plugin:6s} {meas / 1e6:10.3f} {mod / 1e6:9.3f} {meas / mod:6.3f}  {comm}", flush=True)
 

@@ -24,9 +24,9 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from framework.base.config.schema import ParallelConfig
-from framework.base.distributed import process_group_backend, resolve_accelerator
 from framework.base.cost.comm import CommEstimate, ModelStats, ddp_comm_volume
 from framework.base.cost.memory import replicated_adamw_model_states_bytes
+from framework.base.distributed import process_group_backend, resolve_accelerator
 from framework.base.metrics.timing import WORLD, CommMeter
 from framework.base.plugin import ParallelPlugin, PluginCapabilities
 from framework.base.registry import register_plugin

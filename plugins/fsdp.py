@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from framework.base.config.schema import ConfigError, ParallelConfig
-from framework.base.distributed import process_group_backend, resolve_accelerator
 from framework.base.cost.comm import CommEstimate, ModelStats, fsdp_comm_volume
 from framework.base.cost.memory import fsdp_model_states_bytes
+from framework.base.distributed import process_group_backend, resolve_accelerator
 from framework.base.metrics.timing import CommMeter, call_group
 from framework.base.parallelize import ParallelPlan
 from framework.base.plugin import ParallelPlugin, PluginCapabilities
@@ -60,7 +60,9 @@ class FSDPConfig(ParallelConfig):
 
     name: str = "fsdp"
     world_size: int = 2
-    reshard_after_forward: bool = True  # True: free gathered params after forward (ZeRO-3); False: keep them (ZeRO-2-like)
+    reshard_after_forward: bool = (
+        True  # True: free gathered params after forward (ZeRO-3); False: keep them (ZeRO-2-like)
+    )
     mixed_precision: str = "none"  # none | bf16 (bf16 params for compute, fp32 gradient reduction; GPU)
 
     def __post_init__(self) -> None:
@@ -78,7 +80,9 @@ class FSDPPlugin(ParallelPlugin):
     name = "fsdp"
     config_cls = FSDPConfig
     # Sharded (DCP) checkpoints: synchronous full saves; in-memory snapshots work (DTensor state).
-    capabilities = PluginCapabilities(checkpoint_format="dcp", async_save=False, incremental_save=False, mesh_axes=("dp",))
+    capabilities = PluginCapabilities(
+        checkpoint_format="dcp", async_save=False, incremental_save=False, mesh_axes=("dp",)
+    )
 
     def build_strategy(self, resolved: Any) -> Any:
         from plugins.fsdp_strategy import FSDP2Strategy  # Lightning: imported by the ranks only
@@ -108,8 +112,12 @@ class FSDPPlugin(ParallelPlugin):
         parameter shapes; Ψ itself when every dim 0 divides by dp). Measured equal, byte for byte,
         on 2 and 3 CPU ranks (``tests/integration/test_train_e2e.py``, ``test_perf_e2e.py``).
         """
-        return fsdp_comm_volume(stats, dp_degree=resolved.layout.dp, grad_accum_steps=resolved.grad_accum_steps,
-                                reshard_after_forward=self.cfg.reshard_after_forward)
+        return fsdp_comm_volume(
+            stats,
+            dp_degree=resolved.layout.dp,
+            grad_accum_steps=resolved.grad_accum_steps,
+            reshard_after_forward=self.cfg.reshard_after_forward,
+        )
 
     def model_states_bytes(self, stats: ModelStats, resolved: Any) -> int:
         """ZeRO-3 (§5, Fig. 1): parameters, gradients and fp32 AdamW state all sharded over dp.
@@ -151,7 +159,10 @@ class FSDPPlugin(ParallelPlugin):
         final norm, tied head), with ``reshard_after_forward`` and the mixed-precision policy."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        kwargs: dict[str, Any] = {"mesh": module.device_mesh["dp"], "reshard_after_forward": self.cfg.reshard_after_forward}
+        kwargs: dict[str, Any] = {
+            "mesh": module.device_mesh["dp"],
+            "reshard_after_forward": self.cfg.reshard_after_forward,
+        }
         if self.cfg.mixed_precision == "bf16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return ParallelPlan(dp=partial(fully_shard, **kwargs))

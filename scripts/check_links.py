@@ -84,7 +84,9 @@ def check_file(path: Path, root: Path = ROOT) -> list[str]:
             continue
         where, _, anchor = target.partition("#")
         if where.startswith("/"):
-            errors.append(f"{rel}:{n}: {target}: an absolute path (resolves on one machine only); link relative to the file")
+            errors.append(
+                f"{rel}:{n}: {target}: an absolute path (resolves on one machine only); link relative to the file"
+            )
             continue
         dest = (path.parent / where).resolve() if where else path
         try:

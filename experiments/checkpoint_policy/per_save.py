@@ -35,12 +35,17 @@ def per_save(path: Path) -> dict[str, float]:
         vals = [s[key] for s in saves if key in s]
         return statistics.median(vals) if vals else float("nan")
 
-    return {"saves": len(saves), "blocking_s": med("ckpt/blocking_s"), "save_s": med("ckpt/save_s"),
-            "bytes": med("ckpt/bytes"), "delta_ratio": med("ckpt/delta_ratio"),
-            "blocking_total_s": sum(s["ckpt/blocking_s"] for s in saves),
-            "steps": last.get("step", float("nan")),
-            "tokens_per_sec": last.get("perf/tokens_per_sec_mean", float("nan")),
-            "step_s": last.get("perf/step_time_s_mean", float("nan"))}
+    return {
+        "saves": len(saves),
+        "blocking_s": med("ckpt/blocking_s"),
+        "save_s": med("ckpt/save_s"),
+        "bytes": med("ckpt/bytes"),
+        "delta_ratio": med("ckpt/delta_ratio"),
+        "blocking_total_s": sum(s["ckpt/blocking_s"] for s in saves),
+        "steps": last.get("step", float("nan")),
+        "tokens_per_sec": last.get("perf/tokens_per_sec_mean", float("nan")),
+        "step_s": last.get("perf/step_time_s_mean", float("nan")),
+    }
 
 
 def main() -> None:
@@ -48,14 +53,18 @@ def main() -> None:
     parser.add_argument("sweep_dir", type=Path, help="outputs/checkpoint_policy/<sweep> (one folder per job)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here (Markdown)")
     args = parser.parse_args()
-    lines = ["| job | saves | blocking s / save (median) | save s (median) | MB / save (median) | delta ratio | "
-             "blocking s total | step s mean | blocking / (blocking + steps) | tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| job | saves | blocking s / save (median) | save s (median) | MB / save (median) | delta ratio | "
+        "blocking s total | step s mean | blocking / (blocking + steps) | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for f in sorted(args.sweep_dir.glob("*/metrics.jsonl")):
         r = per_save(f)
         share = r["blocking_total_s"] / (r["blocking_total_s"] + r["step_s"] * r["steps"])
-        lines.append(f"| {f.parent.name} | {r['saves']} | {r['blocking_s']:.4f} | {r['save_s']:.4f} | {r['bytes'] / 1e6:.2f} | "
-                     f"{r['delta_ratio']:.3f} | {r['blocking_total_s']:.3f} | {r['step_s']:.3f} | {share:.3f} | {r['tokens_per_sec']:,.0f} |")
+        lines.append(
+            f"| {f.parent.name} | {r['saves']} | {r['blocking_s']:.4f} | {r['save_s']:.4f} | {r['bytes'] / 1e6:.2f} | "
+            f"{r['delta_ratio']:.3f} | {r['blocking_total_s']:.3f} | {r['step_s']:.3f} | {share:.3f} | {r['tokens_per_sec']:,.0f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:

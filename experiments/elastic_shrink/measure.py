@@ -35,13 +35,29 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 EXPERIMENT = "elastic_shrink"
 MAX_STEPS, CRASH_STEP, EVERY = 80, 35, 10
-COMMON = ["model=gpt_tiny", "parallelism=ddp", "parallelism.world_size=4", "trainer.global_batch_size=12",
-          "trainer.micro_batch_size=1", "trainer.grad_accum_steps=null", f"trainer.max_steps={MAX_STEPS}",
-          "trainer.log_every_n_steps=1", "trainer.val_every_n_steps=10", "trainer.val_sequences=48",
-          "trainer.progress_bar=false", f"checkpoint.every_n_steps={EVERY}", "checkpoint.keep_last_k=2",
-          f"experiment_name={EXPERIMENT}", "tracking.system_metrics_interval_s=0"]
-SHRINK = ["resilience=shrink", "resilience.max_restarts=0", "resilience.shrink_to=0.75",
-          f"fault.events=[{{kind:rank_crash,step:{CRASH_STEP},ranks:[3]}}]"]
+COMMON = [
+    "model=gpt_tiny",
+    "parallelism=ddp",
+    "parallelism.world_size=4",
+    "trainer.global_batch_size=12",
+    "trainer.micro_batch_size=1",
+    "trainer.grad_accum_steps=null",
+    f"trainer.max_steps={MAX_STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_every_n_steps=10",
+    "trainer.val_sequences=48",
+    "trainer.progress_bar=false",
+    f"checkpoint.every_n_steps={EVERY}",
+    "checkpoint.keep_last_k=2",
+    f"experiment_name={EXPERIMENT}",
+    "tracking.system_metrics_interval_s=0",
+]
+SHRINK = [
+    "resilience=shrink",
+    "resilience.max_restarts=0",
+    "resilience.shrink_to=0.75",
+    f"fault.events=[{{kind:rank_crash,step:{CRASH_STEP},ranks:[3]}}]",
+]
 ARMS = {
     "ref": [],
     "keep_k0": [*SHRINK, "resilience.rewarmup_steps=0"],
@@ -63,8 +79,13 @@ def run_arm(workdir: Path, name: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     shutil.rmtree(workdir / "checkpoints" / EXPERIMENT / name, ignore_errors=True)  # a re-run starts afresh
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "framework.train", *COMMON, f"run_name={name}", *ARMS[name]],
-                          cwd=workdir, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework.train", *COMMON, f"run_name={name}", *ARMS[name]],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -80,8 +101,11 @@ def collect(workdir: Path) -> dict:
     exp = client.get_experiment_by_name(EXPERIMENT)
     out = {}
     for name in ARMS:
-        runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{name}'",
-                                  order_by=["attributes.start_time DESC"])
+        runs = client.search_runs(
+            [exp.experiment_id],
+            filter_string=f"attributes.run_name = '{name}'",
+            order_by=["attributes.start_time DESC"],
+        )
         run = runs[0]
 
         def hist(key):
@@ -95,8 +119,18 @@ def collect(workdir: Path) -> dict:
             "lr": hist("train/lr"),
             "world_size": hist("elastic/world_size"),
             "wall_s": (run.info.end_time - run.info.start_time) / 1000,
-            **{k: m.get(k) for k in ("recovery/time_s", "recovery/recomputed_steps", "recovery/restarts", "goodput",
-                                     "goodput/lost_s", "goodput/restart_s", "goodput/wall_s")},
+            **{
+                k: m.get(k)
+                for k in (
+                    "recovery/time_s",
+                    "recovery/recomputed_steps",
+                    "recovery/restarts",
+                    "goodput",
+                    "goodput/lost_s",
+                    "goodput/restart_s",
+                    "goodput/wall_s",
+                )
+            },
             "history": run.data.tags.get("elastic.history", ""),
         }
     return out
@@ -114,21 +148,33 @@ def ref_step_at(ref_val: dict[int, float], loss: float) -> float:
 def report(data: dict) -> str:
     ref = data["ref"]
     ref_final = ref["val_loss"][max(ref["val_loss"])]
-    rows = ["| arm | what | val loss @80 | Δ vs ref | steps behind ref (val) | mean train loss 36-45 | "
-            "recomputed steps | recovery s | wall s | goodput |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| arm | what | val loss @80 | Δ vs ref | steps behind ref (val) | mean train loss 36-45 | "
+        "recomputed steps | recovery s | wall s | goodput |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     summary = {}
     ref_window = _mean(ref["train_loss"], CRASH_STEP + 1, CRASH_STEP + 10)
     for name, d in data.items():
         final = d["val_loss"][max(d["val_loss"])]
         behind = MAX_STEPS - ref_step_at(ref["val_loss"], final)
         window = _mean(d["train_loss"], CRASH_STEP + 1, CRASH_STEP + 10)
-        summary[name] = {"val_loss_final": final, "delta_vs_ref": final - ref_final, "steps_behind_ref": behind,
-                         "train_loss_36_45": window, "train_loss_36_45_delta": window - ref_window,
-                         "recomputed_steps": d["recovery/recomputed_steps"], "recovery_s": d["recovery/time_s"],
-                         "wall_s": d["wall_s"], "goodput": d["goodput"]}
-        rows.append(f"| `{name}` | {LABEL[name]} | {final:.4f} | {final - ref_final:+.4f} | {behind:.1f} | "
-                    f"{window:.4f} ({window - ref_window:+.4f}) | {_fmt(d['recovery/recomputed_steps'], '.0f')} | "
-                    f"{_fmt(d['recovery/time_s'], '.1f')} | {d['wall_s']:.0f} | {_fmt(d['goodput'], '.3f')} |")
+        summary[name] = {
+            "val_loss_final": final,
+            "delta_vs_ref": final - ref_final,
+            "steps_behind_ref": behind,
+            "train_loss_36_45": window,
+            "train_loss_36_45_delta": window - ref_window,
+            "recomputed_steps": d["recovery/recomputed_steps"],
+            "recovery_s": d["recovery/time_s"],
+            "wall_s": d["wall_s"],
+            "goodput": d["goodput"],
+        }
+        rows.append(
+            f"| `{name}` | {LABEL[name]} | {final:.4f} | {final - ref_final:+.4f} | {behind:.1f} | "
+            f"{window:.4f} ({window - ref_window:+.4f}) | {_fmt(d['recovery/recomputed_steps'], '.0f')} | "
+            f"{_fmt(d['recovery/time_s'], '.1f')} | {d['wall_s']:.0f} | {_fmt(d['goodput'], '.3f')} |"
+        )
     data["_summary"] = summary
     return "\n".join(rows)
 
@@ -163,8 +209,10 @@ def plot(data: dict, path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=7)
     ax1.set_xlim(CRASH_STEP - 10, MAX_STEPS)
-    ax1.set_ylim(min(min(d["train_loss"].values()) for d in data.values() if isinstance(d, dict) and "train_loss" in d) - 0.05,
-                 max(data["ref"]["train_loss"][s] for s in range(CRASH_STEP - 10, CRASH_STEP)) + 0.3)
+    ax1.set_ylim(
+        min(min(d["train_loss"].values()) for d in data.values() if isinstance(d, dict) and "train_loss" in d) - 0.05,
+        max(data["ref"]["train_loss"][s] for s in range(CRASH_STEP - 10, CRASH_STEP)) + 0.3,
+    )
     fig.suptitle(f"gpt_tiny, 4 -> 3 DDP ranks (rank 3 lost in step {CRASH_STEP}, resumed from step 30)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -185,7 +233,8 @@ def main() -> None:
     table = report(data)
     (HERE / "results.md").write_text(
         "<!-- written by experiments/elastic_shrink/measure.py; losses are load-independent, seconds were measured "
-        "under load on a shared 2-core machine -->\n" + table + "\n")
+        "under load on a shared 2-core machine -->\n" + table + "\n"
+    )
     (HERE / "results.json").write_text(json.dumps({k: v for k, v in data.items()}, indent=1, default=str))
     plot(data, HERE / "loss.png")
     print(table)

@@ -29,8 +29,17 @@ def model_bytes(micro: int) -> tuple[float, float]:
     from framework.base.cost.shape import ModelShape
 
     shape = ModelShape(**SHAPE)
-    ours = activation_bytes_per_rank(shape, micro_batch_size=micro, tp=1, pp=1, n_microbatches=1, sequence_parallel=False,
-                                     recompute="selective", act_bytes=4, dropout=False)["total"]
+    ours = activation_bytes_per_rank(
+        shape,
+        micro_batch_size=micro,
+        tp=1,
+        pp=1,
+        n_microbatches=1,
+        sequence_parallel=False,
+        recompute="selective",
+        act_bytes=4,
+        dropout=False,
+    )["total"]
     s, h, a, L = SHAPE["seq_len"], SHAPE["d_model"], SHAPE["n_head"], SHAPE["n_layer"]
     table2 = L * s * micro * h * (34 + 5 * a * s / h)
     return ours, table2
@@ -43,9 +52,11 @@ def main() -> None:
     args = parser.parse_args()
     reps = [{int(r["trainer.micro_batch_size"]): r for r in csv.DictReader(open(p))} for p in args.csv]
     micros = sorted(set.intersection(*(set(r) for r in reps)))
-    lines = ["| micro_batch_size | grad_accum_steps | tokens/s per repeat | tokens/s mean | data_wait | comm | "
-             "activations MiB meas | cost model (fp32) | Table 2 (bf16, layers) | peak RSS GiB | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| micro_batch_size | grad_accum_steps | tokens/s per repeat | tokens/s mean | data_wait | comm | "
+        "activations MiB meas | cost model (fp32) | Table 2 (bf16, layers) | peak RSS GiB | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     rows = []
     for m in micros:
         tps = [float(r[m]["tokens_per_sec"]) for r in reps]
@@ -54,10 +65,12 @@ def main() -> None:
         mean = sum(tps) / len(tps)
         rows.append((m, tps, mean, act, ours, t2))
         last = reps[-1][m]
-        lines.append(f"| {m} | {16 // (2 * m)} | {' / '.join(f'{t:,.0f}' for t in tps)} | {mean:,.0f} | "
-                     f"{float(last['data_wait_frac']):.3f} | {float(last['comm_frac']):.3f} | {act / MIB:.2f} | "
-                     f"{ours / MIB:.2f} | {t2 / MIB:.2f} | {float(last['peak_mem_GiB']):.3f} | "
-                     f"{' / '.join(str(round(float(r[m]['final_loss']), 4)) for r in reps)} |")
+        lines.append(
+            f"| {m} | {16 // (2 * m)} | {' / '.join(f'{t:,.0f}' for t in tps)} | {mean:,.0f} | "
+            f"{float(last['data_wait_frac']):.3f} | {float(last['comm_frac']):.3f} | {act / MIB:.2f} | "
+            f"{ours / MIB:.2f} | {t2 / MIB:.2f} | {float(last['peak_mem_GiB']):.3f} | "
+            f"{' / '.join(str(round(float(r[m]['final_loss']), 4)) for r in reps)} |"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -72,8 +85,13 @@ def main() -> None:
     a1.plot(xs, [r[3] / MIB for r in rows], "o-", label="measured (saved tensors, max over ranks)")
     a1.plot(xs, [r[4] / MIB for r in rows], "s--", label="cost model, fp32 no dropout")
     a1.plot(xs, [r[5] / MIB for r in rows], "^:", label="Korthikanti Table 2, bf16 + dropout, layers only")
-    a1.set(xscale="log", yscale="log", xlabel="micro_batch_size (grad_accum_steps = 8 / micro)",
-           ylabel="MiB per rank", title="Activation memory at global batch 16")
+    a1.set(
+        xscale="log",
+        yscale="log",
+        xlabel="micro_batch_size (grad_accum_steps = 8 / micro)",
+        ylabel="MiB per rank",
+        title="Activation memory at global batch 16",
+    )
     a1.set_xticks(xs, [str(x) for x in xs])
     a1.legend(fontsize=7)
     a1.grid(alpha=0.3)

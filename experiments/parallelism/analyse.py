@@ -119,8 +119,10 @@ def _bytes(v) -> str:
 def table(df) -> str:
     """The markdown table of results.md."""
     mib = 2**20
-    head = ("| plugin | layout | tokens/s | step s mean ± std | peak RSS GiB | model states MiB meas / model / field "
-            "| payload bytes by kind (AR / AG / RS / p2p) | wire bytes meas / model / field | final loss |")
+    head = (
+        "| plugin | layout | tokens/s | step s mean ± std | peak RSS GiB | model states MiB meas / model / field "
+        "| payload bytes by kind (AR / AG / RS / p2p) | wire bytes meas / model / field | final loss |"
+    )
     lines = [head, "|" + "---|" * 9]
     for _, r in df.iterrows():
         wire_f, states_f = field_figures(r)
@@ -129,7 +131,8 @@ def table(df) -> str:
         lines.append(
             f"| {r['plugin_label']} | {r['layout']} | {r[KEYS['tps']]:,.0f} | {r[KEYS['step']]:.3f} ± {r[KEYS['std']]:.3f} "
             f"| {r[KEYS['peak']] / 2**30:.3f} | {r[KEYS['ms']] / mib:.2f} / {r[KEYS['ms_model']] / mib:.2f} / {states_field} "
-            f"| {kinds} | {r[KEYS['wire']]:,.0f} / {r[KEYS['wire_model']]:,.0f} / {wire_f:,.0f} | {r[KEYS['loss']]:.4f} |")
+            f"| {kinds} | {r[KEYS['wire']]:,.0f} / {r[KEYS['wire_model']]:,.0f} / {wire_f:,.0f} | {r[KEYS['loss']]:.4f} |"
+        )
     return "\n".join(lines)
 
 

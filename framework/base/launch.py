@@ -13,7 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from framework.base.resolved import ResolvedRun
 
@@ -64,31 +64,38 @@ class LaunchSpec:
 
     resolved: ResolvedRun
     run_dir: Path
-    mlflow_run_id: Optional[str]
-    resume_from: Optional[str]
+    mlflow_run_id: str | None
+    resume_from: str | None
     token_cache_dir: str
     fault_schedule: list[dict[str, Any]] = field(default_factory=list)
     launch_index: int = 0
-    shrunk_at_step: Optional[int] = None
-    nodes: Optional[NodeSpec] = None
+    shrunk_at_step: int | None = None
+    nodes: NodeSpec | None = None
 
     @property
     def tracking_uri(self) -> str:
         """The MLflow tracking URI (the run's ``tracking.uri``)."""
         return self.resolved.run.tracking.uri
 
-    def replace(self, **changes: Any) -> "LaunchSpec":
+    def replace(self, **changes: Any) -> LaunchSpec:
         """A copy with ``changes`` applied (e.g. the next launch after a shrink)."""
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
         """The JSON text of ``launch.json``; inverse of :meth:`from_json`."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return json.dumps({**data, "resolved": self.resolved.to_dict(), "run_dir": str(self.run_dir),
-                           "nodes": dataclasses.asdict(self.nodes) if self.nodes else None}, indent=2)
+        return json.dumps(
+            {
+                **data,
+                "resolved": self.resolved.to_dict(),
+                "run_dir": str(self.run_dir),
+                "nodes": dataclasses.asdict(self.nodes) if self.nodes else None,
+            },
+            indent=2,
+        )
 
     @classmethod
-    def from_json(cls, text: str) -> "LaunchSpec":
+    def from_json(cls, text: str) -> LaunchSpec:
         """Parse :meth:`to_json`'s text; the resolved run is typed again, not re-validated.
 
         Raises:
@@ -98,8 +105,14 @@ class LaunchSpec:
 
         data = json.loads(text)
         nodes = data.get("nodes")
-        return cls(**{**data, "resolved": resolved_from_dict(data["resolved"]), "run_dir": Path(data["run_dir"]),
-                      "nodes": NodeSpec(**nodes) if nodes else None})
+        return cls(
+            **{
+                **data,
+                "resolved": resolved_from_dict(data["resolved"]),
+                "run_dir": Path(data["run_dir"]),
+                "nodes": NodeSpec(**nodes) if nodes else None,
+            }
+        )
 
     def write(self, path: Path) -> Path:
         """Write to ``path`` (parent folders created); returns ``path``."""
@@ -108,6 +121,6 @@ class LaunchSpec:
         return path
 
     @classmethod
-    def read(cls, path: str | Path) -> "LaunchSpec":
+    def read(cls, path: str | Path) -> LaunchSpec:
         """Read a file written by :meth:`write`."""
         return cls.from_json(Path(path).read_text())

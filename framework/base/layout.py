@@ -44,10 +44,12 @@ class ParallelLayout:
             if getattr(self, axis) < 1:
                 raise ConfigError(f"parallel layout: {axis}={getattr(self, axis)} must be >= 1")
         if self.world_size % self.nnodes:
-            raise ConfigError(f"parallelism.world_size={self.world_size} is not divisible by parallelism.nnodes={self.nnodes}")
+            raise ConfigError(
+                f"parallelism.world_size={self.world_size} is not divisible by parallelism.nnodes={self.nnodes}"
+            )
 
     @classmethod
-    def from_config(cls, par: "ParallelConfig") -> "ParallelLayout":
+    def from_config(cls, par: ParallelConfig) -> ParallelLayout:
         """The layout of a ``parallelism`` config; ``dp_degree = -1`` becomes ``world_size / (tp * pp)``.
 
         Raises:

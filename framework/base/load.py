@@ -7,15 +7,16 @@ converted with its plugin's ``config_cls``. Cross-field rules are :mod:`framewor
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.base.resolved import ResolvedRun
 from framework.base.config.schema import ConfigError, RunConfig
 from framework.base.layout import ParallelLayout
 from framework.base.registry import get_plugin_class
+from framework.base.resolved import ResolvedRun
 
 
 def _omegaconf_message(err: OmegaConfBaseException) -> str:

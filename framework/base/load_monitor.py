@@ -115,8 +115,9 @@ class LoadMonitor:
         run_dir: where ``load.json`` is written at exit (None: not written).
     """
 
-    def __init__(self, interval_s: float = 5.0, cpu_threshold: float = 0.10, *, cuda: bool = False,
-                 run_dir: Path | None = None) -> None:
+    def __init__(
+        self, interval_s: float = 5.0, cpu_threshold: float = 0.10, *, cuda: bool = False, run_dir: Path | None = None
+    ) -> None:
         self.interval_s = float(interval_s)
         self.cpu_threshold = float(cpu_threshold)
         self.cuda = cuda
@@ -180,7 +181,9 @@ class LoadMonitor:
         out: dict[str, float] = {"t": t1 - self._t_start}
         if j0 is not None and j1 is not None:
             d_total = j1[1] - j0[1]
-            out["load/other_cpu_share"] = other_cpu_share((j1[0] - j0[0]) / self._hz, max(0.0, c1 - c0), t1 - t0, self._cores)
+            out["load/other_cpu_share"] = other_cpu_share(
+                (j1[0] - j0[0]) / self._hz, max(0.0, c1 - c0), t1 - t0, self._cores
+            )
             out["load/steal_frac"] = (j1[2] - j0[2]) / d_total if d_total > 0 else 0.0
         try:
             out["load/loadavg_1m"] = os.getloadavg()[0]
@@ -198,11 +201,13 @@ class LoadMonitor:
             self._samples.append(self._sample(prev, now))
             prev = now
         now = self._snapshot()
-        if now[0] - prev[0] >= min(1.0, self.interval_s) or not self._samples:  # the tail (or a run shorter than one interval)
+        if (
+            now[0] - prev[0] >= min(1.0, self.interval_s) or not self._samples
+        ):  # the tail (or a run shorter than one interval)
             self._samples.append(self._sample(prev, now))
 
     # -- context manager --------------------------------------------------------------------
-    def __enter__(self) -> "LoadMonitor":
+    def __enter__(self) -> LoadMonitor:
         if self.interval_s <= 0:
             return self
         self._samples: list[dict[str, float]] = []
@@ -250,14 +255,21 @@ def log_record(tracker: Any, record: LoadRecord) -> None:
         tracker.log_metrics({k: v for k, v in s.items() if k.startswith("load/")}, step=i)
     if record.means:
         tracker.log_metrics(record.means, step=0)
-    tracker.set_tags({CONTENDED_TAG: "true" if record.contended else "false",
-                      REASON_TAG: record.reason or f"none (thresholds: other CPU share {record.cpu_threshold:g},"
-                                                   f" steal {STEAL_THRESHOLD:g}, other GPU processes 0)"})
+    tracker.set_tags(
+        {
+            CONTENDED_TAG: "true" if record.contended else "false",
+            REASON_TAG: record.reason
+            or f"none (thresholds: other CPU share {record.cpu_threshold:g},"
+            f" steal {STEAL_THRESHOLD:g}, other GPU processes 0)",
+        }
+    )
 
 
 def warning(record: LoadRecord | None) -> str | None:
     """The one-line warning of a contended run, else None."""
     if record is None or not record.contended:
         return None
-    return (f"measured under contention: {record.reason}; its throughput is not this machine's"
-            " (re-run on an idle machine, or compare with sweep.repeats)")
+    return (
+        f"measured under contention: {record.reason}; its throughput is not this machine's"
+        " (re-run on an idle machine, or compare with sweep.repeats)"
+    )

@@ -26,8 +26,9 @@ compile -> FSDP), which is the order in which each step's wrappers compose.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -50,10 +51,10 @@ class ParallelPlan:
             (e.g. a pipeline runner); None = the one piece.
     """
 
-    split: Optional[Callable[[nn.Module], list[nn.Module]]] = None
-    tp: Optional[Callable[[nn.Module], Any]] = None
-    dp: Optional[Callable[[nn.Module], Any]] = None
-    assemble: Optional[Callable[[list[nn.Module]], nn.Module]] = None
+    split: Callable[[nn.Module], list[nn.Module]] | None = None
+    tp: Callable[[nn.Module], Any] | None = None
+    dp: Callable[[nn.Module], Any] | None = None
+    assemble: Callable[[list[nn.Module]], nn.Module] | None = None
 
 
 def blocks_of(piece: nn.Module) -> list[nn.Module]:
@@ -94,7 +95,9 @@ def checkpoint_blocks(blocks: Iterable[nn.Module]) -> None:
         block.__class__ = _CHECKPOINTED[cls]
 
 
-def parallelize_gpt(model: nn.Module, plan: ParallelPlan, *, activation_checkpointing: bool, compile: bool) -> nn.Module:
+def parallelize_gpt(
+    model: nn.Module, plan: ParallelPlan, *, activation_checkpointing: bool, compile: bool
+) -> nn.Module:
     """Apply ``plan`` to ``model`` in the order of the module docstring; returns what the
     LightningModule runs (``model`` itself unless the plan splits or assembles).
 

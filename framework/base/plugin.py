@@ -22,12 +22,12 @@ from framework.base.config.schema import ConfigError, ParallelConfig
 if TYPE_CHECKING:
     import torch
 
-    from framework.base.resolved import ResolvedRun
-    from framework.base.layout import ParallelLayout
     from framework.base.cost.comm import CommEstimate, ModelStats
+    from framework.base.layout import ParallelLayout
     from framework.base.metrics.memory import HeldState
     from framework.base.metrics.timing import CommMeter
     from framework.base.parallelize import ParallelPlan
+    from framework.base.resolved import ResolvedRun
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class PluginCapabilities:
     mesh_axes: tuple[str, ...] = ("dp",)
     owns_microbatching: bool = False
 
-    def owns_microbatching_for(self, layout: "ParallelLayout") -> bool:
+    def owns_microbatching_for(self, layout: ParallelLayout) -> bool:
         """Whether the plugin runs a step's micro-batches itself on ``layout`` (a pipeline: pp > 1)."""
         return self.owns_microbatching and layout.pp > 1
 
@@ -91,7 +91,7 @@ class ParallelPlugin:
         self.cfg = cfg
 
     # -- before any rank starts ---------------------------------------------------------------
-    def validate(self, resolved: "ResolvedRun") -> None:
+    def validate(self, resolved: ResolvedRun) -> None:
         """Raise :class:`ConfigError` (one line naming the keys) for settings this plugin cannot run.
 
         Called by the driver once the framework's own checks passed: ``resolved`` holds the
@@ -99,11 +99,11 @@ class ParallelPlugin:
         """
 
     # -- in each rank ---------------------------------------------------------------------------
-    def build_strategy(self, resolved: "ResolvedRun") -> Any:
+    def build_strategy(self, resolved: ResolvedRun) -> Any:
         """A Lightning ``Strategy`` (object or registered name) for ``resolved.layout``."""
         raise NotImplementedError(f"plugin {self.name!r} does not implement build_strategy")
 
-    def parallel_plan(self, model: "torch.nn.Module", module: Any) -> "ParallelPlan":
+    def parallel_plan(self, model: torch.nn.Module, module: Any) -> ParallelPlan:
         """What to apply to the freshly built GPT ``model``: a :class:`~framework.base.parallelize.ParallelPlan`
         (pipeline split, TP plan, DP wrapper, assembly), which
         :func:`~framework.base.parallelize.parallelize_gpt` applies in torchtitan's order together with
@@ -114,13 +114,13 @@ class ParallelPlugin:
 
         return ParallelPlan()
 
-    def configure_model(self, model: "torch.nn.Module", module: Any) -> "torch.nn.Module":
+    def configure_model(self, model: torch.nn.Module, module: Any) -> torch.nn.Module:
         """After the plan was applied: anything a plan cannot express (e.g. registering a parameter
         used outside its module with ZeRO-3); returns what ``LMModule.model`` becomes. ``model``
         is :func:`~framework.base.parallelize.parallelize_gpt`'s result. Default: ``model`` unchanged."""
         return model
 
-    def callbacks(self, resolved: "ResolvedRun", emit: Any) -> list:
+    def callbacks(self, resolved: ResolvedRun, emit: Any) -> list:
         """Extra Lightning callbacks of this plugin (e.g. a pipeline-bubble meter), sending their metrics
         through ``emit`` (:class:`~framework.base.metrics.emit.MetricEmitter`, ``emit(metrics, step)``;
         writes on rank 0 only). They run at the plugin's place in the step's order
@@ -133,7 +133,7 @@ class ParallelPlugin:
         tensors in one parameter list needs False)."""
         return None
 
-    def grad_norm(self, module: Any) -> "float | torch.Tensor":
+    def grad_norm(self, module: Any) -> float | torch.Tensor:
         """The global L2 norm of the gradients of ``module`` (after the data-parallel reduction,
         before clipping): the run's one gradient-norm function, logged as ``train/grad_norm`` and
         judged by the fault guard (:mod:`framework.rank.faults.detect`). A 0-dim tensor on the
@@ -171,15 +171,15 @@ class ParallelPlugin:
         MLflow param ``derived.zero_stage``. Default: 0."""
         return 0
 
-    def comm_volume(self, stats: "ModelStats", resolved: "ResolvedRun") -> "CommEstimate":
+    def comm_volume(self, stats: ModelStats, resolved: ResolvedRun) -> CommEstimate:
         """Modelled payload bytes per rank per optimizer step, by collective kind (:mod:`framework.base.cost.comm`)."""
         raise NotImplementedError(f"plugin {self.name!r} does not implement comm_volume")
 
-    def model_states_bytes(self, stats: "ModelStats", resolved: "ResolvedRun") -> int:
+    def model_states_bytes(self, stats: ModelStats, resolved: ResolvedRun) -> int:
         """Modelled bytes of parameters + gradients + optimizer state on one rank (ZeRO §3.1)."""
         raise NotImplementedError(f"plugin {self.name!r} does not implement model_states_bytes")
 
-    def held_state(self, module: "torch.nn.Module", optimizer: Any) -> "HeldState":
+    def held_state(self, module: torch.nn.Module, optimizer: Any) -> HeldState:
         """The model-state tensors this rank holds now (parameters, gradients, optimizer tensors), measured as
         ``mem/model_states_bytes`` by :func:`framework.base.metrics.memory.model_states_bytes`. ``module``: the
         LightningModule; ``optimizer``: the one the Trainer steps (``trainer.optimizers[0]``), or None.
@@ -191,24 +191,24 @@ class ParallelPlugin:
 
         return torch_held_state(module.parameters(), self.inner_optimizer(optimizer) if optimizer is not None else None)
 
-    def full_param_shape(self, param: "torch.nn.Parameter") -> tuple[int, ...]:
+    def full_param_shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
         """The full (unpartitioned) shape of a parameter of the model, for the cost model's
         :class:`~framework.base.cost.comm.ModelStats`. Default ``param.shape`` (a DTensor's is already the global
         shape). Override when the backend empties or replaces the parameter's data by a partition."""
         return tuple(param.shape)
 
-    def inner_optimizer(self, optimizer: Any) -> "torch.optim.Optimizer":
+    def inner_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         """The torch optimizer that updates the parameters (its step post-hook marks the end of the
         update): ``optimizer`` itself by default; the torch optimizer inside when the backend hands the
         Trainer a wrapper of its own (which may do more after the inner step, e.g. gather parameters)."""
         return optimizer
 
-    def install_comm_meter(self, model: Any, meter: "CommMeter") -> None:
+    def install_comm_meter(self, model: Any, meter: CommMeter) -> None:
         """Make this plugin's training collectives report to ``meter`` (``model``: the strategy-wrapped
         model). Default: nothing to meter (a plugin that never communicates)."""
 
 
-def check_capabilities(plugin: ParallelPlugin, run: Any, layout: "ParallelLayout") -> None:
+def check_capabilities(plugin: ParallelPlugin, run: Any, layout: ParallelLayout) -> None:
     """The framework's checks of a run against what ``plugin`` declares (:class:`PluginCapabilities`).
 
     Raises:
@@ -233,10 +233,16 @@ def check_capabilities(plugin: ParallelPlugin, run: Any, layout: "ParallelLayout
     ck = run.checkpoint
     saves = get_checkpoint_kind(caps.checkpoint_format).description
     if ck.mode != "sync" and not caps.async_save:
-        raise ConfigError(f"checkpoint.mode={ck.mode!r}: plugin {name!r} saves {saves} synchronously only; allowed: sync")
+        raise ConfigError(
+            f"checkpoint.mode={ck.mode!r}: plugin {name!r} saves {saves} synchronously only; allowed: sync"
+        )
     if ck.full_every_n_saves != 1 and not caps.incremental_save:
-        raise ConfigError(f"checkpoint.full_every_n_saves={ck.full_every_n_saves}: plugin {name!r} saves {saves}"
-                          " without deltas; allowed: 1")
+        raise ConfigError(
+            f"checkpoint.full_every_n_saves={ck.full_every_n_saves}: plugin {name!r} saves {saves}"
+            " without deltas; allowed: 1"
+        )
     if ck.memory_every_n_steps > 0 and not caps.memory_snapshots:
-        raise ConfigError(f"checkpoint.memory_every_n_steps={ck.memory_every_n_steps}: plugin {name!r} does not keep"
-                          f" in-memory snapshots ({caps.no_snapshots_reason}); allowed: 0")
+        raise ConfigError(
+            f"checkpoint.memory_every_n_steps={ck.memory_every_n_steps}: plugin {name!r} does not keep"
+            f" in-memory snapshots ({caps.no_snapshots_reason}); allowed: 0"
+        )

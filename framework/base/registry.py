@@ -66,5 +66,7 @@ def get_plugin_class(name: str) -> type[ParallelPlugin]:
         return _PLUGINS[name]
     ep = _entry_points().get(name)
     if ep is None:
-        raise ConfigError(f"parallelism.name={name!r} is not a known plugin; available: {', '.join(available_plugins())}")
+        raise ConfigError(
+            f"parallelism.name={name!r} is not a known plugin; available: {', '.join(available_plugins())}"
+        )
     return _load_entry_point(ep)

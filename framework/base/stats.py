@@ -37,8 +37,8 @@ first two.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -54,9 +54,33 @@ SEED = 0
 """Seed of the bootstrap's generator: the same samples give the same interval."""
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; larger df: the normal 1.96.
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-         20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+_T975 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    11: 2.201,
+    12: 2.179,
+    13: 2.160,
+    14: 2.145,
+    15: 2.131,
+    16: 2.120,
+    17: 2.110,
+    18: 2.101,
+    19: 2.093,
+    20: 2.086,
+    25: 2.060,
+    30: 2.042,
+    40: 2.021,
+    60: 2.000,
+    120: 1.980,
+}
 
 
 def t_quantile_975(df: int) -> float:
@@ -87,8 +111,9 @@ def cv(samples: Sequence[float]) -> float | None:
     return float(x.std(ddof=1) / abs(x.mean()))
 
 
-def bootstrap_median_ci(samples: Sequence[float], *, level: float = LEVEL, n_boot: int = N_BOOT,
-                        seed: int = SEED) -> tuple[float, float, float]:
+def bootstrap_median_ci(
+    samples: Sequence[float], *, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = SEED
+) -> tuple[float, float, float]:
     """``(median, lo, hi)``: the sample median and its percentile-bootstrap interval.
 
     Args:
@@ -129,7 +154,7 @@ def batch_means_ci(series: Sequence[float], *, n_batches: int | None = None) -> 
     b = n_batches or min(20, max(2, int(math.isqrt(n))))
     b = min(b, n // 2)
     m = n // b
-    batches = x[n - b * m:].reshape(b, m).mean(axis=1)
+    batches = x[n - b * m :].reshape(b, m).mean(axis=1)
     mean = float(x.mean())
     half = t_quantile_975(b - 1) * float(batches.std(ddof=1)) / math.sqrt(b)
     return mean, mean - half, mean + half
@@ -151,7 +176,11 @@ class Summary:
     def describe(self, spec: str = ",.0f") -> str:
         """``2,761 [2,600, 2,900] (n=5, CV 4.1%)``."""
         ci = f" [{self.lo:{spec}}, {self.hi:{spec}}]" if self.lo is not None else ""
-        extra = f", CV {100 * self.cv:.1f}%" if self.cv is not None else (", within-run" if self.method == "batch-means" else "")
+        extra = (
+            f", CV {100 * self.cv:.1f}%"
+            if self.cv is not None
+            else (", within-run" if self.method == "batch-means" else "")
+        )
         return f"{self.center:{spec}}{ci} (n={self.n}{extra})"
 
 
@@ -199,11 +228,13 @@ class Verdict:
             return "best" + (f" ({self.note})" if self.note else "")
         a, b = sorted((abs(self.lo), abs(self.hi)))
         return f"{self.kind} by {100 * abs(self.diff):.0f}% [{100 * a:.0f}%, {100 * b:.0f}%]" + (
-            f" than {self.other}" if self.other else "")
+            f" than {self.other}" if self.other else ""
+        )
 
 
-def ratio_ci(a: Sequence[float], b: Sequence[float], *, level: float = LEVEL, n_boot: int = N_BOOT,
-             seed: int = SEED) -> tuple[float, float, float]:
+def ratio_ci(
+    a: Sequence[float], b: Sequence[float], *, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = SEED
+) -> tuple[float, float, float]:
     """``(r, lo, hi)``: ``r = median(a) / median(b)`` and its percentile-bootstrap interval (each
     sample resampled with replacement, independently, ``n_boot`` times).
 
@@ -224,8 +255,15 @@ def ratio_ci(a: Sequence[float], b: Sequence[float], *, level: float = LEVEL, n_
     return float(np.median(x) / np.median(y)), float(lo), float(hi)
 
 
-def compare_to(a: Sequence[float], ref: Sequence[float], *, maximize: bool = True, other: str | None = None,
-               words: tuple[str, str] = ("faster", "slower"), min_repeats: int = MIN_REPEATS) -> Verdict:
+def compare_to(
+    a: Sequence[float],
+    ref: Sequence[float],
+    *,
+    maximize: bool = True,
+    other: str | None = None,
+    words: tuple[str, str] = ("faster", "slower"),
+    min_repeats: int = MIN_REPEATS,
+) -> Verdict:
     """The verdict of ``a`` (repeats of one configuration) against ``ref`` (another's).
 
     ``maximize``: a higher figure is better (tokens/s, MFU); False for step time. ``words``: what
@@ -235,8 +273,12 @@ def compare_to(a: Sequence[float], ref: Sequence[float], *, maximize: bool = Tru
     """
     na, nr = _clean(a).size, _clean(ref).size
     if min(na, nr) < min_repeats:
-        return Verdict("unranked", other=other, words=words,
-                       note=f"n={min(na, nr)}: repeats needed to rank (sweep.repeats>={min_repeats})")
+        return Verdict(
+            "unranked",
+            other=other,
+            words=words,
+            note=f"n={min(na, nr)}: repeats needed to rank (sweep.repeats>={min_repeats})",
+        )
     r, lo, hi = ratio_ci(a, ref)
     d, dlo, dhi = r - 1, lo - 1, hi - 1
     if dlo <= 0 <= dhi:
@@ -245,8 +287,9 @@ def compare_to(a: Sequence[float], ref: Sequence[float], *, maximize: bool = Tru
     return Verdict(words[0] if better else words[1], d, dlo, dhi, other, words=words)
 
 
-def verdicts(groups: Mapping[str, Sequence[float]], *, maximize: bool = True,
-             words: tuple[str, str] = ("faster", "slower")) -> dict[str, Verdict]:
+def verdicts(
+    groups: Mapping[str, Sequence[float]], *, maximize: bool = True, words: tuple[str, str] = ("faster", "slower")
+) -> dict[str, Verdict]:
     """A verdict per configuration against the best (the highest median when ``maximize``, else the lowest).
 
     ``groups``: configuration label -> its repeats' figures. The best gets ``best`` with its
@@ -263,7 +306,9 @@ def verdicts(groups: Mapping[str, Sequence[float]], *, maximize: bool = True,
     if len(order) == 1:
         return {best: Verdict("best", words=words)}
     margin = compare_to(groups[best], groups[order[1]], maximize=maximize, other=order[1], words=words)
-    out[best] = Verdict("best", margin.diff, margin.lo, margin.hi, order[1], note=str(margin), words=words, margin=margin.kind)
+    out[best] = Verdict(
+        "best", margin.diff, margin.lo, margin.hi, order[1], note=str(margin), words=words, margin=margin.kind
+    )
     return out
 
 

@@ -41,5 +41,7 @@ def format_table(rows: list[dict[str, Any]], columns: list[Column], text_columns
             line.append("n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec))
         cells.append(line)
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(c.rjust(w) if i >= text_columns else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in cells)
+    return "\n".join(
+        "  ".join(c.rjust(w) if i >= text_columns else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in cells
+    )

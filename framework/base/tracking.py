@@ -19,8 +19,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,18 @@ PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the child under 
 # Paths and tracking settings: they differ between runs without changing what is trained, so they
 # stay out of the params (the MLflow compare view would line runs up by them) and in the
 # resolved_config.yaml artifact.
-LEFT_OUT_PARAMS = frozenset({"checkpoint.dir", "data.cache_dir", "derived.checkpoint_dir", "experiment_description", "tracking.uri",
-                             "tracking.enabled", "tracking.system_metrics_interval_s", "trainer.progress_bar"})
+LEFT_OUT_PARAMS = frozenset(
+    {
+        "checkpoint.dir",
+        "data.cache_dir",
+        "derived.checkpoint_dir",
+        "experiment_description",
+        "tracking.uri",
+        "tracking.enabled",
+        "tracking.system_metrics_interval_s",
+        "trainer.progress_bar",
+    }
+)
 _BAD_KEY_CHARS = re.compile(r"[^\w/.\- ]")
 
 
@@ -64,7 +75,9 @@ def git_commit(path: str | Path = ".") -> str:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -98,7 +111,10 @@ class DriverRun:
     def find(self, run_key: str) -> str | None:
         """Id of the newest run tagged ``trainlab.run_key == run_key`` in this experiment, or None."""
         runs = self.client.search_runs(
-            [self.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", order_by=["attributes.start_time DESC"], max_results=1
+            [self.experiment_id],
+            filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
         )
         return runs[0].info.run_id if runs else None
 
@@ -138,7 +154,9 @@ class DriverRun:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(sanitize_key(k), float(v), ts, step) for k, v in metrics.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(sanitize_key(k), float(v), ts, step) for k, v in metrics.items()]
+        )
 
     def log_text(self, text: str, artifact_file: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -188,14 +206,21 @@ def derived_params(resolved: Any, model: Any) -> dict[str, Any]:
 
     lay = resolved.layout
     return {
-        "derived.dp_degree": lay.dp, "derived.tp_degree": lay.tp, "derived.pp_degree": lay.pp,
+        "derived.dp_degree": lay.dp,
+        "derived.tp_degree": lay.tp,
+        "derived.pp_degree": lay.pp,
         "derived.zero_stage": get_plugin_class(resolved.plugin_name)(resolved.run.parallelism).zero_stage,
-        "derived.world_size": resolved.world_size, "derived.nnodes": lay.nnodes, "derived.nproc_per_node": lay.nproc_per_node,
+        "derived.world_size": resolved.world_size,
+        "derived.nnodes": lay.nnodes,
+        "derived.nproc_per_node": lay.nproc_per_node,
         "derived.cross_node_axes": ",".join(lay.cross_node_axes()) or "none",
         "derived.micro_batch_size": resolved.micro_batch_size,
-        "derived.grad_accum_steps": resolved.grad_accum_steps, "derived.global_batch_size": resolved.global_batch_size,
-        "derived.tokens_per_step": resolved.tokens_per_step, "derived.checkpoint_dir": resolved.checkpoint_dir,
-        "derived.vocab_size": model.vocab_size, "model.num_params": model.num_params(exclude_position_embedding=False),
+        "derived.grad_accum_steps": resolved.grad_accum_steps,
+        "derived.global_batch_size": resolved.global_batch_size,
+        "derived.tokens_per_step": resolved.tokens_per_step,
+        "derived.checkpoint_dir": resolved.checkpoint_dir,
+        "derived.vocab_size": model.vocab_size,
+        "model.num_params": model.num_params(exclude_position_embedding=False),
         "model.num_flops_params": model.num_flops_params(),
     }
 
@@ -213,8 +238,7 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
     """
     from omegaconf import OmegaConf
 
-    from framework.base.config.schema import ConfigError
-    from framework.base.config.schema import run_to_dict
+    from framework.base.config.schema import ConfigError, run_to_dict
 
     run = resolved.run
     run_key = f"{run.experiment_name}/{run.run_name}"
@@ -222,19 +246,30 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
         tracker = DriverRun(run.tracking.uri, run.experiment_name, run.experiment_description)
         tracker.start(run_name=run.run_name, run_key=run_key, resume_run_id=tracker.find(run_key) if resumed else None)
     except Exception as err:
-        raise ConfigError(f"tracking.uri={run.tracking.uri!r}: {_first_line(err)} (allowed: a sqlite:///, file:// or"
-                          " http(s):// MLflow URI; or tracking=none)") from None
+        raise ConfigError(
+            f"tracking.uri={run.tracking.uri!r}: {_first_line(err)} (allowed: a sqlite:///, file:// or"
+            " http(s):// MLflow URI; or tracking=none)"
+        ) from None
     config = run_to_dict(run)
     params = {**flatten(config), **{k: str(v) for k, v in derived_params(resolved, model).items()}}
     tracker.log_params({k: v for k, v in params.items() if k not in LEFT_OUT_PARAMS})  # all of it: resolved_config.yaml
     lay = resolved.layout
-    tracker.set_tags({"plugin": resolved.plugin_name, "world_size": resolved.world_size,
-                      "layout": lay.describe(), "git_commit": git_commit(Path(__file__).parent.parent)})
+    tracker.set_tags(
+        {
+            "plugin": resolved.plugin_name,
+            "world_size": resolved.world_size,
+            "layout": lay.describe(),
+            "git_commit": git_commit(Path(__file__).parent.parent),
+        }
+    )
     tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(config)), "resolved_config.yaml")
-    print(f"trainlab: MLflow run {tracker.run_id} in experiment {run.experiment_name!r} ({run.tracking.uri})", flush=True)
+    print(
+        f"trainlab: MLflow run {tracker.run_id} in experiment {run.experiment_name!r} ({run.tracking.uri})", flush=True
+    )
     if run.tracking.system_metrics_interval_s > 0:
-        tracker.monitor = start_system_metrics(run.tracking.uri, tracker.run_id, run.tracking.system_metrics_interval_s,
-                                               resume=resumed)
+        tracker.monitor = start_system_metrics(
+            run.tracking.uri, tracker.run_id, run.tracking.system_metrics_interval_s, resume=resumed
+        )
     return tracker
 
 
@@ -249,15 +284,29 @@ def log_token_cache_input(tracker: DriverRun, cache: Any, data: Any) -> None:
 
     meta = cache.meta
     key = str(meta.get("key", cache.dir.name))
-    profile = {"train_tokens": cache.train_tokens, "val_tokens": cache.val_tokens, "vocab_size": cache.vocab_size,
-               **{k: meta[k] for k in ("train_docs", "val_docs") if k in meta}}
+    profile = {
+        "train_tokens": cache.train_tokens,
+        "val_tokens": cache.val_tokens,
+        "vocab_size": cache.vocab_size,
+        **{k: meta[k] for k in ("train_docs", "val_docs") if k in meta},
+    }
     try:
-        dataset = Dataset(name=str(data.name), digest=key.rsplit("-", 1)[-1][:16], source_type="local",
-                          source=json.dumps({"uri": str(Path(cache.dir).resolve())}), profile=json.dumps(profile))
-        tracker.client.log_inputs(tracker.run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "train")])])
+        dataset = Dataset(
+            name=str(data.name),
+            digest=key.rsplit("-", 1)[-1][:16],
+            source_type="local",
+            source=json.dumps({"uri": str(Path(cache.dir).resolve())}),
+            profile=json.dumps(profile),
+        )
+        tracker.client.log_inputs(
+            tracker.run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "train")])]
+        )
     except Exception as err:  # tracking must not fail a run
-        print(f"trainlab: warning: could not log the token cache as the run's dataset: {_first_line(err)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"trainlab: warning: could not log the token cache as the run's dataset: {_first_line(err)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def steps_done(run_dir: str | Path) -> int:
@@ -268,8 +317,9 @@ def steps_done(run_dir: str | Path) -> int:
     return 0
 
 
-def finish_driver_run(tracker: DriverRun, status: str, *, run_dir: Path, started_at: float, error: str | None,
-                      resumed: bool) -> None:
+def finish_driver_run(
+    tracker: DriverRun, status: str, *, run_dir: Path, started_at: float, error: str | None, resumed: bool
+) -> None:
     """Close the attempt's MLflow bookkeeping; never raises (a tracking error is a warning).
 
     Stops the system metrics, logs ``time/attempt_wall_s`` (seconds since ``started_at``, a
@@ -415,8 +465,12 @@ def read_jsonl_metrics(path: str | Path) -> list[dict[str, float]]:
 def sweep_children(client: Any, parent_run_id: str) -> list[Any]:
     """The parent's child runs, the newest per run key (a job re-run without a checkpoint makes a new run)."""
     parent = client.get_run(parent_run_id)
-    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
-                              max_results=5000, order_by=["attributes.start_time DESC"])
+    runs = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+        max_results=5000,
+        order_by=["attributes.start_time DESC"],
+    )
     newest: dict[str, Any] = {}
     for r in runs:
         newest.setdefault(r.data.tags.get(RUN_KEY_TAG, r.info.run_id), r)

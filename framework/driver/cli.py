@@ -17,16 +17,16 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from framework.driver import slurm
 from framework.base.config import CONF_DIR, fail, near_keys, path_safe
 from framework.base.config.schema import ConfigError
-
+from framework.driver import slurm
 
 
 def _find_trainlab_hydra_plugins() -> None:
@@ -66,7 +66,6 @@ def register_optuna_sweeper() -> bool:
 register_optuna_sweeper()
 
 
-
 def run_name_from_overrides(override_dirname: str, task_overrides: list[str] | None = None) -> str:
     """A stable, path-safe run name from Hydra's ``job.override_dirname`` (``default`` when empty).
 
@@ -99,7 +98,9 @@ def run_dir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | 
 OmegaConf.register_new_resolver("tl_run_dir", run_dir_for_node, replace=True)
 
 
-def sweep_subdir_for_node(experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None) -> str:
+def sweep_subdir_for_node(
+    experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None
+) -> str:
     """A sweep job's Hydra sub-folder: the run name on node 0, node k's folder on the others
     (:func:`framework.driver.nodes.hydra_sweep_subdir`)."""
     from framework.driver.nodes import hydra_sweep_subdir
@@ -156,8 +157,11 @@ def presets_writing(kind: str, conf_dir: Path | None = None) -> list[str]:
 
     conf_dir = conf_dir or CONF_DIR
     writers = {n for n in available_plugins() if get_plugin_class(n).capabilities.checkpoint_format == kind}
-    return sorted(p.stem for p in (conf_dir / "parallelism").glob("*.yaml")
-                  if re.search(r"^name:\s*(\S+)", p.read_text(), re.M).group(1) in writers)
+    return sorted(
+        p.stem
+        for p in (conf_dir / "parallelism").glob("*.yaml")
+        if re.search(r"^name:\s*(\S+)", p.read_text(), re.M).group(1) in writers
+    )
 
 
 def _preset_sweeps(argv: list[str]) -> bool:
@@ -180,18 +184,28 @@ def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
         from hydra import compose, initialize_config_dir
 
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            groups = [o for o in overrides  # e.g. parallelism=fsdp, to suggest that plugin's keys (not nosuchkey=1)
-                      if "=" in o and "," not in o and (CONF_DIR / o.split("=")[0].lstrip("+~")).is_dir()]
-            defaults = compose(config_name="config", overrides=["run_name=x", *groups])  # suggest the chosen plugin's keys
+            groups = [
+                o
+                for o in overrides  # e.g. parallelism=fsdp, to suggest that plugin's keys (not nosuchkey=1)
+                if "=" in o and "," not in o and (CONF_DIR / o.split("=")[0].lstrip("+~")).is_dir()
+            ]
+            defaults = compose(
+                config_name="config", overrides=["run_name=x", *groups]
+            )  # suggest the chosen plugin's keys
         from framework.base.tracking import flatten
 
         keys = list(flatten(OmegaConf.to_container(defaults, resolve=False)))
         near = near_keys(m.group(1), keys)
-        hint = f"did you mean {', '.join(near)}?" if near else "see conf/ and framework/base/config/schema.py for the keys"
+        hint = (
+            f"did you mean {', '.join(near)}?" if near else "see conf/ and framework/base/config/schema.py for the keys"
+        )
         return f"{m.group(1)} is not a config key; {hint} (to add a new key write +{m.group(1)}=...)"
     lines = [
-        ln.strip() for ln in text.splitlines()
-        if ln.strip() and "HYDRA_FULL_ERROR" not in ln and not ln.strip().startswith(("full_key", "object_type", "reference_type"))
+        ln.strip()
+        for ln in text.splitlines()
+        if ln.strip()
+        and "HYDRA_FULL_ERROR" not in ln
+        and not ln.strip().startswith(("full_key", "object_type", "reference_type"))
     ]
     return " ".join(lines) or type(err).__name__
 
@@ -221,8 +235,10 @@ def precheck(argv: list[str]) -> Any:
     if int(cfg.get("sweep", {}).get("repeats", 1) or 1) > 1:
         if _preset_sweeps(argv):  # an experiment preset that sweeps (hydra.mode: MULTIRUN): its jobs are checked then
             return None
-        fail(f"sweep.repeats={cfg.sweep.repeats} repeats the jobs of a sweep; add -m and a swept key"
-             " (e.g. -m sweep.label=a sweep.repeats=5 for one configuration)")
+        fail(
+            f"sweep.repeats={cfg.sweep.repeats} repeats the jobs of a sweep; add -m and a swept key"
+            " (e.g. -m sweep.label=a sweep.repeats=5 for one configuration)"
+        )
     try:
         resolved = resolve_run(cfg)  # the job reuses it (validated once per run)
     except ConfigError as err:
@@ -282,8 +298,11 @@ def main(app: Callable[[], None]) -> None:
         if SEARCH:  # an Optuna search: its failure budget decides (framework/driver/search.py)
             code = 1 if SEARCH.get("error") else 0
         elif FAILED_JOBS:
-            print(f"trainlab: {len(FAILED_JOBS)} sweep job(s) FAILED: {', '.join(FAILED_JOBS)}"
-                  " (each run's error.txt and MLflow tag 'error' say why)", file=sys.stderr)
+            print(
+                f"trainlab: {len(FAILED_JOBS)} sweep job(s) FAILED: {', '.join(FAILED_JOBS)}"
+                " (each run's error.txt and MLflow tag 'error' say why)",
+                file=sys.stderr,
+            )
             code = 1
     except KeyboardInterrupt:  # Ctrl-C before the ranks start (while composing, tokenizing, importing)
         print("trainlab: interrupted before training started", file=sys.stderr)

@@ -47,8 +47,9 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -72,14 +73,21 @@ METRICS: list[tuple[str, str, str, float]] = [
     ("ckpt_blocking_s", "ckpt/blocking_s", ".3f", 1.0),  # summed over the run's history
     ("goodput", "goodput", ".3f", 1.0),
     ("final_loss", "train/loss_final", ".4f", 1.0),
-    ("other_cpu_share", "load/other_cpu_share_mean", ".2f", 1.0),  # the load monitor: other processes' share of the CPUs
+    (
+        "other_cpu_share",
+        "load/other_cpu_share_mean",
+        ".2f",
+        1.0,
+    ),  # the load monitor: other processes' share of the CPUs
 ]
 DEFAULT_METRICS = [m[0] for m in METRICS]
 SUMMED = {"ckpt/blocking_s"}
 
 # Params that differ between runs without being what a study compares: paths, tracking, names, derived values.
-NOISE_PARAMS = re.compile(r"^(derived\.|model\.num_|mfu\.|tracking\.|run_name$|experiment_name$|resume$|checkpoint\.dir$|sweep\.repeats?$"
-                          r"|data\.cache_dir$|trainer\.progress_bar$|changed\.)")
+NOISE_PARAMS = re.compile(
+    r"^(derived\.|model\.num_|mfu\.|tracking\.|run_name$|experiment_name$|resume$|checkpoint\.dir$|sweep\.repeats?$"
+    r"|data\.cache_dir$|trainer\.progress_bar$|changed\.)"
+)
 
 
 def default_tracking_uri() -> str:
@@ -88,6 +96,7 @@ def default_tracking_uri() -> str:
 
 
 # --- pure functions (unit-tested on synthetic runs) --------------------------------------------
+
 
 def swept_values(tag: str) -> dict[str, str]:
     """``"a.b=1,c=x"`` (a child's ``trainlab.swept`` tag) -> ``{"a.b": "1", "c": "x"}`` (values have no ``,=``)."""
@@ -108,7 +117,7 @@ def swept_keys(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     """
     keys: list[str] = []
     for r in runs:
-        for k in (r.get("swept") or {}):
+        for k in r.get("swept") or {}:
             if k not in keys:
                 keys.append(k)
     if keys and all(r.get("swept") for r in runs):
@@ -162,6 +171,7 @@ def pick_x(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> str | None
 
 # --- reading MLflow ----------------------------------------------------------------------------
 
+
 def _client(uri: str) -> Any:
     import logging
 
@@ -184,7 +194,9 @@ def experiment_runs(client: Any, experiment: str, filter_string: str = "") -> tu
         names = sorted(e.name for e in client.search_experiments())
         raise ValueError(f"--experiment {experiment!r} not found; available: {', '.join(names) or '(none)'}")
     runs = client.search_runs([exp.experiment_id], filter_string=filter_string, max_results=5000)
-    return exp.experiment_id, [r for r in runs if r.data.tags.get(REPORT_TAG) != "true" and SWEEP_TAG not in r.data.tags]
+    return exp.experiment_id, [
+        r for r in runs if r.data.tags.get(REPORT_TAG) != "true" and SWEEP_TAG not in r.data.tags
+    ]
 
 
 def parent_runs(client: Any, parent_run_id: str, filter_string: str = "") -> tuple[Any, list[Any]]:
@@ -201,28 +213,35 @@ def parent_runs(client: Any, parent_run_id: str, filter_string: str = "") -> tup
         raise ValueError(f"--parent-run {parent_run_id!r} is not a run of this tracking store") from None
     runs = sweep_children(client, parent_run_id)
     if filter_string:
-        keep = {r.info.run_id for r in client.search_runs([parent.info.experiment_id], filter_string=filter_string,
-                                                          max_results=5000)}
+        keep = {
+            r.info.run_id
+            for r in client.search_runs([parent.info.experiment_id], filter_string=filter_string, max_results=5000)
+        }
         runs = [r for r in runs if r.info.run_id in keep]
     return parent, runs
 
 
 def build_rows(client: Any, runs: Sequence[Any], metric_cols: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per run (swept values, status, plugin, layout, the figures) and the swept keys; rows sorted by them."""
-    from framework.base.tracking import SWEPT_TAG
-
     from framework.base.load_monitor import CONTENDED_TAG
+    from framework.base.tracking import SWEPT_TAG
     from framework.driver.repeats import REPEAT_KEY
 
     info = [{"swept": swept_values(r.data.tags.get(SWEPT_TAG, "")), "params": r.data.params} for r in runs]
     keys = [k for k in swept_keys(info) if k != REPEAT_KEY]  # repeats of a configuration are one row (aggregate_rows)
     rows = []
     for r, i in zip(runs, info):
-        row: dict[str, Any] = {"run": r.info.run_id[:8], "run_id": r.info.run_id, "run_name": r.info.run_name,
-                               "status": r.info.status, "plugin": r.data.tags.get("plugin"), "layout": r.data.tags.get("layout"),
-                               "global_batch": r.data.params.get("derived.global_batch_size"),
-                               "repeat": i["swept"].get(REPEAT_KEY, r.data.params.get(REPEAT_KEY, "0")),
-                               "contended": r.data.tags.get(CONTENDED_TAG)}
+        row: dict[str, Any] = {
+            "run": r.info.run_id[:8],
+            "run_id": r.info.run_id,
+            "run_name": r.info.run_name,
+            "status": r.info.status,
+            "plugin": r.data.tags.get("plugin"),
+            "layout": r.data.tags.get("layout"),
+            "global_batch": r.data.params.get("derived.global_batch_size"),
+            "repeat": i["swept"].get(REPEAT_KEY, r.data.params.get(REPEAT_KEY, "0")),
+            "contended": r.data.tags.get(CONTENDED_TAG),
+        }
         for k in keys:
             row[k] = i["swept"].get(k, r.data.params.get(k))
         for col in metric_cols:
@@ -255,13 +274,18 @@ def mfu_peak_note(runs: Sequence[Any]) -> str | None:
     """
     peaks = []
     for r in runs:
-        per_device, devices = r.data.params.get("mfu.peak_flops_per_device"), r.data.params.get("derived.world_size", "1")
+        per_device, devices = (
+            r.data.params.get("mfu.peak_flops_per_device"),
+            r.data.params.get("derived.world_size", "1"),
+        )
         if per_device not in (None, "None"):
             peaks.append(float(per_device) * int(devices))
     peaks.sort()
     if len(peaks) > 1 and peaks[-1] > 1.1 * peaks[0]:
-        return (f"note: MFU denominators differ between these runs: peak FLOP/s of all devices {peaks[0]:.3g} .. {peaks[-1]:.3g}"
-                " (on CPU a GEMM timed per thread count; one timed on a busy machine reads low); compare tokens/s, not MFU")
+        return (
+            f"note: MFU denominators differ between these runs: peak FLOP/s of all devices {peaks[0]:.3g} .. {peaks[-1]:.3g}"
+            " (on CPU a GEMM timed per thread count; one timed on a busy machine reads low); compare tokens/s, not MFU"
+        )
     return None
 
 
@@ -271,8 +295,15 @@ SERIES = {"tokens_per_sec": "perf/tokens_per_sec", "step_time_s": "perf/step_tim
 """The logged window series of each, for the within-run interval of a single run."""
 
 
-def aggregate_rows(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[str], metric_cols: Sequence[str],
-                   *, rank_by: str = "tokens_per_sec", maximize: bool = True) -> list[dict[str, Any]]:
+def aggregate_rows(
+    client: Any,
+    rows: Sequence[Mapping[str, Any]],
+    keys: Sequence[str],
+    metric_cols: Sequence[str],
+    *,
+    rank_by: str = "tokens_per_sec",
+    maximize: bool = True,
+) -> list[dict[str, Any]]:
     """One row per configuration (the runs with the same swept values: a sweep's repeats).
 
     A configuration row holds its swept values, ``n`` (runs with the figure), ``status`` (``FINISHED``,
@@ -293,12 +324,17 @@ def aggregate_rows(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequenc
     for key, runs in groups.items():
         runs = sorted(runs, key=lambda r: natural_key(r.get("repeat")))
         finished = sum(r.get("status") == "FINISHED" for r in runs)
-        row: dict[str, Any] = {**{k: v for k, v in zip(keys, key)}, "n": len(runs),
-                               "status": "FINISHED" if finished == len(runs) else f"{finished}/{len(runs)} FINISHED",
-                               "plugin": runs[0].get("plugin"), "layout": runs[0].get("layout"),
-                               "global_batch": runs[0].get("global_batch"),
-                               "run_id": ";".join(r["run_id"] for r in runs), "run_name": runs[0].get("run_name"),
-                               "run": runs[0].get("run")}
+        row: dict[str, Any] = {
+            **{k: v for k, v in zip(keys, key)},
+            "n": len(runs),
+            "status": "FINISHED" if finished == len(runs) else f"{finished}/{len(runs)} FINISHED",
+            "plugin": runs[0].get("plugin"),
+            "layout": runs[0].get("layout"),
+            "global_batch": runs[0].get("global_batch"),
+            "run_id": ";".join(r["run_id"] for r in runs),
+            "run_name": runs[0].get("run_name"),
+            "run": runs[0].get("run"),
+        }
         contended = sum(str(r.get("contended")).lower() == "true" for r in runs)
         row["contended"] = f"{contended}/{len(runs)}" if contended else ""
         extra = sorted({c for r in runs for c in r if c.startswith("comm:")})
@@ -315,8 +351,11 @@ def aggregate_rows(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequenc
                 row[f"{col}_n"] = stat.n if stat else 0
                 if col == rank_by:
                     row["cv"] = stat.cv if stat else None
-                    row[f"{col}_ci"] = (f"[{stat.lo:,.0f}, {stat.hi:,.0f}]" + ("" if stat.method == "bootstrap" else " within-run")
-                                        if stat and stat.lo is not None else None)
+                    row[f"{col}_ci"] = (
+                        f"[{stat.lo:,.0f}, {stat.hi:,.0f}]" + ("" if stat.method == "bootstrap" else " within-run")
+                        if stat and stat.lo is not None
+                        else None
+                    )
         row["_samples"] = [float(r[rank_by]) for r in runs if r.get(rank_by) is not None]
         out.append(row)
     verdict = verdicts({_label(r, keys): r["_samples"] for r in out if r["_samples"]}, maximize=maximize)
@@ -337,9 +376,11 @@ def contention_note(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> s
     hit = [r for r in rows if r.get("contended")]
     if not hit:
         return None
-    return ("warning: measured under contention (tag contended=true, load/* metrics; docs/metrics.md): "
-            + ", ".join(f"{_label(r, keys)} ({r['contended']} runs)" for r in hit)
-            + "; their throughput is not this machine's: re-run them on an idle machine, or with repeats")
+    return (
+        "warning: measured under contention (tag contended=true, load/* metrics; docs/metrics.md): "
+        + ", ".join(f"{_label(r, keys)} ({r['contended']} runs)" for r in hit)
+        + "; their throughput is not this machine's: re-run them on an idle machine, or with repeats"
+    )
 
 
 def table_columns(keys: Sequence[str], metric_cols: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[Column]:
@@ -371,16 +412,24 @@ def render_table(rows: Sequence[Mapping[str, Any]], cols: Sequence[Column]) -> s
 
 # --- plots ---------------------------------------------------------------------------------------
 
-def _series(rows: Sequence[Mapping[str, Any]], x: str | None, hue: str | None) -> tuple[list[str], dict[str, list[Mapping[str, Any]]]]:
+
+def _series(
+    rows: Sequence[Mapping[str, Any]], x: str | None, hue: str | None
+) -> tuple[list[str], dict[str, list[Mapping[str, Any]]]]:
     """x tick values (sorted) and, per value of ``hue`` (or one series ``""``), its rows in x order."""
     xs = sorted({str(r.get(x)) for r in rows}, key=natural_key) if x else [row_label(r, []) for r in rows]
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for r in rows:
         groups.setdefault(str(r.get(hue)) if hue else "", []).append(r)
-    return xs, {h: sorted(g, key=lambda r: natural_key(r.get(x))) for h, g in sorted(groups.items(), key=lambda kv: natural_key(kv[0]))}
+    return xs, {
+        h: sorted(g, key=lambda r: natural_key(r.get(x)))
+        for h, g in sorted(groups.items(), key=lambda kv: natural_key(kv[0]))
+    }
 
 
-def _line_panel(ax: Any, rows: Sequence[Mapping[str, Any]], x: str, hue: str | None, col: str, title: str, ylabel: str) -> bool:
+def _line_panel(
+    ax: Any, rows: Sequence[Mapping[str, Any]], x: str, hue: str | None, col: str, title: str, ylabel: str
+) -> bool:
     """``col`` against ``x``, one series per ``hue`` value, the 95% interval as error bars where a row
     has one (``<col>_lo``/``<col>_hi``, :func:`aggregate_rows`): lines over a numeric ``x``, grouped
     bars over categories; the y axis starts at 0 (a cropped axis makes noise look like a finding).
@@ -392,14 +441,18 @@ def _line_panel(ax: Any, rows: Sequence[Mapping[str, Any]], x: str, hue: str | N
     drawn = False
     short = short_names([k for k in (x, hue) if k])
     for i, (h, g) in enumerate(groups.items()):
-        pts = [(pos[str(r.get(x))], r[col], r.get(f"{col}_lo"), r.get(f"{col}_hi")) for r in g if r.get(col) is not None]
+        pts = [
+            (pos[str(r.get(x))], r[col], r.get(f"{col}_lo"), r.get(f"{col}_hi")) for r in g if r.get(col) is not None
+        ]
         if not pts:
             continue
         p, v = [q for q, *_ in pts], [y for _, y, *_ in pts]
         err = None
         if any(lo is not None for *_, lo, _ in pts):
-            err = [[max(0.0, y - lo) if lo is not None else 0.0 for _, y, lo, _ in pts],
-                   [max(0.0, hi - y) if hi is not None else 0.0 for _, y, _, hi in pts]]
+            err = [
+                [max(0.0, y - lo) if lo is not None else 0.0 for _, y, lo, _ in pts],
+                [max(0.0, hi - y) if hi is not None else 0.0 for _, y, _, hi in pts],
+            ]
         label = f"{short[hue]}={h}" if hue else None
         if numeric:
             ax.errorbar(p, v, yerr=err, marker="o", capsize=3, label=label)
@@ -418,8 +471,9 @@ def _line_panel(ax: Any, rows: Sequence[Mapping[str, Any]], x: str, hue: str | N
     return drawn
 
 
-def write_plots(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[str], x: str | None,
-                out: Path) -> list[tuple[Path, Any]]:
+def write_plots(
+    client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[str], x: str | None, out: Path
+) -> list[tuple[Path, Any]]:
     """The report's PNGs in ``out``; returns ``(path, figure)`` pairs (figures closed by the caller)."""
     import matplotlib
 
@@ -440,9 +494,16 @@ def write_plots(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[s
         fig.tight_layout()
         figs.append((out / name, fig))
 
-    panels("throughput.png", [("tokens_per_sec", "tokens/s (whole job, timed steps)", "tokens/s"), ("mfu", "MFU", "MFU")])
-    panels("memory.png", [("peak_mem_GiB", "peak memory (max over ranks)", "GiB"),
-                          ("model_states_GiB", "model states (params+grads+optimizer)", "GiB")])
+    panels(
+        "throughput.png", [("tokens_per_sec", "tokens/s (whole job, timed steps)", "tokens/s"), ("mfu", "MFU", "MFU")]
+    )
+    panels(
+        "memory.png",
+        [
+            ("peak_mem_GiB", "peak memory (max over ranks)", "GiB"),
+            ("model_states_GiB", "model states (params+grads+optimizer)", "GiB"),
+        ],
+    )
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 3), 4))
     bottom = [0.0] * len(rows)
@@ -466,8 +527,15 @@ def write_plots(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[s
             for j, (suffix, hatch) in enumerate((("", None), ("_model", "//"))):
                 vals = [r.get(f"comm:{kind}{suffix}") or 0.0 for r in rows]
                 off = (2 * i + j) * width - 0.4 + width / 2
-                ax.bar([p + off for p in range(len(rows))], vals, width, hatch=hatch, alpha=0.6 if suffix else 1.0,
-                       color=f"C{i}", label=f"{kind} ({'model' if suffix else 'measured'})")
+                ax.bar(
+                    [p + off for p in range(len(rows))],
+                    vals,
+                    width,
+                    hatch=hatch,
+                    alpha=0.6 if suffix else 1.0,
+                    color=f"C{i}",
+                    label=f"{kind} ({'model' if suffix else 'measured'})",
+                )
         ax.set_xticks(range(len(rows)), labels, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("bytes per optimizer step (payload)")
         ax.set_title("Communication by kind: measured vs cost model")
@@ -498,8 +566,13 @@ def write_plots(client: Any, rows: Sequence[Mapping[str, Any]], keys: Sequence[s
     return figs
 
 
-def write_tables(rows: Sequence[Mapping[str, Any]], cols: Sequence[Column], table: str, out: Path,
-                 run_rows: Sequence[Mapping[str, Any]] | None = None) -> list[Path]:
+def write_tables(
+    rows: Sequence[Mapping[str, Any]],
+    cols: Sequence[Column],
+    table: str,
+    out: Path,
+    run_rows: Sequence[Mapping[str, Any]] | None = None,
+) -> list[Path]:
     """``compare.csv`` (one row per configuration, raw values: the table's columns, the intervals,
     communication by kind, run ids and name), ``compare.md`` and, given ``run_rows``,
     ``compare_runs.csv`` (one row per run, with its repeat index)."""
@@ -515,7 +588,12 @@ def write_tables(rows: Sequence[Mapping[str, Any]], cols: Sequence[Column], tabl
     if run_rows is not None:
         runs_path = out / "compare_runs.csv"
         names = [c[0] for c in cols if c[0] not in ("n", "verdict", "tokens_per_sec_ci", "cv")]
-        fields = names + ["repeat"] + sorted({k for r in run_rows for k in r if k.startswith("comm:")}) + ["run_id", "run_name"]
+        fields = (
+            names
+            + ["repeat"]
+            + sorted({k for r in run_rows for k in r if k.startswith("comm:")})
+            + ["run_id", "run_name"]
+        )
         with open(runs_path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
@@ -524,8 +602,14 @@ def write_tables(rows: Sequence[Mapping[str, Any]], cols: Sequence[Column], tabl
     return paths
 
 
-def log_to_run(client: Any, run_id: str, paths: Iterable[Path], figs: Sequence[tuple[Path, Any]],
-               rows: Sequence[Mapping[str, Any]], cols: Sequence[Column]) -> None:
+def log_to_run(
+    client: Any,
+    run_id: str,
+    paths: Iterable[Path],
+    figs: Sequence[tuple[Path, Any]],
+    rows: Sequence[Mapping[str, Any]],
+    cols: Sequence[Column],
+) -> None:
     """The report on ``run_id``: ``log_table`` (``compare.json``), ``log_figure`` per plot (``compare/<name>``) and the files.
     A report logged again (a sweep run again) replaces ``compare.json``; MLflow's ``log_table`` would append its rows."""
     data = {c[2]: [r.get(c[0]) for r in rows] for c in cols}
@@ -547,26 +631,47 @@ def log_to_run(client: Any, run_id: str, paths: Iterable[Path], figs: Sequence[t
 def report_run(client: Any, experiment_id: str) -> str:
     """The experiment's report run (created once, tag ``trainlab.report=true``); returns its id."""
     found = client.search_runs([experiment_id], filter_string=f"tags.`{REPORT_TAG}` = 'true'", max_results=1)
-    return found[0].info.run_id if found else client.create_run(
-        experiment_id, run_name=REPORT_RUN_NAME, tags={REPORT_TAG: "true"}).info.run_id
+    return (
+        found[0].info.run_id
+        if found
+        else client.create_run(experiment_id, run_name=REPORT_RUN_NAME, tags={REPORT_TAG: "true"}).info.run_id
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (2 for a bad argument, e.g. an unknown experiment)."""
     parser = argparse.ArgumentParser(prog="python -m framework.compare", description=__doc__.splitlines()[0])
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--experiment", help="MLflow experiment name (trainlab's experiment_name): all its training runs")
+    which.add_argument(
+        "--experiment", help="MLflow experiment name (trainlab's experiment_name): all its training runs"
+    )
     which.add_argument("--parent-run", help="a sweep's parent MLflow run id: its child runs")
-    parser.add_argument("--x", default=None, help="swept key on the plots' x axis, whole or its column name (default: the first numeric swept key)")
-    parser.add_argument("--metrics", default=None,
-                        help=f"comma-separated table columns (default: all; names: {', '.join(DEFAULT_METRICS)}; or MLflow metric keys)")
-    parser.add_argument("--filter", default="", help="MLflow search filter on the runs, e.g. \"params.`parallelism.name` = 'ddp'\"")
-    parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db)")
+    parser.add_argument(
+        "--x",
+        default=None,
+        help="swept key on the plots' x axis, whole or its column name (default: the first numeric swept key)",
+    )
+    parser.add_argument(
+        "--metrics",
+        default=None,
+        help=f"comma-separated table columns (default: all; names: {', '.join(DEFAULT_METRICS)}; or MLflow metric keys)",
+    )
+    parser.add_argument(
+        "--filter", default="", help="MLflow search filter on the runs, e.g. \"params.`parallelism.name` = 'ddp'\""
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db)",
+    )
     parser.add_argument("--out", default=None, help="output folder (default: reports/<experiment>[/<sweep>])")
     parser.add_argument("--no-log", action="store_true", help="do not log the outputs to MLflow")
     parser.add_argument("--quiet", action="store_true", help="print only the table")
-    parser.add_argument("--rank-by", default="tokens_per_sec",
-                        help=f"the figure the verdicts rank ({', '.join(STAT_COLS)}; step_time_s: lower is better)")
+    parser.add_argument(
+        "--rank-by",
+        default="tokens_per_sec",
+        help=f"the figure the verdicts rank ({', '.join(STAT_COLS)}; step_time_s: lower is better)",
+    )
     args = parser.parse_args(argv)
 
     def bad(msg: str) -> int:
@@ -589,14 +694,17 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # e.g. a malformed --filter
         return bad(f"--filter {args.filter!r}: {str(err).splitlines()[0]}")
     if not runs:
-        return bad(f"no training runs in {'sweep ' + args.parent_run if args.parent_run else 'experiment ' + repr(experiment)}"
-                   + (f" match --filter {args.filter!r}" if args.filter else ""))
+        return bad(
+            f"no training runs in {'sweep ' + args.parent_run if args.parent_run else 'experiment ' + repr(experiment)}"
+            + (f" match --filter {args.filter!r}" if args.filter else "")
+        )
     metric_cols = [m.strip() for m in args.metrics.split(",")] if args.metrics else DEFAULT_METRICS
     run_rows, keys = build_rows(client, runs, metric_cols)
     if args.rank_by not in STAT_COLS:
         return bad(f"--rank-by {args.rank_by!r}: allowed {', '.join(STAT_COLS)}")
-    rows = aggregate_rows(client, run_rows, keys, metric_cols, rank_by=args.rank_by,
-                          maximize=args.rank_by != "step_time_s")
+    rows = aggregate_rows(
+        client, run_rows, keys, metric_cols, rank_by=args.rank_by, maximize=args.rank_by != "step_time_s"
+    )
     by_short = {v: k for k, v in short_names(keys).items()}
     if args.x is not None and args.x not in keys and args.x not in by_short:
         return bad(f"--x {args.x!r} is not a swept key of these runs; swept keys: {', '.join(keys) or '(none)'}")
@@ -607,8 +715,10 @@ def main(argv: list[str] | None = None) -> int:
         if note:
             table += "\n" + note
     if any(r["n"] > 1 for r in rows):
-        table += ("\nmedians over each configuration's runs; 95% CI: bootstrap over repeats (within-run: batch means"
-                  " over logged windows); verdicts: ratio of medians against the best, bootstrap (docs/sweeps.md)")
+        table += (
+            "\nmedians over each configuration's runs; 95% CI: bootstrap over repeats (within-run: batch means"
+            " over logged windows); verdicts: ratio of medians against the best, bootstrap (docs/sweeps.md)"
+        )
     print(table)
     out = Path(args.out) if args.out else default_out
     out.mkdir(parents=True, exist_ok=True)

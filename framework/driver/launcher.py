@@ -24,8 +24,16 @@ from typing import Any
 
 from framework.base.launch import LaunchSpec
 
-PRELOAD_MODULES = ["torch", "pytorch_lightning", "framework.rank.worker", "framework.rank.module", "framework.rank.data",
-                   "framework.rank.callbacks.goodput", "framework.rank.faults.guard", "framework.rank.checkpoint.policy"]
+PRELOAD_MODULES = [
+    "torch",
+    "pytorch_lightning",
+    "framework.rank.worker",
+    "framework.rank.module",
+    "framework.rank.data",
+    "framework.rank.callbacks.goodput",
+    "framework.rank.faults.guard",
+    "framework.rank.checkpoint.policy",
+]
 """What the forkserver imports once when ``trainer.preload_ranks`` is on (:func:`start_rank_server`)."""
 
 
@@ -150,22 +158,37 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     nodes = launch.nodes
     if nodes is None:  # one node: an elastic c10d rendezvous of this driver's ranks on a free local port
-        rdzv = dict(min_nodes=1, max_nodes=1, run_id=uuid.uuid4().hex[:12], rdzv_backend="c10d",
-                    rdzv_endpoint=f"127.0.0.1:{_free_port()}")
+        rdzv = dict(
+            min_nodes=1,
+            max_nodes=1,
+            run_id=uuid.uuid4().hex[:12],
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        )
     else:  # node ranks as configured: the static rendezvous, hosted by node 0's agent (framework/driver/nodes.py)
-        rdzv = dict(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, run_id=nodes.rdzv_id, rdzv_backend="static",
-                    rdzv_endpoint=nodes.endpoint, rdzv_configs={"rank": nodes.node_rank, "timeout": nodes.timeout_s})
+        rdzv = dict(
+            min_nodes=nodes.nnodes,
+            max_nodes=nodes.nnodes,
+            run_id=nodes.rdzv_id,
+            rdzv_backend="static",
+            rdzv_endpoint=nodes.endpoint,
+            rdzv_configs={"rank": nodes.node_rank, "timeout": nodes.timeout_s},
+        )
         # (the ranks' process group meets in the agent's store at the endpoint: MASTER_ADDR/PORT = the endpoint)
     # Options of newer torch releases (signals_to_handle, shutdown_timeout: torch >= 2.12) are left out where
     # this torch's LaunchConfig lacks them (e.g. a GPU image's torch 2.11): the agent then keeps its defaults.
     known = {f.name for f in dataclasses.fields(LaunchConfig)}
-    newer = {k: v for k, v in dict(
-        # The agent forwards these to the ranks (SIGUSR1/SIGUSR2 too: Slurm's --signal warning, as usually
-        # asked / as submitit asks it: framework.base.faults.preemption.PREEMPT_SIGNALS), then waits
-        # stop_grace_s for them to finish the step and save (framework.rank.callbacks.preemption) before SIGKILL.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
-        shutdown_timeout=run.trainer.stop_grace_s,
-    ).items() if k in known}
+    newer = {
+        k: v
+        for k, v in dict(
+            # The agent forwards these to the ranks (SIGUSR1/SIGUSR2 too: Slurm's --signal warning, as usually
+            # asked / as submitit asks it: framework.base.faults.preemption.PREEMPT_SIGNALS), then waits
+            # stop_grace_s for them to finish the step and save (framework.rank.callbacks.preemption) before SIGKILL.
+            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+            shutdown_timeout=run.trainer.stop_grace_s,
+        ).items()
+        if k in known
+    }
     config = LaunchConfig(
         nproc_per_node=nproc,
         **rdzv,

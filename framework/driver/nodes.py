@@ -29,8 +29,8 @@ import os
 import re
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Optional
 
 from framework.base.config.schema import ConfigError
 from framework.base.launch import NodeSpec
@@ -46,7 +46,7 @@ SLURM_PORT = 29500
 """The rendezvous port under Slurm when ``rendezvous.endpoint`` is null (torchrun's default port)."""
 
 
-def resolve_nodes(run, env: Mapping[str, str] = os.environ) -> Optional[NodeSpec]:
+def resolve_nodes(run, env: Mapping[str, str] = os.environ) -> NodeSpec | None:
     """This driver's :class:`NodeSpec` from ``run.rendezvous`` (null values from Slurm's ``env``); None on one node.
 
     Raises:
@@ -62,28 +62,42 @@ def resolve_nodes(run, env: Mapping[str, str] = os.environ) -> Optional[NodeSpec
     if endpoint is None and slurm and env.get("SLURM_LAUNCH_NODE_IPADDR"):
         endpoint = f"{env['SLURM_LAUNCH_NODE_IPADDR']}:{SLURM_PORT}"
     if endpoint is None:
-        errors.append(f"rendezvous.endpoint is required with parallelism.nnodes={par.nnodes}: node 0's host:port, the"
-                      " same on every node (e.g. node0.cluster:29500; under Slurm it comes from SLURM_LAUNCH_NODE_IPADDR)")
+        errors.append(
+            f"rendezvous.endpoint is required with parallelism.nnodes={par.nnodes}: node 0's host:port, the"
+            " same on every node (e.g. node0.cluster:29500; under Slurm it comes from SLURM_LAUNCH_NODE_IPADDR)"
+        )
     node_rank = rdzv.node_rank if rdzv.node_rank is not None else int(env.get("SLURM_NODEID", "0"))
     if not 0 <= node_rank < par.nnodes:
-        errors.append(f"rendezvous.node_rank={node_rank} is not a node of parallelism.nnodes={par.nnodes}"
-                      f" (allowed: 0..{par.nnodes - 1})")
+        errors.append(
+            f"rendezvous.node_rank={node_rank} is not a node of parallelism.nnodes={par.nnodes}"
+            f" (allowed: 0..{par.nnodes - 1})"
+        )
     from framework.base.faults.schedule import faults_enabled
 
-    if faults_enabled(run) and (run.resilience.policy not in NODE_POLICIES or run.fault.events or run.fault.mtbf_steps > 0
-                                or run.resilience.skip_steps):
-        errors.append(f"fault={run.fault.name} / resilience={run.resilience.policy}: fault injection and the in-process"
-                      f" policies run on one node only yet (parallelism.nnodes={par.nnodes}; allowed: fault=none"
-                      f" resilience={'|'.join(('none', *NODE_POLICIES))})")
+    if faults_enabled(run) and (
+        run.resilience.policy not in NODE_POLICIES
+        or run.fault.events
+        or run.fault.mtbf_steps > 0
+        or run.resilience.skip_steps
+    ):
+        errors.append(
+            f"fault={run.fault.name} / resilience={run.resilience.policy}: fault injection and the in-process"
+            f" policies run on one node only yet (parallelism.nnodes={par.nnodes}; allowed: fault=none"
+            f" resilience={'|'.join(('none', *NODE_POLICIES))})"
+        )
     if run.trainer.max_restarts:
-        errors.append(f"trainer.max_restarts={run.trainer.max_restarts}: the elastic agent cannot restart ranks across"
-                      f" nodes with the static rendezvous (allowed with parallelism.nnodes={par.nnodes}: 0; use"
-                      " resilience=restart, whose restarts the drivers make)")
+        errors.append(
+            f"trainer.max_restarts={run.trainer.max_restarts}: the elastic agent cannot restart ranks across"
+            f" nodes with the static rendezvous (allowed with parallelism.nnodes={par.nnodes}: 0; use"
+            " resilience=restart, whose restarts the drivers make)"
+        )
     if errors:
         raise ConfigError("; ".join(errors))
     # the agent names its log folder after the id: path-safe characters only
     rdzv_id = re.sub(r"[^\w.-]", "_", rdzv.id or env.get("SLURM_JOB_ID") or f"{run.experiment_name}.{run.run_name}")
-    return NodeSpec(nnodes=par.nnodes, node_rank=node_rank, endpoint=endpoint, rdzv_id=rdzv_id, timeout_s=rdzv.timeout_s)
+    return NodeSpec(
+        nnodes=par.nnodes, node_rank=node_rank, endpoint=endpoint, rdzv_id=rdzv_id, timeout_s=rdzv.timeout_s
+    )
 
 
 def node_dir(checkpoint_dir: str | Path, node_rank: int) -> Path:
@@ -91,7 +105,7 @@ def node_dir(checkpoint_dir: str | Path, node_rank: int) -> Path:
     return Path(checkpoint_dir) / "nodes" / f"node{node_rank}"
 
 
-def hydra_run_dir(experiment_name: str, run_name: str, checkpoint_dir: Optional[str], node_rank: Optional[int]) -> str:
+def hydra_run_dir(experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None) -> str:
     """The Hydra output folder of this node's driver: ``outputs/<experiment>/<run>`` on node 0 (and on
     one node), :func:`node_dir` on the others (the ``tl_run_dir`` resolver of ``conf/config.yaml``)."""
     rank = node_rank if node_rank is not None else int(os.environ.get("SLURM_NODEID", "0"))
@@ -100,7 +114,7 @@ def hydra_run_dir(experiment_name: str, run_name: str, checkpoint_dir: Optional[
     return str(node_dir(checkpoint_dir or f"checkpoints/{experiment_name}/{run_name}", rank))
 
 
-def hydra_sweep_subdir(experiment_name: str, run_name: str, checkpoint_dir: Optional[str], node_rank: Optional[int]) -> str:
+def hydra_sweep_subdir(experiment_name: str, run_name: str, checkpoint_dir: str | None, node_rank: int | None) -> str:
     """A sweep job's Hydra sub-folder (under ``hydra.sweep.dir`` = ``outputs/<experiment>``): the run name on
     node 0, and on the other nodes :func:`hydra_run_dir`'s folder as an absolute path (which replaces the sweep
     folder), so that a multi-node job of a sweep (e.g. ``-m hydra/launcher=submitit_slurm parallelism.nnodes=2``)
@@ -124,8 +138,10 @@ def check_endpoint(nodes: NodeSpec) -> None:
                 return
         except OSError as err:
             why = (err.strerror or str(err)).split(" (while attempting")[0]  # create_server appends the address again
-            raise ConfigError(f"rendezvous.endpoint={nodes.endpoint}: node 0 cannot listen there ({why}); it must"
-                              " be an address of node 0 and a free port") from None
+            raise ConfigError(
+                f"rendezvous.endpoint={nodes.endpoint}: node 0 cannot listen there ({why}); it must"
+                " be an address of node 0 and a free port"
+            ) from None
     deadline = time.monotonic() + nodes.timeout_s
     while True:
         try:
@@ -133,9 +149,11 @@ def check_endpoint(nodes: NodeSpec) -> None:
                 return
         except OSError as err:
             if time.monotonic() > deadline:
-                raise ConfigError(f"rendezvous.endpoint={nodes.endpoint} cannot be reached from node {nodes.node_rank}"
-                                  f" within rendezvous.timeout_s={nodes.timeout_s} s ({err.strerror or err}); start node 0"
-                                  " with the same command, or check the host and port") from None
+                raise ConfigError(
+                    f"rendezvous.endpoint={nodes.endpoint} cannot be reached from node {nodes.node_rank}"
+                    f" within rendezvous.timeout_s={nodes.timeout_s} s ({err.strerror or err}); start node 0"
+                    " with the same command, or check the host and port"
+                ) from None
             time.sleep(0.5)
 
 
@@ -163,6 +181,8 @@ def wait_for_shared_folder(checkpoint_dir: str | Path, nodes: NodeSpec) -> None:
         except (OSError, ValueError):
             pass
         time.sleep(0.5)
-    raise ConfigError(f"checkpoint folder {checkpoint_dir} is not shared: node {nodes.node_rank} does not see node 0's"
-                      f" marker {MARKER} (rendezvous id {nodes.rdzv_id!r}) within {nodes.timeout_s} s; every node must see"
-                      " the same folder (set checkpoint.dir to a shared filesystem path)")
+    raise ConfigError(
+        f"checkpoint folder {checkpoint_dir} is not shared: node {nodes.node_rank} does not see node 0's"
+        f" marker {MARKER} (rendezvous id {nodes.rdzv_id!r}) within {nodes.timeout_s} s; every node must see"
+        " the same folder (set checkpoint.dir to a shared filesystem path)"
+    )

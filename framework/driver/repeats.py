@@ -20,7 +20,8 @@ repeats done resume as finished; the new ones run).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 REPEAT_KEY = "sweep.repeat"
 CONFIG_TAG = "trainlab.config"
@@ -52,8 +53,10 @@ def install(config: Any) -> int:
         return 1
     target = str(OmegaConf.select(config, "hydra.sweeper._target_", default=""))
     if not target.endswith("BasicSweeper"):
-        raise ConfigError(f"sweep.repeats={n} needs Hydra's basic sweeper (a grid), not {target or 'this sweeper'};"
-                          " an Optuna search repeats nothing (allowed: sweep.repeats=1 there)")
+        raise ConfigError(
+            f"sweep.repeats={n} needs Hydra's basic sweeper (a grid), not {target or 'this sweeper'};"
+            " an Optuna search repeats nothing (allowed: sweep.repeats=1 there)"
+        )
     if any(str(o).lstrip("+~").startswith(REPEAT_KEY + "=") for o in config.hydra.overrides.task):
         raise ConfigError(f"{REPEAT_KEY} is set by sweep.repeats={n}; leave {REPEAT_KEY} off the command line")
     params = config.hydra.sweeper.get("params")
@@ -96,6 +99,7 @@ def hydra_job_num() -> int | None:
 
 # --- the sweep's summary ----------------------------------------------------------------------
 
+
 def summary_table(outcomes: Sequence[Any], objective: str, *, maximize: bool = True) -> tuple[str, str | None, str]:
     """Per configuration of a sweep's :class:`framework.driver.sweep.JobOutcome` list: repeats, median
     objective, 95% interval, CV, verdict against the best (:func:`framework.base.stats.verdicts`).
@@ -124,16 +128,41 @@ def summary_table(outcomes: Sequence[Any], objective: str, *, maximize: bool = T
     rows = []
     for label, vals in groups.items():
         s = summarize(vals)
-        rows.append({"configuration": label, "n": len(vals), "failed": failed[label],
-                     "median": s.center if s else None, "ci": f"[{s.lo:,.1f}, {s.hi:,.1f}]" if s and s.lo is not None else "n/a",
-                     "cv_pct": 100 * s.cv if s and s.cv is not None else None,
-                     "verdict": str(verdict[label]) if label in verdict else "no objective"})
-    cols = [("configuration", "", "", "s"), ("verdict", "", "", "s"), ("n", "", "", "d"), ("failed", "", "", "d"),
-            (f"median {objective}", "", "", ",.1f"), ("95% CI (bootstrap)", "", "", "s"), ("CV %", "", "", ".1f")]
-    data = [{"configuration": r["configuration"], "verdict": r["verdict"], "n": r["n"], "failed": r["failed"],
-             f"median {objective}": r["median"], "95% CI (bootstrap)": r["ci"], "CV %": r["cv_pct"]} for r in rows]
+        rows.append(
+            {
+                "configuration": label,
+                "n": len(vals),
+                "failed": failed[label],
+                "median": s.center if s else None,
+                "ci": f"[{s.lo:,.1f}, {s.hi:,.1f}]" if s and s.lo is not None else "n/a",
+                "cv_pct": 100 * s.cv if s and s.cv is not None else None,
+                "verdict": str(verdict[label]) if label in verdict else "no objective",
+            }
+        )
+    cols = [
+        ("configuration", "", "", "s"),
+        ("verdict", "", "", "s"),
+        ("n", "", "", "d"),
+        ("failed", "", "", "d"),
+        (f"median {objective}", "", "", ",.1f"),
+        ("95% CI (bootstrap)", "", "", "s"),
+        ("CV %", "", "", ".1f"),
+    ]
+    data = [
+        {
+            "configuration": r["configuration"],
+            "verdict": r["verdict"],
+            "n": r["n"],
+            "failed": r["failed"],
+            f"median {objective}": r["median"],
+            "95% CI (bootstrap)": r["ci"],
+            "CV %": r["cv_pct"],
+        }
+        for r in rows
+    ]
     table = "sweep: per configuration (median of repeats; verdicts against the best, docs/sweeps.md)\n" + format_table(
-        data, cols, text_columns=2)
+        data, cols, text_columns=2
+    )
     best = next((k for k, v in verdict.items() if v.kind == "best"), None)
     if best is None:
         return table, None, "No configuration scored."
@@ -144,8 +173,9 @@ def summary_table(outcomes: Sequence[Any], objective: str, *, maximize: bool = T
         line = f"trainlab: best configuration {best}: median {objective} = {med:,.1f} (n={n}); {v.note}"
         note = f"Best ({objective}, median of {n}): {best} = {med:,.1f}, {v.note}."
     elif v.margin == "indistinguishable":
-        line = (f"trainlab: no established best: {best} has the highest median {objective} = {med:,.1f} (n={n}),"
-                f" {v.note}")
+        line = (
+            f"trainlab: no established best: {best} has the highest median {objective} = {med:,.1f} (n={n}), {v.note}"
+        )
         note = f"No established best by {objective}: {best} leads ({med:,.1f}, median of {n}) but is {v.note}."
     else:  # too few repeats (or a single configuration)
         why = f" (not ranked: {v.note})" if v.note else ""
@@ -155,7 +185,11 @@ def summary_table(outcomes: Sequence[Any], objective: str, *, maximize: bool = T
     line += f" (overrides: {' '.join(x for x in overrides if not x.startswith(REPEAT_KEY + '='))})"
     slower = [k for k, x in verdict.items() if x.kind == words[1]]
     if slower and n >= 2:
-        note += f" {words[1].capitalize()} than it, beyond the noise: " + "; ".join(f"{k} ({verdict[k]})" for k in slower) + "."
+        note += (
+            f" {words[1].capitalize()} than it, beyond the noise: "
+            + "; ".join(f"{k} ({verdict[k]})" for k in slower)
+            + "."
+        )
     return table, line, note
 
 

@@ -19,8 +19,9 @@ A figure a run did not log is left out of both (never logged as 0).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from math import floor, log10
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 GIB = 1024**3
 

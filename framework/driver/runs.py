@@ -16,8 +16,9 @@ import contextlib
 import dataclasses
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 _VALIDATED: list[tuple[Any, Any]] = []
 """(run with ``run_name`` and ``checkpoint.dir`` blanked, its :class:`~framework.base.resolved.ResolvedRun`)
@@ -44,8 +45,8 @@ def resolve_run(cfg: Any) -> Any:
         ConfigError: any bad value, one line.
     """
     from framework.base.load import load_run_config
-    from framework.driver.validate import checkpoint_dir_of, validate
     from framework.driver.faults.elastic import check_first_shrink
+    from framework.driver.validate import checkpoint_dir_of, validate
 
     run = load_run_config(cfg)
     key = _identity_free(run)
@@ -79,8 +80,10 @@ def hold_lock(folder: Path, what: str) -> Any:
         f.seek(0)
         pid = f.read().strip() or "?"
         f.close()
-        fail(f"another trainlab process (pid {pid}) is running in {folder} (the same {what}); wait for it to end"
-             + (", or set another run_name" if what == "run" else ""))
+        fail(
+            f"another trainlab process (pid {pid}) is running in {folder} (the same {what}); wait for it to end"
+            + (", or set another run_name" if what == "run" else "")
+        )
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))

@@ -31,7 +31,7 @@ import functools
 import logging
 import math
 from pathlib import Path
-from typing import Any, List
+from typing import Any
 
 import optuna
 from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl, create_params_from_overrides
@@ -107,7 +107,7 @@ class OptunaSearch(OptunaSweeperImpl):
     """The library's Optuna sweeper with trainlab's ask/launch/tell loop (see the module docstring);
     same arguments (``hydra.sweeper.*``)."""
 
-    def sweep(self, arguments: List[str]) -> None:
+    def sweep(self, arguments: list[str]) -> None:
         from framework.driver.sweep import SEARCH
 
         self._process_searchspace_config()
@@ -121,8 +121,13 @@ class OptunaSearch(OptunaSweeperImpl):
         for name in fixed:
             space.pop(name, None)
         directions = self._get_directions()
-        study = optuna.create_study(study_name=self.study_name, storage=study_storage(self.storage), sampler=self.sampler,
-                                    directions=directions, load_if_exists=True)
+        study = optuna.create_study(
+            study_name=self.study_name,
+            storage=study_storage(self.storage),
+            sampler=self.sampler,
+            directions=directions,
+            load_if_exists=True,
+        )
         budget = math.floor(self.max_failure_rate * self.n_trials + 1e-9)
         SEARCH.update(trials=0, complete=0, failed=0, budget=budget, study=study.study_name)
         while SEARCH["trials"] < self.n_trials and SEARCH["failed"] <= budget:
@@ -151,29 +156,41 @@ class OptunaSearch(OptunaSweeperImpl):
             if "Study.stop" not in str(err):
                 raise
 
-    def _conclude(self, study: Any, directions: List[str]) -> None:
+    def _conclude(self, study: Any, directions: list[str]) -> None:
         """The search's verdict in :data:`framework.driver.sweep.SEARCH`, one summary line, and
         ``optimization_results.yaml`` when it completed within its failure budget."""
         from framework.driver.sweep import SEARCH
 
         done, failed, budget = SEARCH["trials"], SEARCH["failed"], SEARCH["budget"]
-        line = (f"trainlab: search {study.study_name!r}: {done} trial(s), {SEARCH['complete']} COMPLETE, {failed} FAIL"
-                f" (max_failure_rate {self.max_failure_rate:g} of n_trials {self.n_trials}: up to {budget} may FAIL)")
+        line = (
+            f"trainlab: search {study.study_name!r}: {done} trial(s), {SEARCH['complete']} COMPLETE, {failed} FAIL"
+            f" (max_failure_rate {self.max_failure_rate:g} of n_trials {self.n_trials}: up to {budget} may FAIL)"
+        )
         if failed > budget:
-            SEARCH["error"] = (f"{failed} of {done} trials FAILED, over max_failure_rate {self.max_failure_rate:g} x"
-                               f" n_trials {self.n_trials} = {budget}; the search stopped")
+            SEARCH["error"] = (
+                f"{failed} of {done} trials FAILED, over max_failure_rate {self.max_failure_rate:g} x"
+                f" n_trials {self.n_trials} = {budget}; the search stopped"
+            )
         elif not any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials):
             SEARCH["error"] = f"no trial COMPLETE ({failed} of {done} FAILED)"
         print(line, flush=True)
         if "error" in SEARCH:
             return
-        results: dict[str, Any] = {"name": "optuna", "n_trials": done, "n_complete": SEARCH["complete"], "n_failed": failed}
+        results: dict[str, Any] = {
+            "name": "optuna",
+            "n_trials": done,
+            "n_complete": SEARCH["complete"],
+            "n_failed": failed,
+        }
         if len(directions) == 1:
             best = study.best_trial
             results.update(best_params=best.params, best_value=best.value, best_trial=best.number)
             SEARCH.update(best_params=dict(best.params), best_value=best.value)
-            print(f"trainlab: search best trial #{best.number} ({directions[0]}): value {best.value:.6g},"
-                  f" params {best.params}", flush=True)
+            print(
+                f"trainlab: search best trial #{best.number} ({directions[0]}): value {best.value:.6g},"
+                f" params {best.params}",
+                flush=True,
+            )
         else:
             results["solutions"] = [{"params": t.params, "values": t.values} for t in study.best_trials]
         Path(self.config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -39,20 +40,22 @@ SLURM_COMMANDS = ("sbatch", "srun")
 """What submitit runs: ``sbatch`` to submit, ``srun`` inside the job (it refuses to start without it on PATH)."""
 
 
-def ranks_per_node(world_size: int, nnodes: int, nproc_per_node: Optional[int]) -> int:
+def ranks_per_node(world_size: int, nnodes: int, nproc_per_node: int | None) -> int:
     """``parallelism.nproc_per_node``, or ``world_size // nnodes`` when it is null (at least 1)."""
     return max(1, nproc_per_node if nproc_per_node is not None else world_size // max(1, nnodes))
 
 
-def cpus_per_task(world_size: int, nnodes: int, nproc_per_node: Optional[int], threads_per_rank: Optional[int],
-                  cpus_per_rank: int) -> int:
+def cpus_per_task(
+    world_size: int, nnodes: int, nproc_per_node: int | None, threads_per_rank: int | None, cpus_per_rank: int
+) -> int:
     """Slurm's ``cpus_per_task`` for a node's one driver task: its ranks x cores per rank
     (``trainer.threads_per_rank`` when set, else ``slurm.cpus_per_rank``). The ``tl_slurm_cpus`` resolver."""
     return ranks_per_node(world_size, nnodes, nproc_per_node) * (threads_per_rank or cpus_per_rank)
 
 
-def gpus_per_node(gpus: Optional[int], accelerator: str, world_size: int, nnodes: int,
-                  nproc_per_node: Optional[int]) -> Optional[int]:
+def gpus_per_node(
+    gpus: int | None, accelerator: str, world_size: int, nnodes: int, nproc_per_node: int | None
+) -> int | None:
     """Slurm's ``gpus_per_node``: ``slurm.gpus_per_node`` when set, else one GPU per rank with
     ``trainer.accelerator=cuda``, else None (no GPUs asked). The ``tl_slurm_gpus`` resolver."""
     if gpus is not None:
@@ -103,14 +106,16 @@ def register_launchers() -> bool:
         return False
     Plugins.instance()  # the scan (a no-op once made)
     store = ConfigStore.instance()
-    for name, schema, mapping in (("submitit_slurm", SlurmQueueConf, SLURM_MAPPING),
-                                  ("submitit_local", LocalQueueConf, LOCAL_MAPPING)):
+    for name, schema, mapping in (
+        ("submitit_slurm", SlurmQueueConf, SLURM_MAPPING),
+        ("submitit_local", LocalQueueConf, LOCAL_MAPPING),
+    ):
         node = OmegaConf.merge(OmegaConf.structured(schema), mapping)
         store.store(group="hydra/launcher", name=name, node=node, provider="submitit_launcher")
     return True
 
 
-def launcher_choice(argv: list[str]) -> Optional[str]:
+def launcher_choice(argv: list[str]) -> str | None:
     """The ``hydra/launcher=<option>`` of a command line (the last one), or None."""
     found = None
     for arg in argv:
@@ -120,7 +125,7 @@ def launcher_choice(argv: list[str]) -> Optional[str]:
     return found
 
 
-def check_launcher(argv: list[str], which: Callable[[str], Optional[str]] = shutil.which) -> Optional[str]:
+def check_launcher(argv: list[str], which: Callable[[str], str | None] = shutil.which) -> str | None:
     """The one-line error for a submitit launcher that cannot work here, else None.
 
     ``submitit_slurm`` needs Slurm's ``sbatch`` and ``srun`` on PATH; both need the
@@ -130,19 +135,26 @@ def check_launcher(argv: list[str], which: Callable[[str], Optional[str]] = shut
     if choice not in SUBMITIT_LAUNCHERS:
         return None
     if not register_launchers():
-        return (f"hydra/launcher={choice} needs the hydra-submitit-launcher package, which is not installed"
-                " (pip install hydra-submitit-launcher, or make setup)")
+        return (
+            f"hydra/launcher={choice} needs the hydra-submitit-launcher package, which is not installed"
+            " (pip install hydra-submitit-launcher, or make setup)"
+        )
     if choice == "submitit_slurm":
         missing = [c for c in SLURM_COMMANDS if which(c) is None]
         if missing:
-            return (f"hydra/launcher=submitit_slurm needs Slurm, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH: run on a"
-                    " Slurm login node, or install Slurm (Debian: apt-get install slurm-wlm munge; a one-node Slurm on"
-                    " this machine: scripts/slurm/start_local_slurm.sh --install); hydra/launcher=submitit_local runs"
-                    " the jobs on this machine")
+            return (
+                f"hydra/launcher=submitit_slurm needs Slurm, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH: run on a"
+                " Slurm login node, or install Slurm (Debian: apt-get install slurm-wlm munge; a one-node Slurm on"
+                " this machine: scripts/slurm/start_local_slurm.sh --install); hydra/launcher=submitit_local runs"
+                " the jobs on this machine"
+            )
     return None
+
+
 # --- preemption inside a submitit job ---------------------------------------------------------------
 
-def submitit_job_signal() -> Optional[signal.Signals]:
+
+def submitit_job_signal() -> signal.Signals | None:
     """submitit's preemption/timeout signal (``SIGUSR2`` unless ``SUBMITIT_PREEMPT_SIGNAL`` says otherwise)
     when this process is a submitit Slurm job, else None."""
     if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
@@ -160,7 +172,7 @@ class SubmititHandlers:
         if self.sig is not None:
             self.saved = {s: signal.getsignal(s) for s in (self.sig, signal.SIGTERM, signal.SIGCONT)}
 
-    def requeues(self, signal_name: Optional[str]) -> bool:
+    def requeues(self, signal_name: str | None) -> bool:
         """Whether a preemption by ``signal_name`` is submitit's: the job requeues (SIGTERM does not:
         a scheduler that requeues on preemption does so itself, and ``scancel`` means stop)."""
         return self.sig is not None and signal_name == self.sig.name and callable(self.saved.get(self.sig))

@@ -37,19 +37,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from framework.base.config import near_keys, path_safe
-from framework.driver.runs import FAILED_JOBS, hold_lock, ui_link
 from framework.base.tracking import OVERRIDES_TAG, PARENT_TAG, SWEEP_TAG, SWEPT_TAG, sweep_children
+from framework.driver.runs import FAILED_JOBS, hold_lock, ui_link
 
 SWEEP_ENV = "TRAINLAB_SWEEP"  # the running sweep (JSON of :class:`Sweep`), read when a job's run name resolves
 GIB = 1024**3
@@ -71,12 +71,13 @@ class Sweep:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Sweep":
+    def from_json(cls, text: str) -> Sweep:
         return cls(**json.loads(text))
 
 
-def parse_sweep(task_overrides: Sequence[str], sweeper_params: Mapping[str, Any] | None,
-                exclude_keys: Sequence[str] = ()) -> Sweep:
+def parse_sweep(
+    task_overrides: Sequence[str], sweeper_params: Mapping[str, Any] | None, exclude_keys: Sequence[str] = ()
+) -> Sweep:
     """The sweep of a multirun: ``task_overrides`` as given on the command line (Hydra's
     ``hydra.overrides.task`` at ``on_multirun_start``), ``sweeper_params`` the sweeper's
     ``params`` (a preset's sweep; the command line wins for the same key). Swept keys are those
@@ -91,8 +92,11 @@ def parse_sweep(task_overrides: Sequence[str], sweeper_params: Mapping[str, Any]
         parsed[o.key_or_group] = o  # later (command line) wins
     keys = [k for k, o in parsed.items() if o.is_sweep_override()]
     values = {k: parsed[k].input_line.split("=", 1)[1] for k in keys}
-    named = sorted(o.input_line.lstrip("+~") for o in OverridesParser.create().parse_overrides(list(task_overrides))
-                   if o.is_sweep_override() or o.key_or_group not in exclude_keys)
+    named = sorted(
+        o.input_line.lstrip("+~")
+        for o in OverridesParser.create().parse_overrides(list(task_overrides))
+        if o.is_sweep_override() or o.key_or_group not in exclude_keys
+    )
     return Sweep(name=path_safe(",".join(named)) if named else "sweep", keys=keys, values=values)
 
 
@@ -149,6 +153,7 @@ def job_checkpoint_dir(checkpoint_dir: str | None, run_name: str) -> str | None:
 
 # --- checks before any job ------------------------------------------------------------------
 
+
 def _sweep_values(override: Any) -> list[Any]:
     """Values to check of a swept override: every value of a list/choice/range, both ends of an interval."""
     if override.is_interval_sweep():
@@ -168,8 +173,8 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
 
     from framework.base.config import CONF_DIR, fail
     from framework.base.config.schema import ConfigError
-    from framework.driver.validate import load_run_config
     from framework.base.tracking import flatten
+    from framework.driver.validate import load_run_config
 
     params = _sweeper_params(config)
     lines = [f"{k}={v}" for k, v in params.items()] + list(task_overrides)
@@ -179,11 +184,15 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
     fixed = [o.input_line for o in parsed.values() if not o.is_sweep_override()]
     swept = {k: o for k, o in parsed.items() if o.is_sweep_override()}
     if "experiment_name" in swept or "experiment" in swept:
-        fail("experiment_name cannot be swept: a sweep's jobs and its parent run share one MLflow experiment"
-             " (run one sweep per experiment)")
+        fail(
+            "experiment_name cannot be swept: a sweep's jobs and its parent run share one MLflow experiment"
+            " (run one sweep per experiment)"
+        )
     if "run_name" in parsed:
-        fail("run_name cannot be set in a sweep: each job is named <sweep>/<its swept values>"
-             " (leave run_name out, or run the jobs one by one)")
+        fail(
+            "run_name cannot be set in a sweep: each job is named <sweep>/<its swept values>"
+            " (leave run_name out, or run the jobs one by one)"
+        )
     plugins = [str(v) for v in _sweep_values(swept["parallelism"])] if "parallelism" in swept else [None]
     bases = {}
     for plugin in plugins:
@@ -193,7 +202,9 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
         except Exception as err:
             fail(f"sweep: {_one_line(err)}")
     for key, o in swept.items():
-        if (CONF_DIR / key).is_dir() or "/" in key:  # a config group: its options were checked by cli.check_group_choices
+        if (
+            CONF_DIR / key
+        ).is_dir() or "/" in key:  # a config group: its options were checked by cli.check_group_choices
             continue
         values = _sweep_values(o)
         known = [p for p, base in bases.items() if OmegaConf.select(base, key, default=_ABSENT) is not _ABSENT]
@@ -201,12 +212,20 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
             names = sorted({k for base in bases.values() for k in flatten(OmegaConf.to_container(base, resolve=False))})
             near = near_keys(key, names)
             where = f" of plugin(s) {', '.join(p for p in plugins)}" if plugins != [None] else ""
-            fail(f"swept key {key} is not a config key{where}; "
-                 + (f"did you mean {', '.join(near)}?" if near else "see conf/ and framework/base/config/schema.py for the keys"))
+            fail(
+                f"swept key {key} is not a config key{where}; "
+                + (
+                    f"did you mean {', '.join(near)}?"
+                    if near
+                    else "see conf/ and framework/base/config/schema.py for the keys"
+                )
+            )
         missing = [p for p in bases if p not in known]
         if known and missing and not o.get_key_element().startswith("+"):
-            fail(f"swept key {key} is not an option of plugin(s) {', '.join(missing)} that this sweep also runs"
-                 f" (only of {', '.join(known)}); sweep it with those plugins alone")
+            fail(
+                f"swept key {key} is not an option of plugin(s) {', '.join(missing)} that this sweep also runs"
+                f" (only of {', '.join(known)}); sweep it with those plugins alone"
+            )
         for value in values:
             errors = []
             for plugin in known or list(bases):
@@ -245,7 +264,9 @@ def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
 
     if any(o.is_interval_sweep() for o in swept.values()):
         return ""
-    values = {k: [str(v) if (CONF_DIR / k.lstrip("+~")).is_dir() else v for v in _sweep_values(o)] for k, o in swept.items()}
+    values = {
+        k: [str(v) if (CONF_DIR / k.lstrip("+~")).is_dir() else v for v in _sweep_values(o)] for k, o in swept.items()
+    }
     if math.prod(len(v) for v in values.values()) > MAX_CHECKED_JOBS:
         return ""
     groups = [k for k in values if (CONF_DIR / k.lstrip("+~")).is_dir() or "/" in k]
@@ -295,6 +316,7 @@ def _one_line(err: BaseException) -> str:
 
 # --- the parent run and the children --------------------------------------------------------
 
+
 def _client(uri: str) -> Any:
     import logging
 
@@ -319,10 +341,18 @@ def open_parent(uri: str, experiment: str, sweep: Sweep, description: str = "") 
         key = f"{experiment}/{sweep.name}"
         tracker.start(run_name=sweep.name, run_key=key, resume_run_id=tracker.find(key))
     except Exception as err:
-        raise ConfigError(f"tracking.uri={uri!r}: {_one_line(err)} (allowed: a sqlite:///, file:// or http(s)://"
-                          " MLflow URI; or tracking=none)") from None
-    tracker.set_tags({SWEEP_TAG: "parent", RUN_KEY_TAG: key, "sweep.command": sweep.command,
-                      "mlflow.runName": short_sweep_name(sweep)})
+        raise ConfigError(
+            f"tracking.uri={uri!r}: {_one_line(err)} (allowed: a sqlite:///, file:// or http(s)://"
+            " MLflow URI; or tracking=none)"
+        ) from None
+    tracker.set_tags(
+        {
+            SWEEP_TAG: "parent",
+            RUN_KEY_TAG: key,
+            "sweep.command": sweep.command,
+            "mlflow.runName": short_sweep_name(sweep),
+        }
+    )
     tracker.log_params({"sweep.keys": ",".join(sweep.keys), **{f"sweep.{k}": v for k, v in sweep.values.items()}})
     return tracker.run_id
 
@@ -341,8 +371,14 @@ def attach_child(tracker: Any, sweep: Sweep, task_overrides: Sequence[str]) -> N
 
     values = _values_of(task_overrides, sweep.keys)
     swept = ",".join(f"{k}={v}" for k, v in values.items())
-    tracker.set_tags({PARENT_TAG: sweep.parent_run_id, SWEPT_TAG: swept, OVERRIDES_TAG: " ".join(task_overrides),
-                      **child_tags(values, hydra_job_num())})
+    tracker.set_tags(
+        {
+            PARENT_TAG: sweep.parent_run_id,
+            SWEPT_TAG: swept,
+            OVERRIDES_TAG: " ".join(task_overrides),
+            **child_tags(values, hydra_job_num()),
+        }
+    )
     tracker.client.update_run(tracker.run_id, name=display_name(task_overrides, sweep.keys))
 
 
@@ -405,8 +441,8 @@ def job_metrics(run_dir: Path) -> dict[str, float]:
     ``metrics.jsonl`` (step metrics and the end-of-run ones such as ``val/loss_final``), then
     ``summary.json`` (rank 0's run-level means), then the ``summary/*`` figures
     (:func:`framework.driver.run_summary.summary_metrics`); a later source wins for the same key."""
-    from framework.driver.run_summary import summary_metrics
     from framework.base.tracking import read_jsonl_metrics
+    from framework.driver.run_summary import summary_metrics
 
     records = read_jsonl_metrics(run_dir / "metrics.jsonl")
     summary_path = run_dir / "summary.json"
@@ -434,7 +470,9 @@ def nonfinite_training(run_dir: Path) -> str:
 
     dropped = set()
     for rec in read_jsonl_metrics(run_dir / LOG_NAME):
-        if rec.get("ev") == "skipped" or (rec.get("ev") == "detected" and rec.get("action") in ("skip_step", "rollback")):
+        if rec.get("ev") == "skipped" or (
+            rec.get("ev") == "detected" and rec.get("action") in ("skip_step", "rollback")
+        ):
             dropped.add(rec.get("step"))
     for rec in read_jsonl_metrics(run_dir / "metrics.jsonl"):
         if rec.get("step") in dropped:
@@ -458,8 +496,11 @@ def objective_of(run_dir: Path, objective_key: str) -> tuple[float | None, str]:
     metrics = job_metrics(run_dir)
     value = metrics.get(objective_key)
     if value is None:
-        if objective_key in ("perf/tokens_per_sec_mean", "perf/mfu_mean", "perf/step_time_s_mean") or \
-                objective_key.startswith("perf/") and objective_key.endswith("_mean"):
+        if (
+            objective_key in ("perf/tokens_per_sec_mean", "perf/mfu_mean", "perf/step_time_s_mean")
+            or objective_key.startswith("perf/")
+            and objective_key.endswith("_mean")
+        ):
             return None, f"no {objective_key}: no timed step (trainer.max_steps <= trainer.warmup_steps_excluded)"
         near = near_keys(objective_key, sorted(metrics))
         return None, f"the run logged no {objective_key}" + (f" (it has {', '.join(near)})" if near else "")
@@ -576,8 +617,13 @@ class SweepCallback(Callback):
     (``hydra.callbacks.trainlab_sweep``) when it records its outcome (:func:`record_job`).
     """
 
-    def __init__(self, objective: str = "perf/tokens_per_sec_mean", direction: str | None = None,
-                 max_peak_mem_gib: float | None = None, report: bool = True) -> None:
+    def __init__(
+        self,
+        objective: str = "perf/tokens_per_sec_mean",
+        direction: str | None = None,
+        max_peak_mem_gib: float | None = None,
+        report: bool = True,
+    ) -> None:
         self.objective = objective
         self.direction = direction
         self.max_peak_mem_gib = max_peak_mem_gib
@@ -594,9 +640,11 @@ class SweepCallback(Callback):
         task = list(config.hydra.overrides.task)
         tasks = (config.hydra.get("launcher") or {}).get("tasks_per_node")
         if tasks is not None and str(tasks) != "1":
-            fail(f"hydra.launcher.tasks_per_node={tasks}: trainlab runs one driver task per node, which starts that"
-                 " node's ranks itself; allowed: 1 (set the ranks with parallelism.world_size, parallelism.nnodes"
-                 " and parallelism.nproc_per_node)")
+            fail(
+                f"hydra.launcher.tasks_per_node={tasks}: trainlab runs one driver task per node, which starts that"
+                " node's ranks itself; allowed: 1 (set the ranks with parallelism.world_size, parallelism.nnodes"
+                " and parallelism.nproc_per_node)"
+            )
         try:
             self.direction = objective_direction(self.objective, self.direction, config.hydra.sweeper.get("direction"))
         except ConfigError as err:
@@ -620,15 +668,22 @@ class SweepCallback(Callback):
         if config.tracking.enabled:
             try:
                 sweep.tracking_uri = str(config.tracking.uri)
-                sweep.parent_run_id = open_parent(str(config.tracking.uri), str(config.experiment_name), sweep,
-                                                   description=str(config.get("experiment_description") or ""))
+                sweep.parent_run_id = open_parent(
+                    str(config.tracking.uri),
+                    str(config.experiment_name),
+                    sweep,
+                    description=str(config.get("experiment_description") or ""),
+                )
             except ConfigError as err:
                 fail(str(err))
         self.sweep = sweep
         os.environ[SWEEP_ENV] = sweep.to_json()
         keys = ", ".join(f"{k}={v}" for k, v in sweep.values.items())
-        print(f"trainlab: sweep {sweep.name!r} over {keys}; objective {self.objective} ({self.direction})"
-              + (f"; parent MLflow run {sweep.parent_run_id}" if sweep.parent_run_id else ""), flush=True)
+        print(
+            f"trainlab: sweep {sweep.name!r} over {keys}; objective {self.objective} ({self.direction})"
+            + (f"; parent MLflow run {sweep.parent_run_id}" if sweep.parent_run_id else ""),
+            flush=True,
+        )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = self.sweep
@@ -644,13 +699,17 @@ class SweepCallback(Callback):
         verdict_note = None
         if SEARCH.get("trials"):  # a search: its best trial
             if best is not None:
-                print(f"trainlab: best job {best.name}: {self.objective} = {best.objective:,.4g} ({direction})"
-                      f" (overrides: {' '.join(best.overrides)})", flush=True)
+                print(
+                    f"trainlab: best job {best.name}: {self.objective} = {best.objective:,.4g} ({direction})"
+                    f" (overrides: {' '.join(best.overrides)})",
+                    flush=True,
+                )
         else:  # a sweep: per configuration, median of repeats, 95% CI, CV, verdict against the best
             from framework.driver.repeats import summary_table
 
-            stats_table, best_line, verdict_note = summary_table(OUTCOMES, self.objective,
-                                                                 maximize=direction != "minimize")
+            stats_table, best_line, verdict_note = summary_table(
+                OUTCOMES, self.objective, maximize=direction != "minimize"
+            )
             print("\n" + stats_table + ("\n" + best_line if best_line else ""), flush=True)
         failure = SEARCH.get("error", "")
         if failure:
@@ -659,14 +718,26 @@ class SweepCallback(Callback):
             uri = str(config.tracking.uri)
             if self.report:
                 _report(uri, sweep)
-            finish_parent(uri, sweep, OUTCOMES, self.objective, best, direction,
-                          status="FAILED" if failure else "FINISHED", reason=failure, verdict_note=verdict_note)
+            finish_parent(
+                uri,
+                sweep,
+                OUTCOMES,
+                self.objective,
+                best,
+                direction,
+                status="FAILED" if failure else "FINISHED",
+                reason=failure,
+                verdict_note=verdict_note,
+            )
             try:
                 exp_id = _client(uri).get_run(sweep.parent_run_id).info.experiment_id
-                print(f"trainlab: the sweep in MLflow: parent run {sweep.parent_run_id};"
-                      f" with `mlflow ui --backend-store-uri {uri}` open {ui_link(uri, exp_id, sweep.parent_run_id)};"
-                      f" compare its experiment's runs: python -m framework.compare --experiment {config.experiment_name}"
-                      + (f" --tracking-uri {uri}" if uri != "sqlite:///mlruns.db" else ""), flush=True)
+                print(
+                    f"trainlab: the sweep in MLflow: parent run {sweep.parent_run_id};"
+                    f" with `mlflow ui --backend-store-uri {uri}` open {ui_link(uri, exp_id, sweep.parent_run_id)};"
+                    f" compare its experiment's runs: python -m framework.compare --experiment {config.experiment_name}"
+                    + (f" --tracking-uri {uri}" if uri != "sqlite:///mlruns.db" else ""),
+                    flush=True,
+                )
             except Exception:  # the link is a convenience
                 pass
         os.environ.pop(SWEEP_ENV, None)
@@ -684,8 +755,15 @@ def outcome_table(outcomes: Sequence[JobOutcome], objective: str) -> str:
     """The jobs of this sweep, one line each: name, status, objective, peak memory (GiB), then the reason of a failure."""
     from framework.base.tables import format_table
 
-    rows = [{"job": o.name, "status": o.status, objective: o.objective,
-             "peak_mem_GiB": None if o.peak_mem_bytes is None else o.peak_mem_bytes / GIB} for o in outcomes]
+    rows = [
+        {
+            "job": o.name,
+            "status": o.status,
+            objective: o.objective,
+            "peak_mem_GiB": None if o.peak_mem_bytes is None else o.peak_mem_bytes / GIB,
+        }
+        for o in outcomes
+    ]
     cols = [("job", "", "", "s"), ("status", "", "", "s"), (objective, "", "", ",.4g"), ("peak_mem_GiB", "", "", ".3f")]
     lines = format_table(rows, cols, text_columns=2).splitlines()
     lines = [lines[0] + "  reason"] + [ln + (f"  {o.reason}" if o.reason else "") for ln, o in zip(lines[1:], outcomes)]
@@ -721,24 +799,36 @@ def objective_direction(objective: str, explicit: str | None = None, sweeper: An
     if sweeper is not None and not isinstance(sweeper, str):  # a list: a multi-objective search
         values = [str(getattr(d, "name", d)) for d in sweeper]
         if len(values) != 1:
-            raise ConfigError(f"hydra.sweeper.direction={values}: trainlab's sweeps have one objective"
-                              f" (hydra.callbacks.trainlab_sweep.objective={objective}); give one direction")
+            raise ConfigError(
+                f"hydra.sweeper.direction={values}: trainlab's sweeps have one objective"
+                f" (hydra.callbacks.trainlab_sweep.objective={objective}); give one direction"
+            )
         sweeper = values[0]
     for key, value in (("hydra.callbacks.trainlab_sweep.direction", explicit), ("hydra.sweeper.direction", sweeper)):
         if value is not None and str(value) not in DIRECTIONS:
             raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(DIRECTIONS)}")
     if explicit and sweeper and explicit != sweeper:
-        raise ConfigError(f"hydra.callbacks.trainlab_sweep.direction={explicit} but hydra.sweeper.direction={sweeper}:"
-                          " the search and the sweep's summary must rank one way (set one, or both alike)")
+        raise ConfigError(
+            f"hydra.callbacks.trainlab_sweep.direction={explicit} but hydra.sweeper.direction={sweeper}:"
+            " the search and the sweep's summary must rank one way (set one, or both alike)"
+        )
     if explicit or sweeper:
         return str(explicit or sweeper)
     name = objective.rsplit("/", 1)[-1]
     return "minimize" if any(part in name for part in _MINIMISED) and "per_sec" not in name else "maximize"
 
 
-def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], objective: str, best: JobOutcome | None,
-                  direction: str = "maximize", status: str = "FINISHED", reason: str = "",
-                  verdict_note: str | None = None) -> None:
+def finish_parent(
+    uri: str,
+    sweep: Sweep,
+    outcomes: Sequence[JobOutcome],
+    objective: str,
+    best: JobOutcome | None,
+    direction: str = "maximize",
+    status: str = "FINISHED",
+    reason: str = "",
+    verdict_note: str | None = None,
+) -> None:
     """End the parent run with ``status`` (FINISHED, FAILED or KILLED): metrics ``sweep/jobs``,
     ``sweep/jobs_finished``, ``sweep/jobs_failed``, tag ``trainlab.jobs_finished``, the description
     (counts, the best job in ``direction``, or ``reason`` when the sweep ended early or failed: also
@@ -756,13 +846,21 @@ def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], object
         if len(outcomes) > jobs:
             jobs, finished = len(outcomes), sum(o.status == "FINISHED" for o in outcomes)
             failed = sum(o.status == "FAILED" for o in outcomes)
-        client.log_batch(sweep.parent_run_id, metrics=[
-            _metric("sweep/jobs", jobs), _metric("sweep/jobs_finished", finished), _metric("sweep/jobs_failed", failed)])
+        client.log_batch(
+            sweep.parent_run_id,
+            metrics=[
+                _metric("sweep/jobs", jobs),
+                _metric("sweep/jobs_finished", finished),
+                _metric("sweep/jobs_failed", failed),
+            ],
+        )
         note = f"{finished} of {jobs} jobs FINISHED" + (f", {failed} FAILED" if failed else "")
         text = f"Sweep over {', '.join(sweep.keys)}: {note}."
         if SEARCH.get("trials"):
-            text += (f" Search: {SEARCH['trials']} trials, {SEARCH['complete']} COMPLETE, {SEARCH['failed']} FAIL"
-                     f" (up to {SEARCH['budget']} may FAIL).")
+            text += (
+                f" Search: {SEARCH['trials']} trials, {SEARCH['complete']} COMPLETE, {SEARCH['failed']} FAIL"
+                f" (up to {SEARCH['budget']} may FAIL)."
+            )
         if verdict_note:
             text += f" {verdict_note}"
         elif best is not None:
@@ -783,8 +881,12 @@ def finish_parent(uri: str, sweep: Sweep, outcomes: Sequence[JobOutcome], object
         print(f"trainlab: warning: could not finalise the sweep's parent run: {err}", file=sys.stderr)
 
 
-JOB_COLUMNS = (("summary/tokens_per_sec", "tokens/s", ",.0f"), ("summary/mfu", "MFU", ".3g"),
-               ("summary/step_time_ms", "step ms", ",.1f"), ("summary/peak_mem_GiB", "peak GiB", ".3g"))
+JOB_COLUMNS = (
+    ("summary/tokens_per_sec", "tokens/s", ",.0f"),
+    ("summary/mfu", "MFU", ".3g"),
+    ("summary/step_time_ms", "step ms", ",.1f"),
+    ("summary/peak_mem_GiB", "peak GiB", ".3g"),
+)
 """The figures of each job in the parent's description: (child metric, column head, format)."""
 
 

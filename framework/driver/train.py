@@ -24,9 +24,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from framework.driver import cli
-from framework.base.resolved import ResolvedRun
 from framework.base.config.schema import ConfigError
+from framework.base.resolved import ResolvedRun
+from framework.driver import cli
 
 
 def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
@@ -69,21 +69,30 @@ def run_job(cfg: DictConfig, run_dir: Path) -> float | None:
     return sweep.record_job(run_dir, status, reason, run_id=run_id) if cli.in_sweep() else None
 
 
-def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: Any = None) -> tuple[str, str, str | None]:
+def _train(
+    resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: Any = None
+) -> tuple[str, str, str | None]:
     """Resume selection, the MLflow run, the ranks under the resilience policy, the final status;
     returns ``(status, one-line reason of a failure, MLflow run id or None)`` (FINISHED when there was
     nothing left to train).
     ``nodes``: node 0 of a multi-node run (:class:`~framework.base.launch.NodeSpec`), or None on one node."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from framework.base.faults.preemption import (EXIT_PREEMPTED, PREEMPT_SIGNALS, EarlySignals, preemption_outcome,
-                                             record_preemption)
-    from framework.driver.faults.supervisor import supervise
+    from framework.base.faults.preemption import (
+        EXIT_PREEMPTED,
+        PREEMPT_SIGNALS,
+        EarlySignals,
+        preemption_outcome,
+        record_preemption,
+    )
     from framework.base.launch import LaunchSpec
-    from framework.driver.slurm import SubmititHandlers, requeue_after_save
     from framework.base.tracking import finish_driver_run
+    from framework.driver.faults.supervisor import supervise
+    from framework.driver.slurm import SubmititHandlers, requeue_after_save
 
-    submitit_handlers = SubmititHandlers()  # in a submitit Slurm job: its requeue handler, before the agent installs its own
+    submitit_handlers = (
+        SubmititHandlers()
+    )  # in a submitit Slurm job: its requeue handler, before the agent installs its own
     run = resolved.run
     resume = _choose_resume(resolved, run_dir)
     if resume is None:
@@ -97,19 +106,37 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
             cli.fail(str(err))
         mark_shared_folder(resolved.checkpoint_dir, nodes)
     tracker = _open_tracking(resolved, model, cache, resumed=bool(resume.path))
-    launch = LaunchSpec(resolved=resolved, run_dir=run_dir, mlflow_run_id=tracker.run_id if tracker else None,
-                        resume_from=resume.path, token_cache_dir=str(cache.dir), nodes=nodes)
+    launch = LaunchSpec(
+        resolved=resolved,
+        run_dir=run_dir,
+        mlflow_run_id=tracker.run_id if tracker else None,
+        resume_from=resume.path,
+        token_cache_dir=str(cache.dir),
+        nodes=nodes,
+    )
     status, error, preempted = "FAILED", None, None
     (run_dir / "error.txt").unlink(missing_ok=True)  # a resumed run starts without its last failure
     started_at = time.time()
 
     def preempted_before_ranks(sig: Any) -> None:  # the main thread is blocked (node 0's agent waits for the nodes)
-        outcome = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=sig.name,
-                                     before_ranks=True, t_signal=early.t_signal)
+        outcome = preemption_outcome(
+            run_dir,
+            resolved.checkpoint_dir,
+            since=started_at,
+            signal_name=sig.name,
+            before_ranks=True,
+            t_signal=early.t_signal,
+        )
         if tracker is not None:
             record_preemption(tracker, outcome)
-            finish_driver_run(tracker, "KILLED", run_dir=run_dir, started_at=started_at, error=None, resumed=bool(resume.path))
-        print(f"trainlab: preempted: {outcome.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
+            finish_driver_run(
+                tracker, "KILLED", run_dir=run_dir, started_at=started_at, error=None, resumed=bool(resume.path)
+            )
+        print(
+            f"trainlab: preempted: {outcome.describe()}; run the same command again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
         from framework.driver.sweep import close_sweep
 
         close_sweep("KILLED", f"preempted ({sig.name}) before the ranks started; the same command continues the sweep")
@@ -118,8 +145,12 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
     early = EarlySignals(preempted_before_ranks)
     from framework.base.load_monitor import LoadMonitor
 
-    monitor = LoadMonitor(run.tracking.load_interval_s, run.tracking.contended_cpu_share,
-                          cuda=run.trainer.accelerator == "cuda", run_dir=run_dir)  # what competes with the run
+    monitor = LoadMonitor(
+        run.tracking.load_interval_s,
+        run.tracking.contended_cpu_share,
+        cuda=run.trainer.accelerator == "cuda",
+        run_dir=run_dir,
+    )  # what competes with the run
     try:
         with early, monitor:
             supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
@@ -127,13 +158,25 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
         status = "KILLED" if preempted else "FINISHED"
         if tracker is not None and not preempted:
             _log_run_summary(tracker, resolved, run_dir)
-    except (KeyboardInterrupt, SignalException) as err:  # the elastic agent turns SIGINT/SIGTERM/SIGUSR1 into SignalException
+    except (
+        KeyboardInterrupt,
+        SignalException,
+    ) as err:  # the elastic agent turns SIGINT/SIGTERM/SIGUSR1 into SignalException
         status = "KILLED"
         if getattr(err, "sigval", None) not in PREEMPT_SIGNALS:  # Ctrl-C
-            print("trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)", file=sys.stderr)
+            print(
+                "trainlab: interrupted; the newest checkpoint resumes the run (run the same command again)",
+                file=sys.stderr,
+            )
             raise SystemExit(130)
-        preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at, signal_name=err.sigval.name,
-                                       before_ranks=early.fired is not None, t_signal=early.t_signal)
+        preempted = preemption_outcome(
+            run_dir,
+            resolved.checkpoint_dir,
+            since=started_at,
+            signal_name=err.sigval.name,
+            before_ranks=early.fired is not None,
+            t_signal=early.t_signal,
+        )
     except Exception as err:
         from framework.driver.faults.supervisor import failure_reason
 
@@ -147,14 +190,22 @@ def _train(resolved: ResolvedRun, cache: Any, model: Any, run_dir: Path, nodes: 
     finally:
         if tracker is not None:
             record_preemption(tracker, preempted)
-            finish_driver_run(tracker, status, run_dir=run_dir, started_at=started_at, error=error,
-                              resumed=bool(resume.path))
+            finish_driver_run(
+                tracker, status, run_dir=run_dir, started_at=started_at, error=error, resumed=bool(resume.path)
+            )
     if preempted and submitit_handlers.requeues(preempted.signal):  # the ranks saved: now submitit requeues the job
-        print(f"trainlab: preempted: {preempted.describe()}; submitit requeues the Slurm job, which resumes the run",
-              file=sys.stderr, flush=True)
+        print(
+            f"trainlab: preempted: {preempted.describe()}; submitit requeues the Slurm job, which resumes the run",
+            file=sys.stderr,
+            flush=True,
+        )
         requeue_after_save(submitit_handlers)
     if preempted:
-        print(f"trainlab: preempted: {preempted.describe()}; run the same command again to resume", file=sys.stderr, flush=True)
+        print(
+            f"trainlab: preempted: {preempted.describe()}; run the same command again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(EXIT_PREEMPTED)
     _print_summary(run_dir, tracker, run.tracking.uri, run.experiment_name)
     return "FINISHED", "", tracker.run_id if tracker else None
@@ -174,8 +225,11 @@ def _choose_resume(resolved: ResolvedRun, run_dir: Path) -> Any:
         for stale in ("metrics.jsonl", "summary.json", "faults.jsonl", "load.json"):
             (run_dir / stale).unlink(missing_ok=True)
     if resume.step >= run.trainer.max_steps and run.resume == "auto":
-        print(f"trainlab: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to"
-              " train (raise trainer.max_steps to continue, or use another checkpoint.dir)", flush=True)
+        print(
+            f"trainlab: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}: nothing to"
+            " train (raise trainer.max_steps to continue, or use another checkpoint.dir)",
+            flush=True,
+        )
         return None
     return resume
 
@@ -184,8 +238,8 @@ def _open_tracking(resolved: ResolvedRun, model: Any, cache: Any, *, resumed: bo
     """The job's MLflow run (:func:`framework.base.tracking.open_driver_run`; None with tracking off), re-opened
     when ``resumed``; on a fresh start the token cache is logged as its dataset input; in a sweep it
     becomes a child of the sweep's parent run. Exits 2 (one line) when the tracking URI cannot be used."""
-    from framework.driver import sweep
     from framework.base.tracking import log_token_cache_input, open_driver_run
+    from framework.driver import sweep
 
     run = resolved.run
     if not run.tracking.enabled:
@@ -224,8 +278,8 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from framework.base.faults.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS
-    from framework.driver.faults.supervisor import end_lost_node0_run, failure_reason, follower_resume, supervise
     from framework.base.launch import LaunchSpec
+    from framework.driver.faults.supervisor import end_lost_node0_run, failure_reason, follower_resume, supervise
     from framework.driver.nodes import check_endpoint, wait_for_shared_folder
 
     run, me = resolved.run, f"trainlab: node {nodes.node_rank}"
@@ -234,8 +288,16 @@ def _run_other_node(resolved: ResolvedRun, cache: Any, nodes: Any, node_dir: Pat
         wait_for_shared_folder(resolved.checkpoint_dir, nodes)
     except ConfigError as err:
         cli.fail(str(err))
-    launch = follower_resume(LaunchSpec(resolved=resolved, run_dir=node_dir, mlflow_run_id=None, resume_from=None,
-                                        token_cache_dir=str(cache.dir), nodes=nodes))
+    launch = follower_resume(
+        LaunchSpec(
+            resolved=resolved,
+            run_dir=node_dir,
+            mlflow_run_id=None,
+            resume_from=None,
+            token_cache_dir=str(cache.dir),
+            nodes=nodes,
+        )
+    )
     if launch is None:  # nothing left to train
         return
     try:
@@ -268,13 +330,14 @@ def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
     start_rank_server(resolved)  # a sweep's first job (a single run started it in the precheck)
     run = resolved.run
     _check_resume_request(resolved)
-    from framework.base.data.tokens import prepare_data  # imported once the config holds (as the model below)
     from framework.base.data.dataset import check_global_batch_fits
+    from framework.base.data.tokens import prepare_data  # imported once the config holds (as the model below)
 
     print(f"trainlab: {resolved.plugin_name} | {resolved.batch_summary()}", flush=True)
     cache = prepare_data(run.data)
-    check_global_batch_fits(global_batch_size=resolved.global_batch_size, train_tokens=cache.train_tokens,
-                            seq_len=run.data.seq_len)
+    check_global_batch_fits(
+        global_batch_size=resolved.global_batch_size, train_tokens=cache.train_tokens, seq_len=run.data.seq_len
+    )
     if run.model.vocab_size is not None and run.model.vocab_size < cache.vocab_size:
         raise ConfigError(f"model.vocab_size={run.model.vocab_size} < tokenizer vocabulary {cache.vocab_size}")
     import torch
@@ -304,8 +367,14 @@ def _check_resume_request(resolved: ResolvedRun) -> None:
     from framework.base.registry import get_plugin_class
 
     caps = get_plugin_class(resolved.plugin_name).capabilities
-    check_resume_request(resolved.run.resume, resolved.checkpoint_dir, resolved.plugin_name, writes=caps.checkpoint_format,
-                         loads_full_state=caps.loads_full_state, writers=cli.presets_writing)
+    check_resume_request(
+        resolved.run.resume,
+        resolved.checkpoint_dir,
+        resolved.plugin_name,
+        writes=caps.checkpoint_format,
+        loads_full_state=caps.loads_full_state,
+        writers=cli.presets_writing,
+    )
     check_resume_config(resolved.run.resume, resolved.checkpoint_dir, resolved.run)
 
 
@@ -317,8 +386,8 @@ def _log_run_summary(tracker: Any, resolved: ResolvedRun, run_dir: Path) -> None
     """The ``summary/*`` metrics, the load monitor's record (:mod:`framework.base.load_monitor`) and the
     one-line run description (:mod:`framework.driver.run_summary`; a contended run's starts with a warning); never raises."""
     from framework.base.load_monitor import log_record, read_record, warning
-    from framework.driver.run_summary import run_description, summary_metrics
     from framework.base.tracking import NOTE_TAG, read_jsonl_metrics
+    from framework.driver.run_summary import run_description, summary_metrics
 
     try:
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
@@ -329,8 +398,12 @@ def _log_run_summary(tracker: Any, resolved: ResolvedRun, run_dir: Path) -> None
         if load is not None:
             log_record(tracker, load)
         warn = warning(load)
-        tracker.set_tags({NOTE_TAG: (f"WARNING: {warn}. " if warn else "") + run_description(
-            resolved.plugin_name, resolved.layout.describe(), metrics, summary.get("peak_flops"))})
+        tracker.set_tags(
+            {
+                NOTE_TAG: (f"WARNING: {warn}. " if warn else "")
+                + run_description(resolved.plugin_name, resolved.layout.describe(), metrics, summary.get("peak_flops"))
+            }
+        )
     except Exception as err:  # tracking must not fail a finished run
         _warn(f"could not log the run's summary to MLflow: {err}")
 

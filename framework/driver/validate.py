@@ -10,13 +10,12 @@ It runs once, in the driver; ranks receive the :class:`ResolvedRun`.
 
 from __future__ import annotations
 
-
-from framework.base.load import load_run_config
-from framework.base.resolved import ResolvedRun
 from framework.base.config.schema import ARCH_SHAPE, ConfigError, RunConfig
 from framework.base.layout import ParallelLayout
+from framework.base.load import load_run_config
 from framework.base.plugin import check_capabilities
 from framework.base.registry import get_plugin_class
+from framework.base.resolved import ResolvedRun
 
 __all__ = ["ConfigError", "ResolvedRun", "derive_batch", "load_run_config", "validate"]
 
@@ -89,8 +88,10 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
 
         check(lambda: resolve_nodes(run))  # endpoint, node rank, what runs on one node only (framework/driver/nodes.py)
         if layout.nproc_per_node % layout.tp:
-            errors.append(f"parallelism.tp_degree={layout.tp} does not divide the {layout.nproc_per_node} ranks per node:"
-                          " a tensor-parallel group stays inside a node")
+            errors.append(
+                f"parallelism.tp_degree={layout.tp} does not divide the {layout.nproc_per_node} ranks per node:"
+                " a tensor-parallel group stays inside a node"
+            )
     batch = None
     if layout is not None:
         t = run.trainer
@@ -104,8 +105,10 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
         )
     for key, want in ARCH_SHAPE[run.model.arch].items():
         if getattr(run.model, key) != want:
-            errors.append(f"model.{key}={getattr(run.model, key)!r} does not go with model.arch={run.model.arch!r}"
-                          f" (it trains only model.{key}={want!r}; python -m framework.plan sizes any shape)")
+            errors.append(
+                f"model.{key}={getattr(run.model, key)!r} does not go with model.arch={run.model.arch!r}"
+                f" (it trains only model.{key}={want!r}; python -m framework.plan sizes any shape)"
+            )
     if run.data.seq_len > run.model.max_seq_len:
         errors.append(f"data.seq_len={run.data.seq_len} is longer than model.max_seq_len={run.model.max_seq_len}")
     if run.model.vocab_size is not None and run.model.vocab_size < run.data.vocab_size:
@@ -123,7 +126,11 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
     if run.trainer.threads_per_rank is not None and layout is not None:
         # 1 thread per rank is always allowed (as null gives): more ranks than cores oversubscribe
         # whatever the thread count, and the launcher's own choice would be 1 too.
-        if run.trainer.threads_per_rank > 1 and run.trainer.threads_per_rank * ranks > cores and run.trainer.accelerator != "cuda":
+        if (
+            run.trainer.threads_per_rank > 1
+            and run.trainer.threads_per_rank * ranks > cores
+            and run.trainer.accelerator != "cuda"
+        ):
             errors.append(
                 f"trainer.threads_per_rank={run.trainer.threads_per_rank} x {ranks} ranks > {cores} cores: CPU ranks"
                 f" would thrash; allowed: <= {max(1, cores // ranks)} (or null = cores // ranks)"
@@ -143,15 +150,22 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
     if batch is not None:
         mbs, acc, gbs = batch
         resolved = ResolvedRun(
-            run=run, layout=layout, micro_batch_size=mbs, grad_accum_steps=acc, global_batch_size=gbs,
+            run=run,
+            layout=layout,
+            micro_batch_size=mbs,
+            grad_accum_steps=acc,
+            global_batch_size=gbs,
             checkpoint_dir=checkpoint_dir_of(run),
-            owns_microbatching=plugin.capabilities.owns_microbatching_for(layout), threads_per_rank=threads,
+            owns_microbatching=plugin.capabilities.owns_microbatching_for(layout),
+            threads_per_rank=threads,
         )
         check(lambda: plugin.validate(resolved))  # the plugin's own rules see a layout and batch split that hold
         r = run.resilience
         if first_launch and r.policy == "shrink" and r.shrink_to is not None and r.shrink_to >= layout.world_size:
-            errors.append(f"resilience.shrink_to={int(r.shrink_to)} ranks is not below world_size={layout.world_size}"
-                          f" (allowed: 1..{layout.world_size - 1} ranks, a fraction in (0, 1), or null)")
+            errors.append(
+                f"resilience.shrink_to={int(r.shrink_to)} ranks is not below world_size={layout.world_size}"
+                f" (allowed: 1..{layout.world_size - 1} ranks, a fraction in (0, 1), or null)"
+            )
     if errors:
         raise ConfigError("; ".join(errors))
     return resolved
@@ -160,5 +174,3 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
 def checkpoint_dir_of(run: RunConfig) -> str:
     """The run's checkpoint folder: ``checkpoint.dir``, or ``checkpoints/<experiment_name>/<run_name>``."""
     return run.checkpoint.dir or f"checkpoints/{run.experiment_name}/{run.run_name}"
-
-

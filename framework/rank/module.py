@@ -31,12 +31,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from framework.base.resolved import ResolvedRun
-from framework.rank.data.step_tokens import valid_targets
-from framework.rank.faults.lightning_adapter import closes_optimizer_step
 from framework.base.model import build_model
 from framework.base.parallelize import parallelize_gpt
 from framework.base.plugin import ParallelPlugin
+from framework.base.resolved import ResolvedRun
+from framework.rank.data.step_tokens import valid_targets
+from framework.rank.faults.lightning_adapter import closes_optimizer_step
 from framework.rank.step import StepState
 
 
@@ -155,8 +155,12 @@ class LMModule(pl.LightningModule):
         # compilation, in torchtitan's order; in-place throughout, so parameter names (and
         # checkpoint keys) stay the GPT's.
         run = self.resolved.run
-        model = parallelize_gpt(model, self.plugin.parallel_plan(model, self),
-                                activation_checkpointing=run.model.activation_checkpointing, compile=run.trainer.compile)
+        model = parallelize_gpt(
+            model,
+            self.plugin.parallel_plan(model, self),
+            activation_checkpointing=run.model.activation_checkpointing,
+            compile=run.trainer.compile,
+        )
         self.model = self.plugin.configure_model(model, self)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -220,6 +224,7 @@ class LMModule(pl.LightningModule):
         they are cleared at once. Clearing ``p.grad`` of the module's parameters would reach the
         first case only.
         """
+
         def clear() -> None:
             if self.step_state.drop_update:
                 for group in optimizer.param_groups:
@@ -249,7 +254,9 @@ class LMModule(pl.LightningModule):
         for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
         # Clipping by the global norm needs the plugin's norm when parameters are split over ranks.
         if gradient_clip_val:
             self.plugin.clip_gradients(self, optimizer, float(gradient_clip_val))
@@ -275,7 +282,9 @@ class LMModule(pl.LightningModule):
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
-            **adamw_implementation(self.plugin.optimizer_foreach, self.device.type, self.resolved.run.trainer.precision),
+            **adamw_implementation(
+                self.plugin.optimizer_foreach, self.device.type, self.resolved.run.trainer.precision
+            ),
         )
         schedule = partial(
             warmup_cosine,

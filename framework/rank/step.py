@@ -34,8 +34,9 @@ on the module.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -81,10 +82,10 @@ class StepState:
 
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     micro_batches: int = 0
-    loss_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    judged_grad_norm: Optional[float] = None
+    loss_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    judged_grad_norm: float | None = None
     drop_update: bool = False
-    drop_reason: Optional[str] = None
+    drop_reason: str | None = None
     grad_norm: float | torch.Tensor = math.nan
     lr: float = math.nan
     end_epoch_requested: bool = False
@@ -120,10 +121,23 @@ class StepState:
 
 
 _HOOKS = (
-    "setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
-    "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-    "on_train_batch_end", "on_train_epoch_end", "on_train_end", "on_fit_end", "teardown", "on_exception",
-    "on_save_checkpoint", "on_load_checkpoint",
+    "setup",
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+    "teardown",
+    "on_exception",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
 )
 
 
@@ -140,7 +154,7 @@ class TrainStep(pl.Callback):
             (``state_dict``): Lightning would save it under this object's key, not the part's.
     """
 
-    def __init__(self, state: StepState, parts: Iterable[tuple[str, Optional[pl.Callback]]]) -> None:
+    def __init__(self, state: StepState, parts: Iterable[tuple[str, pl.Callback | None]]) -> None:
         given = [(phase, cb) for phase, cb in parts if cb is not None]
         for phase, cb in given:
             if phase not in PHASES:
@@ -150,8 +164,10 @@ class TrainStep(pl.Callback):
         self.state = state
         self.parts: list[tuple[str, pl.Callback]] = sorted(given, key=lambda pc: PHASES.index(pc[0]))  # stable
         # Per hook, the parts that define it, in phase order.
-        self._by_hook = {hook: [cb for _, cb in self.parts if getattr(type(cb), hook) is not getattr(pl.Callback, hook)]
-                         for hook in _HOOKS}
+        self._by_hook = {
+            hook: [cb for _, cb in self.parts if getattr(type(cb), hook) is not getattr(pl.Callback, hook)]
+            for hook in _HOOKS
+        }
 
     def part(self, kind: type) -> Any:
         """The part of class ``kind`` (the first), or None."""
@@ -169,13 +185,15 @@ class TrainStep(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._each("on_fit_start", trainer, pl_module)
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """Resume: the checkpoint callback takes its RNG states; the timeline marks the load."""
         self._each("on_load_checkpoint", trainer, pl_module, checkpoint)
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """A save (inside phase 6, checkpoint): every rank's RNG states go into the state."""
         self._each("on_save_checkpoint", trainer, pl_module, checkpoint)
 
@@ -188,8 +206,9 @@ class TrainStep(pl.Callback):
         self._each("on_train_epoch_start", trainer, pl_module)
 
     # -- one optimizer step ----------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         """Phase 1, fetch: a micro-batch arrived."""
         self._each("on_train_batch_start", trainer, pl_module, batch, batch_idx)
 
@@ -211,8 +230,9 @@ class TrainStep(pl.Callback):
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._each("on_before_zero_grad", trainer, pl_module, optimizer)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Phase 6, step end (on every micro-batch; the parts act when the step clock says the step closed)."""
         self._each("on_train_batch_end", trainer, pl_module, outputs, batch, batch_idx)
         self.state.end_step()

@@ -75,14 +75,14 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     """
     import pytorch_lightning as pl
 
-    from framework.rank.data import TextDataModule
     from framework.base.data.tokens import TokenCache
     from framework.base.distributed import cap_threads, resolve_accelerator
     from framework.base.faults.events import FaultLog
-    from framework.rank.faults.restart import restart_label, resume_path
     from framework.base.metrics.emit import MetricEmitter
-    from framework.rank.module import LMModule
     from framework.base.registry import get_plugin_class
+    from framework.rank.data import TextDataModule
+    from framework.rank.faults.restart import restart_label, resume_path
+    from framework.rank.module import LMModule
 
     resolved, run = launch.resolved, launch.resolved.run
     rank = int(os.environ.get("RANK", "0"))
@@ -111,7 +111,9 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     emit = MetricEmitter(sinks, enabled=rank == 0)  # the one way this rank sends metrics
     flops = _flops_setup(run, vocab_size, accelerator, mlflow_sink)
     marks = {} if marks is None else marks
-    step_metrics, train_step, ckpt_plugins = _build_step(launch, plugin, rank, module.step_state, emit, flops, marks, log, segment)
+    step_metrics, train_step, ckpt_plugins = _build_step(
+        launch, plugin, rank, module.step_state, emit, flops, marks, log, segment
+    )
     trainer = _build_trainer(resolved, plugin, accelerator, [train_step], ckpt_plugins, launch.run_dir)
     ckpt_path = resume_path(launch, rank, log, segment)  # after an elastic restart: the newest valid checkpoint
     marks["t_fit"] = time.time()
@@ -119,7 +121,9 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
     if trainer.is_global_zero:
         summary = {**step_metrics.summary, "flops_per_token": float(flops.per_token), "peak_flops": flops.peak}
         if step_metrics.calibration_error is not None:  # MFU > 1: not logged; the peak is measured again
-            summary["mfu_calibration_error"] = _recalibrate(run, accelerator, flops, step_metrics.calibration_error, mlflow_sink)
+            summary["mfu_calibration_error"] = _recalibrate(
+                run, accelerator, flops, step_metrics.calibration_error, mlflow_sink
+            )
         (launch.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
@@ -152,24 +156,41 @@ def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) 
     from framework.base.metrics.flops import FLOPS_CONVENTION, peak_flops_info
     from framework.base.model import build_model  # only for the FLOPs count of the configured shape
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if accelerator == "cuda" else torch.device("cpu")
-    info = peak_flops_info(device, dtype=_peak_dtype(run), threads=torch.get_num_threads(), cache_dir=run.data.cache_dir)
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if accelerator == "cuda" else torch.device("cpu")
+    )
+    info = peak_flops_info(
+        device, dtype=_peak_dtype(run), threads=torch.get_num_threads(), cache_dir=run.data.cache_dir
+    )
     peak, peak_method = info.flops, info.method
     with torch.device("meta"):
         shape = build_model(run.model, vocab_size=vocab_size)
-        flops = _Flops(peak=peak, per_token=shape.flops_per_token(run.data.seq_len),
-                       hardware_per_token=shape.hardware_flops_per_token(run.data.seq_len))
+        flops = _Flops(
+            peak=peak,
+            per_token=shape.flops_per_token(run.data.seq_len),
+            hardware_per_token=shape.hardware_flops_per_token(run.data.seq_len),
+        )
     if mlflow_sink is not None:
         mlflow_sink.log_params(
-            {"mfu.peak_flops_per_device": f"{peak:.4g}", "mfu.peak_flops_method": peak_method,
-             **({"mfu.peak_measured_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(info.measured_at)),
-                 "mfu.peak_other_cpu_share": f"{info.other_cpu_share:.2f}"} if info.other_cpu_share is not None else {}),
-             "mfu.flops_convention": FLOPS_CONVENTION, "mfu.flops_per_token": str(flops.per_token)}
+            {
+                "mfu.peak_flops_per_device": f"{peak:.4g}",
+                "mfu.peak_flops_method": peak_method,
+                **(
+                    {
+                        "mfu.peak_measured_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(info.measured_at)),
+                        "mfu.peak_other_cpu_share": f"{info.other_cpu_share:.2f}",
+                    }
+                    if info.other_cpu_share is not None
+                    else {}
+                ),
+                "mfu.flops_convention": FLOPS_CONVENTION,
+                "mfu.flops_per_token": str(flops.per_token),
+            }
         )
     return flops
 
 
-def _recalibrate(run: Any, accelerator: str, flops: "_Flops", achieved: float, mlflow_sink: Any) -> str:
+def _recalibrate(run: Any, accelerator: str, flops: _Flops, achieved: float, mlflow_sink: Any) -> str:
     """A run's achieved FLOP/s per device exceeded its peak (MFU > 1, not logged): measure the peak
     again (the cache keeps the highest) and say so on stderr and in tag ``mfu.calibration_error``;
     returns that one line."""
@@ -177,12 +198,17 @@ def _recalibrate(run: Any, accelerator: str, flops: "_Flops", achieved: float, m
 
     from framework.base.metrics.flops import recalibrate
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if accelerator == "cuda" else torch.device("cpu")
-    info = recalibrate(device, dtype=_peak_dtype(run), threads=torch.get_num_threads(), cache_dir=run.data.cache_dir,
-                       achieved=achieved)
-    msg = (f"calibration error: the run achieved {achieved:.4g} FLOP/s per device, above the peak {flops.peak:.4g}"
-           f" ({'measured under load' if info.under_load else 'measured'}); MFU not logged; peak measured again:"
-           f" {info.flops:.4g} FLOP/s")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if accelerator == "cuda" else torch.device("cpu")
+    )
+    info = recalibrate(
+        device, dtype=_peak_dtype(run), threads=torch.get_num_threads(), cache_dir=run.data.cache_dir, achieved=achieved
+    )
+    msg = (
+        f"calibration error: the run achieved {achieved:.4g} FLOP/s per device, above the peak {flops.peak:.4g}"
+        f" ({'measured under load' if info.under_load else 'measured'}); MFU not logged; peak measured again:"
+        f" {info.flops:.4g} FLOP/s"
+    )
     print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
     if mlflow_sink is not None:
         try:
@@ -202,15 +228,33 @@ def _step_metrics(resolved: Any, clock: Any, flops: _Flops, emit: Any) -> Any:
     from framework.rank.callbacks.step_metrics import StepMetrics
 
     t = resolved.run.trainer
-    return StepMetrics(clock=clock, tokens_per_step=resolved.tokens_per_step, flops_per_token=flops.per_token,
-                       peak_flops=flops.peak, num_devices=resolved.world_size, log_every_n_steps=t.log_every_n_steps,
-                       warmup_steps_excluded=t.warmup_steps_excluded, emit=emit, progress_bar=t.progress_bar,
-                       hardware_flops_per_token=flops.hardware_per_token, dp_degree=resolved.layout.dp,
-                       grad_accum_steps=resolved.grad_accum_steps)
+    return StepMetrics(
+        clock=clock,
+        tokens_per_step=resolved.tokens_per_step,
+        flops_per_token=flops.per_token,
+        peak_flops=flops.peak,
+        num_devices=resolved.world_size,
+        log_every_n_steps=t.log_every_n_steps,
+        warmup_steps_excluded=t.warmup_steps_excluded,
+        emit=emit,
+        progress_bar=t.progress_bar,
+        hardware_flops_per_token=flops.hardware_per_token,
+        dp_degree=resolved.layout.dp,
+        grad_accum_steps=resolved.grad_accum_steps,
+    )
 
 
-def _build_step(launch: LaunchSpec, plugin: Any, rank: int, state: Any, emit: Any, flops: _Flops,
-                marks: dict[str, float], log: Any, segment: str) -> tuple[Any, Any, list]:
+def _build_step(
+    launch: LaunchSpec,
+    plugin: Any,
+    rank: int,
+    state: Any,
+    emit: Any,
+    flops: _Flops,
+    marks: dict[str, float],
+    log: Any,
+    segment: str,
+) -> tuple[Any, Any, list]:
     """``(step_metrics, train_step, checkpoint_plugins)``: the step's parts, each in its phase
     (:data:`framework.rank.step.PHASES`; the order within a phase is the order below), in one
     :class:`~framework.rank.step.TrainStep`, the Trainer's only callback; ``state``: the module's
@@ -218,6 +262,7 @@ def _build_step(launch: LaunchSpec, plugin: Any, rank: int, state: Any, emit: An
     ``log``: the run's event log (:class:`~framework.base.faults.events.FaultLog`), opened once by the rank;
     ``segment``: which (re)start of the ranks this is (:func:`framework.rank.faults.restart.restart_label`).
     """
+    from framework.base.distributed import resolve_accelerator
     from framework.rank.callbacks.activation_memory import ActivationMemory
     from framework.rank.callbacks.breakdown import StepBreakdown
     from framework.rank.callbacks.clock import StepClock
@@ -228,7 +273,6 @@ def _build_step(launch: LaunchSpec, plugin: Any, rank: int, state: Any, emit: An
     from framework.rank.checkpoint.memory import MemorySnapshot
     from framework.rank.checkpoint.periodic import PeriodicCheckpoint
     from framework.rank.checkpoint.policy import build_checkpointing
-    from framework.base.distributed import resolve_accelerator
     from framework.rank.faults.guard import build_fault_callbacks
     from framework.rank.step import TrainStep
 
@@ -236,13 +280,22 @@ def _build_step(launch: LaunchSpec, plugin: Any, rank: int, state: Any, emit: An
     clock = StepClock()  # step ends and the seconds outside training, for every part that reads them
     step_metrics = _step_metrics(resolved, clock, flops, emit)
     log_every = trainer_cfg.log_every_n_steps
-    breakdown = StepBreakdown(clock=clock, plugin=plugin, resolved=resolved, log_every_n_steps=log_every,
-                              warmup_steps_excluded=trainer_cfg.warmup_steps_excluded, emit=emit)
+    breakdown = StepBreakdown(
+        clock=clock,
+        plugin=plugin,
+        resolved=resolved,
+        log_every_n_steps=log_every,
+        warmup_steps_excluded=trainer_cfg.warmup_steps_excluded,
+        emit=emit,
+    )
     flush = FlushMetrics(clock=clock, emit=emit, on_time_spent=breakdown.add_logging_time) if emit.buffered else None
     # The folder CheckpointIO plugin and the checkpoint parts; on_time_spent gets the seconds the step was held;
     # a step's metrics so far are sent before its checkpoint is saved.
     ckpt_plugins, ckpt_callbacks = build_checkpointing(
-        resolved, is_global_zero=rank == 0, emit=emit, checkpoint_kind=plugin.capabilities.checkpoint_format,
+        resolved,
+        is_global_zero=rank == 0,
+        emit=emit,
+        checkpoint_kind=plugin.capabilities.checkpoint_format,
         on_time_spent=clock.add_checkpoint,
         before_save=flush.flush if flush is not None else None,
     )
@@ -252,34 +305,54 @@ def _build_step(launch: LaunchSpec, plugin: Any, rank: int, state: Any, emit: An
     if trainer_cfg.count_host_syncs:  # first of all: its window opens before any other part's batch start
         from framework.rank.callbacks.host_syncs import HostSyncs
 
-        parts.append(("probe", HostSyncs(log_every_n_steps=log_every,
-                                         val_every_n_steps=trainer_cfg.val_every_n_steps, emit=emit,
-                                         out_dir=launch.run_dir if rank == 0 else None,
-                                         cuda=resolve_accelerator(trainer_cfg.accelerator) == "cuda")))
+        parts.append(
+            (
+                "probe",
+                HostSyncs(
+                    log_every_n_steps=log_every,
+                    val_every_n_steps=trainer_cfg.val_every_n_steps,
+                    emit=emit,
+                    out_dir=launch.run_dir if rank == 0 else None,
+                    cuda=resolve_accelerator(trainer_cfg.accelerator) == "cuda",
+                ),
+            )
+        )
     if trainer_cfg.profile_steps is not None:
         from framework.rank.callbacks.profiler import StepProfiler
 
         first, last = trainer_cfg.profile_steps
         parts.append(("probe", StepProfiler(first=first, last=last, out_dir=launch.run_dir / "profile")))
-    validation = ValidationLoss(every_n_steps=trainer_cfg.val_every_n_steps, emit=emit, on_time_spent=clock.add_validation)
+    validation = ValidationLoss(
+        every_n_steps=trainer_cfg.val_every_n_steps, emit=emit, on_time_spent=clock.add_validation
+    )
     # compiled graphs save their own tensors (see ActivationMemory's docstring)
     activation = None if trainer_cfg.compile else ActivationMemory(clock=clock, log_every_n_steps=log_every, emit=emit)
-    preemption = Preemption(clock=clock, checkpoint=periodic, log=log if rank == 0 else None,
-                            segment=segment)
+    preemption = Preemption(clock=clock, checkpoint=periodic, log=log if rank == 0 else None, segment=segment)
     parts += [("boundary", clock), ("metrics", step_metrics), ("metrics", validation), ("metrics", activation)]
-    parts += [("faults", cb) for cb in build_fault_callbacks(launch, rank=rank, log=log, segment=segment, clock=clock, snapshot=snapshot)]  # [] w/o faults
+    parts += [
+        ("faults", cb)
+        for cb in build_fault_callbacks(launch, rank=rank, log=log, segment=segment, clock=clock, snapshot=snapshot)
+    ]  # [] w/o faults
     parts += [("checkpoint", cb) for cb in ckpt_callbacks] + [("checkpoint", preemption)]
-    parts += [("plugin", cb) for cb in plugin.callbacks(resolved, emit)]  # plugin-specific metrics (e.g. pipeline bubble)
+    parts += [
+        ("plugin", cb) for cb in plugin.callbacks(resolved, emit)
+    ]  # plugin-specific metrics (e.g. pipeline bubble)
     parts += [
         ("accounting", breakdown),
-        ("accounting", RunTimeline(log=log, clock=clock, launch_index=launch.launch_index, segment=segment,
-                                   marks=marks, enabled=rank == 0)),  # goodput and recovery counters
+        (
+            "accounting",
+            RunTimeline(
+                log=log, clock=clock, launch_index=launch.launch_index, segment=segment, marks=marks, enabled=rank == 0
+            ),
+        ),  # goodput and recovery counters
         ("send", flush),
     ]
     return step_metrics, TrainStep(state, parts), ckpt_plugins
 
 
-def _build_trainer(resolved: Any, plugin: Any, accelerator: str, callbacks: list, ckpt_plugins: list, run_dir: Path) -> Any:
+def _build_trainer(
+    resolved: Any, plugin: Any, accelerator: str, callbacks: list, ckpt_plugins: list, run_dir: Path
+) -> Any:
     """The Lightning ``Trainer``: the plugin's strategy, the run's precision, steps and accumulation;
     Lightning's own logging, checkpointing, validation loop and sampler are off (the step's parts do them)."""
     import pytorch_lightning as pl
@@ -333,8 +406,8 @@ def run_rank(launch_file: str) -> int:
     marks = {"t_proc": process_start_time(), "t_main": time.time()}
     faulthandler.enable(all_threads=True)
     _die_with_parent()
-    from framework.rank.callbacks.preemption import install_handlers
     from framework.base.distributed import kill_daemonic_children
+    from framework.rank.callbacks.preemption import install_handlers
 
     install_handlers()  # a preemption during start-up stops the rank after its first step
     _quiet_libraries()

@@ -7,7 +7,7 @@ Hydra instantiates sweepers only from classes under the ``hydra_plugins`` namesp
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
@@ -17,16 +17,36 @@ from omegaconf import DictConfig
 class TrainlabOptunaSweeper(Sweeper):
     """The Optuna sweeper with trainlab's failure semantics; the arguments are hydra-optuna-sweeper's."""
 
-    def __init__(self, sampler: Any, direction: Any, storage: Optional[Any], study_name: Optional[str], n_trials: int,
-                 n_jobs: int, max_failure_rate: float, search_space: Optional[DictConfig],
-                 custom_search_space: Optional[str], params: Optional[DictConfig]) -> None:
+    def __init__(
+        self,
+        sampler: Any,
+        direction: Any,
+        storage: Any | None,
+        study_name: str | None,
+        n_trials: int,
+        n_jobs: int,
+        max_failure_rate: float,
+        search_space: DictConfig | None,
+        custom_search_space: str | None,
+        params: DictConfig | None,
+    ) -> None:
         from framework.driver.search import OptunaSearch
 
-        self.sweeper = OptunaSearch(sampler, direction, storage, study_name, n_trials, n_jobs, max_failure_rate,
-                                    search_space, custom_search_space, params)
+        self.sweeper = OptunaSearch(
+            sampler,
+            direction,
+            storage,
+            study_name,
+            n_trials,
+            n_jobs,
+            max_failure_rate,
+            search_space,
+            custom_search_space,
+            params,
+        )
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.sweeper.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
-    def sweep(self, arguments: List[str]) -> None:
+    def sweep(self, arguments: list[str]) -> None:
         return self.sweeper.sweep(arguments)

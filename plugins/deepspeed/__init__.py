@@ -61,6 +61,7 @@ ZERO_TWINS = {
 """``zero_optimization`` keys of a user's DeepSpeed config -> the typed option they replace
 (the offload sections' ``device`` replaces ``offload_optimizer`` / ``offload_param`` too)."""
 
+
 def merge_dicts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """``base`` updated by ``over``, recursively for keys whose values are dicts on both sides (new dict)."""
     out = dict(base)
@@ -80,12 +81,18 @@ class DeepSpeedConfig(ParallelConfig):
     contiguous_gradients: bool = True  # copy reduced gradients into one contiguous buffer (less fragmentation)
     reduce_bucket_size: int = 50_000_000  # elements per gradient reduction bucket
     allgather_bucket_size: int = 50_000_000  # elements per parameter all-gather bucket (stages 1-2)
-    offload_optimizer: str = "none"  # none | cpu: optimizer state and its update in CPU memory (ZeRO-Offload; needs CUDA)
+    offload_optimizer: str = (
+        "none"  # none | cpu: optimizer state and its update in CPU memory (ZeRO-Offload; needs CUDA)
+    )
     offload_param: str = "none"  # none | cpu: parameters in CPU memory between uses (ZeRO-Infinity; stage 3, CUDA)
-    max_live_parameters: int = 1_000_000_000  # stage 3: most gathered parameter elements kept live (DeepSpeed's default)
+    max_live_parameters: int = (
+        1_000_000_000  # stage 3: most gathered parameter elements kept live (DeepSpeed's default)
+    )
     max_reuse_distance: int = 1_000_000_000  # stage 3: keep a gathered parameter if reused within this many elements
-    ds_config: dict[str, Any] = field(default_factory=dict)  # DeepSpeed config keys merged over trainlab's (module docstring)
-    ds_config_path: Optional[str] = None  # a DeepSpeed JSON config file, merged under ds_config
+    ds_config: dict[str, Any] = field(
+        default_factory=dict
+    )  # DeepSpeed config keys merged over trainlab's (module docstring)
+    ds_config_path: str | None = None  # a DeepSpeed JSON config file, merged under ds_config
 
     def user_ds_config(self) -> dict[str, Any]:
         """The user's DeepSpeed config: the JSON file at ``ds_config_path`` (if any) updated by ``ds_config``.
@@ -100,9 +107,13 @@ class DeepSpeedConfig(ParallelConfig):
                     from_file = json.load(fh)
             except (OSError, ValueError) as e:
                 reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0]
-                raise ConfigError(f"parallelism.ds_config_path={self.ds_config_path!r}: cannot read a JSON DeepSpeed config ({reason})") from None
+                raise ConfigError(
+                    f"parallelism.ds_config_path={self.ds_config_path!r}: cannot read a JSON DeepSpeed config ({reason})"
+                ) from None
             if not isinstance(from_file, dict):
-                raise ConfigError(f"parallelism.ds_config_path={self.ds_config_path!r} holds a JSON {type(from_file).__name__}, not an object")
+                raise ConfigError(
+                    f"parallelism.ds_config_path={self.ds_config_path!r} holds a JSON {type(from_file).__name__}, not an object"
+                )
         return merge_dicts(from_file, dict(self.ds_config))
 
     def _adopt_user_zero_options(self) -> None:
@@ -122,8 +133,10 @@ class DeepSpeedConfig(ParallelConfig):
             value, flag = zero[key], isinstance(getattr(self, name), bool)
             whole = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
             if not (isinstance(value, bool) if flag else whole):
-                raise ConfigError(f"parallelism.ds_config.zero_optimization.{key}={value!r} must be"
-                                  f" {'true or false' if flag else 'a whole number'} (it sets parallelism.{name})")
+                raise ConfigError(
+                    f"parallelism.ds_config.zero_optimization.{key}={value!r} must be"
+                    f" {'true or false' if flag else 'a whole number'} (it sets parallelism.{name})"
+                )
             setattr(self, name, value if flag else int(value))
         for name in ("offload_optimizer", "offload_param"):
             section = zero.get(name)
@@ -137,7 +150,9 @@ class DeepSpeedConfig(ParallelConfig):
             raise ConfigError(f"parallelism.zero_stage={self.zero_stage} is not a ZeRO stage; allowed: 0, 1, 2, 3")
         for key in ("offload_optimizer", "offload_param"):
             if getattr(self, key) not in OFFLOAD_DEVICES:
-                raise ConfigError(f"parallelism.{key}={getattr(self, key)!r} is not allowed; allowed: {', '.join(OFFLOAD_DEVICES)}")
+                raise ConfigError(
+                    f"parallelism.{key}={getattr(self, key)!r} is not allowed; allowed: {', '.join(OFFLOAD_DEVICES)}"
+                )
         if self.offload_param != "none" and self.zero_stage != 3:
             raise ConfigError(
                 f"parallelism.offload_param={self.offload_param!r} needs parallelism.zero_stage=3 (got {self.zero_stage});"
@@ -163,8 +178,10 @@ def check_user_ds_config(user: dict[str, Any], resolved: Any) -> None:
         ConfigError: one line naming the DeepSpeed key, its value and trainlab's.
     """
     run, layout = resolved.run, resolved.layout
-    arithmetic = (f"global_batch_size {resolved.global_batch_size} = micro_batch_size {resolved.micro_batch_size}"
-                  f" x grad_accum_steps {resolved.grad_accum_steps} x dp_degree {layout.dp}")
+    arithmetic = (
+        f"global_batch_size {resolved.global_batch_size} = micro_batch_size {resolved.micro_batch_size}"
+        f" x grad_accum_steps {resolved.grad_accum_steps} x dp_degree {layout.dp}"
+    )
     batch = {
         "train_micro_batch_size_per_gpu": ("trainer.micro_batch_size", resolved.micro_batch_size),
         "gradient_accumulation_steps": ("trainer.grad_accum_steps", resolved.grad_accum_steps),
@@ -178,17 +195,23 @@ def check_user_ds_config(user: dict[str, Any], resolved: Any) -> None:
             )
     clip = float(run.optim.grad_clip or 0.0)
     if "gradient_clipping" in user and float(user["gradient_clipping"]) != clip:
-        raise ConfigError(f"parallelism.ds_config.gradient_clipping={user['gradient_clipping']} contradicts optim.grad_clip={clip};"
-                          " remove the key or set optim.grad_clip")
+        raise ConfigError(
+            f"parallelism.ds_config.gradient_clipping={user['gradient_clipping']} contradicts optim.grad_clip={clip};"
+            " remove the key or set optim.grad_clip"
+        )
     for section, precision in (("fp16", "16-mixed"), ("bf16", "bf16-mixed")):
         enabled = isinstance(user.get(section), dict) and bool(user[section].get("enabled", False))
         if enabled and run.trainer.precision != precision:
-            raise ConfigError(f"parallelism.ds_config.{section}.enabled=true contradicts trainer.precision={run.trainer.precision!r};"
-                              f" set trainer.precision={precision} instead")
+            raise ConfigError(
+                f"parallelism.ds_config.{section}.enabled=true contradicts trainer.precision={run.trainer.precision!r};"
+                f" set trainer.precision={precision} instead"
+            )
     for section in ("optimizer", "scheduler"):
         if section in user:
-            raise ConfigError(f"parallelism.ds_config.{section} is not allowed: the run's AdamW and LR schedule are optim.*"
-                              " (trainlab hands them to DeepSpeed)")
+            raise ConfigError(
+                f"parallelism.ds_config.{section} is not allowed: the run's AdamW and LR schedule are optim.*"
+                " (trainlab hands them to DeepSpeed)"
+            )
 
 
 @register_plugin
@@ -200,8 +223,12 @@ class DeepSpeedPlugin(ParallelPlugin):
     # Checkpoints are DeepSpeed's own files, saved by its engine: no async writer, no deltas, and
     # its ZeRO optimizers do not take back a torch state dict from an in-memory snapshot.
     capabilities = PluginCapabilities(
-        checkpoint_format=KIND, loads_full_state=False, async_save=False, incremental_save=False,
-        memory_snapshots=False, no_snapshots_reason="so no resilience=rollback; resilience=restart resumes from the last checkpoint",
+        checkpoint_format=KIND,
+        loads_full_state=False,
+        async_save=False,
+        incremental_save=False,
+        memory_snapshots=False,
+        no_snapshots_reason="so no resilience=rollback; resilience=restart resumes from the last checkpoint",
         mesh_axes=("dp",),
     )
 
@@ -222,7 +249,9 @@ class DeepSpeedPlugin(ParallelPlugin):
                     " memory; CPU ranks hold everything in CPU memory already); allowed here: none"
                 )
         if run.trainer.precision == "16-mixed" and not on_cuda:
-            raise ConfigError("trainer.precision='16-mixed' with plugin 'deepspeed' needs CUDA ranks; allowed here: 32-true, bf16-mixed")
+            raise ConfigError(
+                "trainer.precision='16-mixed' with plugin 'deepspeed' needs CUDA ranks; allowed here: 32-true, bf16-mixed"
+            )
         check_user_ds_config(par.user_ds_config(), resolved)
 
     def build_strategy(self, resolved: Any) -> Any:

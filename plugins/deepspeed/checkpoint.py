@@ -36,11 +36,19 @@ from typing import Any
 
 import torch
 
-from framework.base.checkpoint.format import CheckpointError, commit_folder, new_temp_folder, prune, read_manifest, verify
+from framework.base.checkpoint.format import (
+    CheckpointError,
+    commit_folder,
+    new_temp_folder,
+    prune,
+    read_manifest,
+    verify,
+)
 from framework.base.checkpoint.io import SaveResult
-
 from plugins.deepspeed import KIND  # manifest "kind" of a DeepSpeed checkpoint (registered by the plugin package)
+
 TAG = "deepspeed"  # DeepSpeed's sub-folder (its "tag") inside a step folder
+
 
 def save_folder(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
     """Write ``checkpoint`` (Lightning's dict) as step folder ``filepath`` on every rank; see the module docstring.
@@ -59,10 +67,19 @@ def save_folder(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> Non
         strategy.barrier()
         if strategy.is_global_zero:
             manifest = {**io.manifest_fields, "kind": KIND, "base": None, "tokens_seen": step * io.tokens_per_step}
-            final = commit_folder(tmp, step, manifest, fsync_files=True)  # DeepSpeed writes its files with torch.save, no fsync
+            final = commit_folder(
+                tmp, step, manifest, fsync_files=True
+            )  # DeepSpeed writes its files with torch.save, no fsync
             prune(dirpath, io.keep_last_k)
-            io.record(SaveResult(step=step, kind="full", save_s=time.perf_counter() - t0, bytes=read_manifest(final)["bytes"],
-                                 path=final))
+            io.record(
+                SaveResult(
+                    step=step,
+                    kind="full",
+                    save_s=time.perf_counter() - t0,
+                    bytes=read_manifest(final)["bytes"],
+                    path=final,
+                )
+            )
     except BaseException:
         if strategy.is_global_zero:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -87,11 +104,17 @@ def universal_folder(path: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=out.parent))
         try:
-            ds_to_universal(argparse.Namespace(
-                input_folder=str(path / TAG), output_folder=str(tmp / TAG), num_extract_workers=1, num_merge_workers=1,
-                keep_temp_folder=False, strict=True,
-                inject_missing_state=True,  # the parameter-shape info Megatron-DeepSpeed adds; built from the files here
-            ))
+            ds_to_universal(
+                argparse.Namespace(
+                    input_folder=str(path / TAG),
+                    output_folder=str(tmp / TAG),
+                    num_extract_workers=1,
+                    num_merge_workers=1,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,  # the parameter-shape info Megatron-DeepSpeed adds; built from the files here
+                )
+            )
             os.rename(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -130,7 +153,10 @@ def load_folder(strategy: Any, path: Any) -> dict[str, Any]:
     engine._config.load_universal_checkpoint = universal
     try:
         _, client = engine.load_checkpoint(
-            str(load_dir), tag=TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False,
+            str(load_dir),
+            tag=TAG,
+            load_optimizer_states=fitting,
+            load_lr_scheduler_states=False,
             load_module_strict=strategy.lightning_module.strict_loading,
         )
     finally:

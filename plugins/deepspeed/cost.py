@@ -70,8 +70,9 @@ from framework.base.cost.comm import CommEstimate, ModelStats
 def zero_model_states_bytes(stats: ModelStats, cfg: Any, resolved: Any) -> int:
     """Modelled model-state bytes of one rank for ``cfg.zero_stage`` (table in the module docstring;
     :func:`framework.base.cost.memory.zero_model_states_bytes`)."""
-    return _memory.zero_model_states_bytes(stats, zero_stage=cfg.zero_stage, dp_degree=resolved.layout.dp,
-                                           grad_accum_steps=resolved.grad_accum_steps)
+    return _memory.zero_model_states_bytes(
+        stats, zero_stage=cfg.zero_stage, dp_degree=resolved.layout.dp, grad_accum_steps=resolved.grad_accum_steps
+    )
 
 
 def zero_comm_volume(stats: ModelStats, cfg: Any, resolved: Any) -> CommEstimate:
@@ -79,8 +80,13 @@ def zero_comm_volume(stats: ModelStats, cfg: Any, resolved: Any) -> CommEstimate
     :func:`framework.base.cost.comm.zero_comm_volume`). Stage 3 keeps gathered parameters from forward
     to backward when ``min(max_live_parameters, max_reuse_distance) >= Ψ``."""
     kept = cfg.zero_stage == 3 and min(cfg.max_live_parameters, cfg.max_reuse_distance) >= stats.num_params
-    return _comm.zero_comm_volume(stats, zero_stage=cfg.zero_stage, dp_degree=resolved.layout.dp,
-                                  grad_accum_steps=resolved.grad_accum_steps, stage3_keeps_gathered=kept)
+    return _comm.zero_comm_volume(
+        stats,
+        zero_stage=cfg.zero_stage,
+        dp_degree=resolved.layout.dp,
+        grad_accum_steps=resolved.grad_accum_steps,
+        stage3_keeps_gathered=kept,
+    )
 
 
 # DeepSpeed's communication backend (``deepspeed.comm.comm.cdb``, a TorchBackend) methods

@@ -29,9 +29,10 @@ as in ``torch.nn.utils.clip_grad_norm_``). No ``fp16``/``bf16`` section is writt
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Generator
+from typing import Any
 
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.accelerators.cuda import CUDAAccelerator
@@ -81,13 +82,15 @@ def deepspeed_config(cfg: Any, resolved: Any) -> dict[str, Any]:
     return merged
 
 
-def build_strategy(cfg: Any, resolved: Any) -> "ZeroStrategy":
+def build_strategy(cfg: Any, resolved: Any) -> ZeroStrategy:
     """A :class:`ZeroStrategy` for ``cfg`` on this machine's accelerator (gloo on CPU, NCCL on CUDA)."""
     import logging
     import warnings
 
     # DeepSpeed calls torch's all_gather_into_tensor / reduce_scatter_tensor, which warn on every call.
-    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+_tensor` is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*torch\.distributed\.\w+_tensor` is deprecated", category=FutureWarning
+    )
     accelerator = resolve_accelerator(resolved.run.trainer.accelerator)
     # DeepSpeed picks its accelerator once, at first use; say which before it is imported.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if accelerator == "cuda" else "cpu")

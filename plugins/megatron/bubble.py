@@ -20,8 +20,17 @@ from framework.base.cost.bubble import pp_bubble_fraction
 class PipelineBubble(pl.Callback):
     """Args: ``runner`` getter (the rank's PipelineRunner once built), degrees, cadence and the run's metric emitter."""
 
-    def __init__(self, *, runner: Any, pp: int, n_microbatches: int, virtual_stages: int, log_every_n_steps: int,
-                 warmup_steps_excluded: int, emit: Any) -> None:
+    def __init__(
+        self,
+        *,
+        runner: Any,
+        pp: int,
+        n_microbatches: int,
+        virtual_stages: int,
+        log_every_n_steps: int,
+        warmup_steps_excluded: int,
+        emit: Any,
+    ) -> None:
         self.runner = runner
         self.model = pp_bubble_fraction(pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
         self.log_every = log_every_n_steps
@@ -33,7 +42,9 @@ class PipelineBubble(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         runner = self.runner()
         recs = runner.take_step_records()
@@ -49,5 +60,7 @@ class PipelineBubble(pl.Callback):
         top = float(trainer.strategy.reduce(local.clone(), reduce_op="max"))
         self._busy = self._wall = 0.0
         if idle == idle:  # the emitter writes on rank 0 only
-            self.emit({"perf/pp_bubble_frac": mean, "perf/pp_bubble_frac_max": top, "perf/pp_bubble_frac_model": self.model},
-                      step)
+            self.emit(
+                {"perf/pp_bubble_frac": mean, "perf/pp_bubble_frac_max": top, "perf/pp_bubble_frac_model": self.model},
+                step,
+            )

@@ -24,7 +24,7 @@ distributed into the live TP/FSDP shards and pipeline stages by the same names.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ PREFIX = "model."  # LMModule's attribute holding the model (or the pipeline run
 TIED = PREFIX + "wte.weight"  # where the last stage's head copy is read from
 
 
-def saved_name(live: str) -> Optional[str]:
+def saved_name(live: str) -> str | None:
     """Checkpoint name of LightningModule entry ``live``; None for the pipeline's head copy (not saved).
 
     ``model.chunks.1.blocks.2.mlp.fc.weight`` -> ``model.blocks.2.mlp.fc.weight``; names outside a
@@ -46,7 +46,7 @@ def saved_name(live: str) -> Optional[str]:
     """
     if not live.startswith(PREFIX + "chunks."):
         return live
-    gpt = gpt_param_name(live[len(PREFIX):])
+    gpt = gpt_param_name(live[len(PREFIX) :])
     return None if gpt is None else PREFIX + gpt
 
 
@@ -72,7 +72,9 @@ def _rename_optim(osd: dict[str, Any], fn) -> dict[str, Any]:
     """Optimizer state keyed by parameter name (``get_optimizer_state_dict`` form), names mapped by ``fn``."""
     return {
         "state": _rename_model(osd["state"], fn),
-        "param_groups": [{**g, "params": [fn(n) for n in g["params"] if fn(n) is not None]} for g in osd["param_groups"]],
+        "param_groups": [
+            {**g, "params": [fn(n) for n in g["params"] if fn(n) is not None]} for g in osd["param_groups"]
+        ],
     }
 
 
@@ -114,16 +116,19 @@ class MeshCheckpointing(ShardedCheckpointing):
         osd["param_groups"] = [{**g, "params": names} for g, names in zip(osd["param_groups"], merged)]
         return osd
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         problems = self.broadcast(verify(path) if self.global_rank == 0 else None)  # one rank reads every byte
         if problems:
             raise CheckpointError("; ".join(problems))
-        return load_by_gpt_names(path, self.lightning_module, [unwrap_optimizer(o) for o in self.optimizers], self.param_order)
+        return load_by_gpt_names(
+            path, self.lightning_module, [unwrap_optimizer(o) for o in self.optimizers], self.param_order
+        )
 
 
-def load_by_gpt_names(path: Path, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                      order: list[str]) -> dict[str, Any]:
+def load_by_gpt_names(
+    path: Path, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], order: list[str]
+) -> dict[str, Any]:
     """Load checkpoint ``path`` (sharded at any layout, or a full one of ``single``/``ddp``) into a tp/pp ``module``.
 
     The checkpoint's kind decides (:mod:`framework.base.checkpoint.kinds`), as in
@@ -144,8 +149,10 @@ def load_by_gpt_names(path: Path, module: torch.nn.Module, optimizers: list[torc
     live_groups = [[n for g in o["param_groups"] for n in g["params"]] for o in live[OPTIM_KEY]]
     kind = kind_of(path)
     if kind.load_into_shards is not None:
-        renamed = {MODEL_KEY: _rename_model(live[MODEL_KEY], load_name),
-                   OPTIM_KEY: [_rename_optim(o, load_name) for o in live[OPTIM_KEY]]}
+        renamed = {
+            MODEL_KEY: _rename_model(live[MODEL_KEY], load_name),
+            OPTIM_KEY: [_rename_optim(o, load_name) for o in live[OPTIM_KEY]],
+        }
         tensors, _ = split_checkpoint(renamed)
         rest = kind.load_into_shards(path, tensors)  # into the live shards, resharding as needed
         saved = join_checkpoint(tensors, rest)
@@ -157,13 +164,18 @@ def load_by_gpt_names(path: Path, module: torch.nn.Module, optimizers: list[torc
         model_state = rest.pop(MODEL_KEY)
         optim_states = []
         for o, osd in zip(live[OPTIM_KEY], rest.pop(OPTIM_KEY, [])):
-            names = global_group_names([[load_name(n) for n in g["params"] if saved_name(n) is not None]
-                                        for g in o["param_groups"]], order)
+            names = global_group_names(
+                [[load_name(n) for n in g["params"] if saved_name(n) is not None] for g in o["param_groups"]], order
+            )
             if [len(g["params"]) for g in osd["param_groups"]] != [len(g) for g in names]:
-                raise CheckpointError(f"optimizer param groups of the checkpoint ({[len(g['params']) for g in osd['param_groups']]}"
-                                      f" parameters) do not match this model's ({[len(g) for g in names]})")
+                raise CheckpointError(
+                    f"optimizer param groups of the checkpoint ({[len(g['params']) for g in osd['param_groups']]}"
+                    f" parameters) do not match this model's ({[len(g) for g in names]})"
+                )
             by_pos = {pos: n for sg, ng in zip(osd["param_groups"], names) for pos, n in zip(sg["params"], ng)}
-            optim_states.append({"state": {by_pos[p]: s for p, s in osd["state"].items()}, "param_groups": osd["param_groups"]})
+            optim_states.append(
+                {"state": {by_pos[p]: s for p, s in osd["state"].items()}, "param_groups": osd["param_groups"]}
+            )
     missing = [load_name(k) for k in live[MODEL_KEY] if load_name(k) not in model_state]
     if missing:
         raise CheckpointError(f"{path}: no entry for {missing[:3]} (another model?)")

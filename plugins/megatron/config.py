@@ -33,7 +33,9 @@ class MegatronConfig(ParallelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"parallelism.schedule={self.schedule!r} is not a pipeline schedule; allowed: {', '.join(SCHEDULES)}")
+            raise ConfigError(
+                f"parallelism.schedule={self.schedule!r} is not a pipeline schedule; allowed: {', '.join(SCHEDULES)}"
+            )
         if self.data_parallel not in DATA_PARALLEL:
             raise ConfigError(
                 f"parallelism.data_parallel={self.data_parallel!r} is not allowed; allowed: {', '.join(DATA_PARALLEL)}"
@@ -70,10 +72,14 @@ def validate_run(cfg: MegatronConfig, run: Any, *, pp_degree: int, grad_accum_st
     kv = getattr(m, "n_kv_head", None) or m.n_head
     if kv % t:
         # Each TP rank holds whole key/value groups (framework/base/model/llama.py); replicating K/V heads is not implemented.
-        raise ConfigError(f"parallelism.tp_degree={t} must divide model.n_kv_head={kv} (grouped-query attention splits"
-                          f" key/value heads over tp; allowed: a divisor of {kv})")
+        raise ConfigError(
+            f"parallelism.tp_degree={t} must divide model.n_kv_head={kv} (grouped-query attention splits"
+            f" key/value heads over tp; allowed: a divisor of {kv})"
+        )
     if cfg.sequence_parallel and t > 1 and run.data.seq_len % t:
-        raise ConfigError(f"parallelism.sequence_parallel=true needs data.seq_len={run.data.seq_len} divisible by tp_degree={t}")
+        raise ConfigError(
+            f"parallelism.sequence_parallel=true needs data.seq_len={run.data.seq_len} divisible by tp_degree={t}"
+        )
     stages = pp_degree * cfg.virtual_stages
     if stages > m.n_layer:
         raise ConfigError(

@@ -23,7 +23,8 @@ left out).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -107,9 +108,13 @@ def install_funcol_meter() -> None:
             @functools.wraps(inner)
             def metered(tensor: torch.Tensor, *args: Any, **kwargs: Any):
                 group = kwargs.get("group")
-                if group is None:  # positional: all_reduce(t, op, group) / all_gather(t, dim, group) / reduce_scatter(t, op, dim, group)
+                if (
+                    group is None
+                ):  # positional: all_reduce(t, op, group) / all_gather(t, dim, group) / reduce_scatter(t, op, dim, group)
                     group = args[1] if kind in ("allreduce", "allgather") else args[2]
-                METER.report(kind, payload(tensor, _group_size(group) if kind == "allgather" else 1), _process_group(group))
+                METER.report(
+                    kind, payload(tensor, _group_size(group) if kind == "allgather" else 1), _process_group(group)
+                )
                 return inner(tensor, *args, **kwargs)
 
             metered._trainlab_metered = True
@@ -121,6 +126,7 @@ def install_funcol_meter() -> None:
 def meter_stage_sends(stage: Any) -> None:
     """Report the bytes of every forward-activation and backward-gradient send of ``stage`` (a PipelineStage)."""
     import torch.distributed as dist
+
     for method in ("get_fwd_send_ops", "get_bwd_send_ops"):
         inner = getattr(stage, method)
 

@@ -162,10 +162,15 @@ class PipelineRunner(nn.Module):
         self.pipe_stages = []
         for k in self.stage_ids:
             # Example tensors fix the shapes (no run-time shape inference); hidden states carry gradients.
-            inp = (torch.zeros(b, s, dtype=torch.long, device=device) if k == 0
-                   else torch.zeros(b, s, d_model, device=device, requires_grad=True))
+            inp = (
+                torch.zeros(b, s, dtype=torch.long, device=device)
+                if k == 0
+                else torch.zeros(b, s, d_model, device=device, requires_grad=True)
+            )
             out = torch.zeros(b, s, vocab_size if k == num_stages - 1 else d_model, device=device, requires_grad=True)
-            st = PipelineStage(self.chunks[str(k)], k, num_stages, device, input_args=(inp,), output_args=(out,), group=pp_group)
+            st = PipelineStage(
+                self.chunks[str(k)], k, num_stages, device, input_args=(inp,), output_args=(out,), group=pp_group
+            )
             meter_stage_sends(st)
             self._time_compute(st)
             self.pipe_stages.append(st)
@@ -197,7 +202,9 @@ class PipelineRunner(nn.Module):
         last = self.chunks[str(self.num_stages - 1)].head if self.has_last else None
         return first, last
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, num_tokens: torch.Tensor | None = None, num_micro_batches: int = 1) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor, num_tokens: torch.Tensor | None = None, num_micro_batches: int = 1
+    ) -> torch.Tensor:
         self._denominator = (num_tokens, num_micro_batches)
         if self.training and torch.is_grad_enabled():
             return self._train_step(x, y)
@@ -218,7 +225,11 @@ class PipelineRunner(nn.Module):
             self.schedule.step(**kwargs)
         self.step_records.append((start, self.clock.mark(), self._busy))
         self._sync_tied_grads()
-        loss = torch.stack([v.detach().float() for v in losses]).mean() if self.has_last else torch.zeros((), device=x.device)
+        loss = (
+            torch.stack([v.detach().float() for v in losses]).mean()
+            if self.has_last
+            else torch.zeros((), device=x.device)
+        )
         dist.broadcast(loss, group=self.pp_group, group_src=self.pp_size - 1)
         return loss
 

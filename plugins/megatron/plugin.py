@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework.base.distributed import process_group_backend, resolve_accelerator
 from framework.base.cost.comm import (
     CommEstimate,
     ModelStats,
@@ -43,8 +42,9 @@ from framework.base.cost.comm import (
     tp_payload_bytes_per_microbatch,
 )
 from framework.base.cost.memory import adamw_fp32_local_states_bytes
-from framework.base.metrics.timing import CommMeter
+from framework.base.distributed import process_group_backend, resolve_accelerator
 from framework.base.layout import ParallelLayout
+from framework.base.metrics.timing import CommMeter
 from framework.base.parallelize import ParallelPlan
 from framework.base.plugin import ParallelPlugin, PluginCapabilities
 from framework.base.registry import register_plugin
@@ -53,7 +53,9 @@ from plugins.megatron.config import MegatronConfig, validate_run
 from plugins.megatron.metering import METER, install_fsdp_meter, install_funcol_meter
 
 # Parameters that column/row parallelism shards over tp (the rest are replicated on every TP rank).
-_TP_SHARDED = re.compile(r"blocks\.\d+\.(attn\.qkv\.(weight|bias)|attn\.proj\.weight|mlp\.fc\.(weight|bias)|mlp\.proj\.weight)$")
+_TP_SHARDED = re.compile(
+    r"blocks\.\d+\.(attn\.qkv\.(weight|bias)|attn\.proj\.weight|mlp\.fc\.(weight|bias)|mlp\.proj\.weight)$"
+)
 
 
 class MegatronPlugin(ParallelPlugin):
@@ -64,8 +66,13 @@ class MegatronPlugin(ParallelPlugin):
     # Sharded (DCP) checkpoints keyed by the GPT's names: synchronous full saves, no in-memory
     # snapshots; with pp > 1 the pipeline schedule owns micro-batching.
     capabilities = PluginCapabilities(
-        checkpoint_format="dcp", async_save=False, incremental_save=False, memory_snapshots=False,
-        no_snapshots_reason="not tested with pipeline stages", mesh_axes=("pp", "dp", "tp"), owns_microbatching=True,
+        checkpoint_format="dcp",
+        async_save=False,
+        incremental_save=False,
+        memory_snapshots=False,
+        no_snapshots_reason="not tested with pipeline stages",
+        mesh_axes=("pp", "dp", "tp"),
+        owns_microbatching=True,
     )
 
     def __init__(self, cfg: MegatronConfig) -> None:
@@ -87,8 +94,10 @@ class MegatronPlugin(ParallelPlugin):
 
         accelerator = resolve_accelerator(resolved.run.trainer.accelerator)
         return MeshStrategy(
-            layout=resolved.layout, pipelined=resolved.owns_microbatching,
-            process_group_backend=process_group_backend(self.cfg.backend, accelerator), timeout_s=self.cfg.timeout_s,
+            layout=resolved.layout,
+            pipelined=resolved.owns_microbatching,
+            process_group_backend=process_group_backend(self.cfg.backend, accelerator),
+            timeout_s=self.cfg.timeout_s,
         )
 
     def parallel_plan(self, model: torch.nn.Module, module: Any) -> ParallelPlan:
@@ -187,12 +196,23 @@ class MegatronPlugin(ParallelPlugin):
                     g = dist.new_group(pair)
                     if dist.get_rank() in pair:
                         embed_group = g
-            device = module.trainer.strategy.root_device  # where the stages will run (the model may still be on the CPU)
+            device = (
+                module.trainer.strategy.root_device
+            )  # where the stages will run (the model may still be on the CPU)
             self.runner = PipelineRunner(
-                dict(zip(mine, stages)), num_stages=n_stages, pp_group=pp_mesh.get_group(), pp_rank=pp_rank, pp_size=p,
-                embed_group=embed_group, schedule_name=self.cfg.schedule, n_microbatches=resolved.grad_accum_steps,
-                micro_batch_size=resolved.micro_batch_size, seq_len=resolved.run.data.seq_len, d_model=model.d_model,
-                vocab_size=model.vocab_size, device=device,
+                dict(zip(mine, stages)),
+                num_stages=n_stages,
+                pp_group=pp_mesh.get_group(),
+                pp_rank=pp_rank,
+                pp_size=p,
+                embed_group=embed_group,
+                schedule_name=self.cfg.schedule,
+                n_microbatches=resolved.grad_accum_steps,
+                micro_batch_size=resolved.micro_batch_size,
+                seq_len=resolved.run.data.seq_len,
+                d_model=model.d_model,
+                vocab_size=model.vocab_size,
+                device=device,
             )
             return self.runner
 
@@ -213,9 +233,17 @@ class MegatronPlugin(ParallelPlugin):
         from plugins.megatron.bubble import PipelineBubble
 
         run = resolved.run
-        return [PipelineBubble(runner=lambda: self.runner, pp=resolved.layout.pp, n_microbatches=resolved.grad_accum_steps,
-                               virtual_stages=self.cfg.virtual_stages, log_every_n_steps=run.trainer.log_every_n_steps,
-                               warmup_steps_excluded=run.trainer.warmup_steps_excluded, emit=emit)]
+        return [
+            PipelineBubble(
+                runner=lambda: self.runner,
+                pp=resolved.layout.pp,
+                n_microbatches=resolved.grad_accum_steps,
+                virtual_stages=self.cfg.virtual_stages,
+                log_every_n_steps=run.trainer.log_every_n_steps,
+                warmup_steps_excluded=run.trainer.warmup_steps_excluded,
+                emit=emit,
+            )
+        ]
 
     # -- gradient norm and clipping (global over tp shards, pipeline stages and dp shards) --
     def _params(self, module: Any) -> list[torch.nn.Parameter]:
@@ -244,7 +272,9 @@ class MegatronPlugin(ParallelPlugin):
                 for dim_name in ("dp", "tp"):
                     if dim_name in names:
                         pl = g.placements[names.index(dim_name)]
-                        replicas *= getattr(lay, dim_name) if pl.is_replicate() else 1  # Shard or FSDP's _StridedShard: 1
+                        replicas *= (
+                            getattr(lay, dim_name) if pl.is_replicate() else 1
+                        )  # Shard or FSDP's _StridedShard: 1
                     else:
                         replicas *= getattr(lay, dim_name)
                 t = g.to_local()
@@ -281,23 +311,42 @@ class MegatronPlugin(ParallelPlugin):
         m = resolved.grad_accum_steps
         out: dict[str, int] = {}
         # A pipeline rank runs only its stages' blocks.
-        layers = sum(len(c.blocks) for c in self.runner.chunks.values()) if self.runner is not None else run.model.n_layer
-        tp = tp_payload_bytes_per_microbatch(micro_batch_size=b, seq_len=s, d_model=h, n_layer=layers, tp=lay.tp,
-                                             sequence_parallel=self.cfg.sequence_parallel, elem_bytes=stats.grad_bytes)
+        layers = (
+            sum(len(c.blocks) for c in self.runner.chunks.values()) if self.runner is not None else run.model.n_layer
+        )
+        tp = tp_payload_bytes_per_microbatch(
+            micro_batch_size=b,
+            seq_len=s,
+            d_model=h,
+            n_layer=layers,
+            tp=lay.tp,
+            sequence_parallel=self.cfg.sequence_parallel,
+            elem_bytes=stats.grad_bytes,
+        )
         for k, v in tp.items():
             out[k] = out.get(k, 0) + v * m
         if lay.tp > 1 and self.cfg.sequence_parallel:
             out["allreduce"] = out.get("allreduce", 0) + sp_norm_grad_allreduce_bytes(
-                n_layer=layers, d_model=h, bias=run.model.bias, elem_bytes=stats.grad_bytes)
+                n_layer=layers, d_model=h, bias=run.model.bias, elem_bytes=stats.grad_bytes
+            )
         groups: dict[str, int] = dict.fromkeys(out, lay.tp)  # TP's collectives (and SP's norm all-reduce): the tp group
         if lay.pp > 1 and self.runner is not None:
             r = self.runner
-            out["p2p"] = pp_p2p_bytes_per_step(stage_ids=r.stage_ids, num_stages=r.num_stages, n_microbatches=m,
-                                               micro_batch_size=b, seq_len=s, d_model=h, elem_bytes=stats.grad_bytes)
+            out["p2p"] = pp_p2p_bytes_per_step(
+                stage_ids=r.stage_ids,
+                num_stages=r.num_stages,
+                n_microbatches=m,
+                micro_batch_size=b,
+                seq_len=s,
+                d_model=h,
+                elem_bytes=stats.grad_bytes,
+            )
             if r.embed_group is not None:
                 embed = math.prod(r.tied_params()[0].shape if r.has_first else r.tied_params()[1].shape)
                 embed_local = embed // (lay.dp if self.cfg.data_parallel == "fsdp" and lay.dp > 1 else 1)
-                out["allreduce"] = out.get("allreduce", 0) + embed_local * stats.grad_bytes * (int(r.has_first) + int(r.has_last))
+                out["allreduce"] = out.get("allreduce", 0) + embed_local * stats.grad_bytes * (
+                    int(r.has_first) + int(r.has_last)
+                )
                 groups.setdefault("allreduce", 2)  # the embedding group: first and last stage
             groups["p2p"] = 2
         if self._fsdp_metered():
@@ -307,7 +356,10 @@ class MegatronPlugin(ParallelPlugin):
             # ln_f) stays unsharded between forward and backward (FSDP2 does not reshard the root
             # after forward) - and reduce-scatter all gradients.
             def full(names_ok) -> int:
-                return sum(sh[0] * lay.dp * math.prod(sh[1:]) for n, sh in self._local_shapes if names_ok(n)) * stats.param_bytes
+                return (
+                    sum(sh[0] * lay.dp * math.prod(sh[1:]) for n, sh in self._local_shapes if names_ok(n))
+                    * stats.param_bytes
+                )
 
             every, blocks = full(lambda n: True), full(lambda n: n.startswith("blocks."))
             out["allgather"] = out.get("allgather", 0) + m * (every + blocks)

@@ -49,8 +49,12 @@ class MeshStrategy(MeshCheckpointing, LayoutStrategy):
     """
 
     def __init__(self, *, layout: Any, pipelined: bool, process_group_backend: str, timeout_s: int) -> None:
-        super().__init__(layout=layout, process_group_backend=process_group_backend, timeout_s=timeout_s,
-                         save_distributed_checkpoint=True)
+        super().__init__(
+            layout=layout,
+            process_group_backend=process_group_backend,
+            timeout_s=timeout_s,
+            save_distributed_checkpoint=True,
+        )
         self.pipelined = pipelined
 
     def setup_optimizers(self, trainer: Any) -> None:

@@ -76,10 +76,14 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: 
     if sequence_parallel:
         # Replicated embedding output -> this rank's slice of the sequence (no forward comm).
         parallelize_module(
-            blocks[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+            blocks[0],
+            tp_mesh,
+            PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
         )
         # Sequence-sharded residual stream -> the whole sequence for ln_f and the replicated head.
         parallelize_module(
-            model.ln_f, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+            model.ln_f,
+            tp_mesh,
+            PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
         )
     return model

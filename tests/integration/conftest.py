@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from framework.base.testing.conformance import SMALL_DATA as CONFORMANCE_DATA, Conformance
+from framework.base.testing.conformance import SMALL_DATA as CONFORMANCE_DATA
+from framework.base.testing.conformance import Conformance
 from framework.base.tracking import read_jsonl_metrics
 
 SMALL_DATA = list(CONFORMANCE_DATA)  # the conformance suite's slice: one token cache for both
@@ -61,14 +62,24 @@ class Runner:
     def args(self, *overrides: str) -> list[str]:
         flags = [o for o in overrides if o.startswith("-")]  # e.g. -m must precede the overrides
         rest = [o for o in overrides if not o.startswith("-")]
-        return [sys.executable, "-m", "framework.train", *flags, *SMALL_DATA, f"data.cache_dir={self.cache}",
-                "trainer.progress_bar=false", *rest]
+        return [
+            sys.executable,
+            "-m",
+            "framework.train",
+            *flags,
+            *SMALL_DATA,
+            f"data.cache_dir={self.cache}",
+            "trainer.progress_bar=false",
+            *rest,
+        ]
 
     def run(self, *overrides: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         self._seed_mlflow_store()
         proc = subprocess.run(self.args(*overrides), cwd=self.workdir, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
-            raise AssertionError(f"driver exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
+            raise AssertionError(
+                f"driver exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+            )
         return proc
 
     def start(self, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -77,8 +88,15 @@ class Runner:
         ``env``: extra environment variables for the driver and its ranks.
         """
         self._seed_mlflow_store()
-        return subprocess.Popen(self.args(*overrides), cwd=self.workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True, env={**os.environ, **(env or {})})
+        return subprocess.Popen(
+            self.args(*overrides),
+            cwd=self.workdir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
 
     def metrics(self, run_name: str, experiment: str = "default") -> list[dict]:
         return read_jsonl_metrics(self.workdir / "outputs" / experiment / run_name / "metrics.jsonl")
@@ -127,7 +145,17 @@ def single_ref(tmp_path_factory, data_cache) -> list[dict]:
     """The metric records of `single` with one micro-batch of 8 (global batch 8) for ``REF_STEPS`` steps, every
     step logged: the one reference run of the layout-parity tests (test_train_e2e, test_megatron, test_deepspeed)."""
     r = Runner(tmp_path_factory.mktemp("single_ref"), data_cache)
-    r.run("parallelism=single", "trainer.micro_batch_size=8", "trainer.global_batch_size=8", "trainer.grad_accum_steps=null",
-          f"trainer.max_steps={REF_STEPS}", "trainer.log_every_n_steps=1", "trainer.val_every_n_steps=1000",
-          "trainer.val_sequences=16", "checkpoint=none", "tracking=none", "run_name=ref")
+    r.run(
+        "parallelism=single",
+        "trainer.micro_batch_size=8",
+        "trainer.global_batch_size=8",
+        "trainer.grad_accum_steps=null",
+        f"trainer.max_steps={REF_STEPS}",
+        "trainer.log_every_n_steps=1",
+        "trainer.val_every_n_steps=1000",
+        "trainer.val_sequences=16",
+        "checkpoint=none",
+        "tracking=none",
+        "run_name=ref",
+    )
     return r.metrics("ref")

@@ -22,12 +22,27 @@ pytestmark = pytest.mark.slow
 MAX_STEPS = 20
 # A small model and few validation windows keep each start to seconds on 2 cores; accumulation
 # (2 micro-batches per step) is on, so resume must also land on an optimizer-step boundary.
-SMALL = ["model.n_layer=2", "model.n_head=2", "model.d_model=64", "trainer.val_sequences=16", "tracking=none",
-         f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=5",
-         "checkpoint.keep_last_k=2", "trainer.global_batch_size=8"]
-LAYOUT = {"single": ["parallelism=single", "trainer.micro_batch_size=4", "checkpoint=incremental",
-                     "checkpoint.full_every_n_saves=3"],
-          "ddp": ["parallelism=ddp", "trainer.micro_batch_size=2", "checkpoint=async"]}
+SMALL = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.d_model=64",
+    "trainer.val_sequences=16",
+    "tracking=none",
+    f"trainer.max_steps={MAX_STEPS}",
+    "trainer.log_every_n_steps=1",
+    "checkpoint.every_n_steps=5",
+    "checkpoint.keep_last_k=2",
+    "trainer.global_batch_size=8",
+]
+LAYOUT = {
+    "single": [
+        "parallelism=single",
+        "trainer.micro_batch_size=4",
+        "checkpoint=incremental",
+        "checkpoint.full_every_n_saves=3",
+    ],
+    "ddp": ["parallelism=ddp", "trainer.micro_batch_size=2", "checkpoint=async"],
+}
 
 
 def _tensors(obj, prefix=""):
@@ -53,7 +68,9 @@ def assert_bitwise_equal(got_dir, ref_dir):
     # the non-tensor parts of the RNG states (python's, numpy's position) and the LR schedule
     for a, b in zip(got["trainlab"]["rng"], ref["trainlab"]["rng"]):
         assert a["python"] == b["python"]
-        assert {k: v for k, v in a["numpy"].items() if k != "keys"} == {k: v for k, v in b["numpy"].items() if k != "keys"}
+        assert {k: v for k, v in a["numpy"].items() if k != "keys"} == {
+            k: v for k, v in b["numpy"].items() if k != "keys"
+        }
     assert got["lr_schedulers"][0]["last_epoch"] == ref["lr_schedulers"][0]["last_epoch"]
 
 
@@ -66,13 +83,16 @@ def assert_converted_gives_the_next_step_loss(runner, name: str, ckpt_dir, step:
 
     from framework.base.config.schema import ModelConfig
     from framework.base.data.dataset import WindowDataset
-    from framework.rank.data.sampler import StepBatchSampler
     from framework.base.data.tokens import TokenCache
     from framework.base.model import GPT
+    from framework.rank.data.sampler import StepBatchSampler
 
     out = runner.workdir / "model.pt"
-    subprocess.run([sys.executable, "-m", "framework.checkpoint", "convert", str(ckpt_dir / f"step{step:08d}"),
-                    "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "framework.checkpoint", "convert", str(ckpt_dir / f"step{step:08d}"), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     launch = json.loads((runner.workdir / "outputs" / "ref" / name / "launch.json").read_text())
     run = launch["resolved"]["run"]
     cache = TokenCache.open(launch["token_cache_dir"])
@@ -80,8 +100,15 @@ def assert_converted_gives_the_next_step_loss(runner, name: str, ckpt_dir, step:
     model.load_state_dict(torch.load(out, weights_only=True), strict=True)
     ds = WindowDataset(cache.open_train(), run["data"]["seq_len"])
     gbs = run["trainer"]["global_batch_size"]
-    sampler = StepBatchSampler(len(ds), global_batch_size=gbs, micro_batch_size=gbs, dp_rank=0, dp_size=1,
-                               seed=run["data"]["seed"], max_steps=MAX_STEPS)
+    sampler = StepBatchSampler(
+        len(ds),
+        global_batch_size=gbs,
+        micro_batch_size=gbs,
+        dp_rank=0,
+        dp_size=1,
+        seed=run["data"]["seed"],
+        max_steps=MAX_STEPS,
+    )
     x, y = (torch.stack(t) for t in zip(*(ds[i] for i in sampler.step_windows(step))))  # 0-based: step k+1's batch
     with torch.no_grad():
         loss = float(model(x, y))
@@ -116,7 +143,9 @@ def test_sigkilled_runs_resume_bitwise(runner, plugin):
     if plugin == "single":  # full, delta, delta, full
         assert [("ckpt/delta_ratio" in ckpt_metrics[s]) for s in (5, 10, 15, 20)] == [False, True, True, False]
         assert 0 < ckpt_metrics[10]["ckpt/delta_ratio"] < 1
-        assert_converted_gives_the_next_step_loss(runner, name, ref_dir, 15)  # step 15 is a delta: rebuilt, then converted
+        assert_converted_gives_the_next_step_loss(
+            runner, name, ref_dir, 15
+        )  # step 15 is a delta: rebuilt, then converted
     ckpt = runner.workdir / "checkpoints" / "default" / name
     done = lambda step: (ckpt / f"step{step:08d}" / "manifest.json").exists()  # noqa: E731
     resumed = []
@@ -157,5 +186,7 @@ def test_sigkilled_runs_resume_bitwise(runner, plugin):
     # a mismatch names the first step (and so the run) that went off
     executed = [(int(r["step"]), r["train/loss"]) for r in runner.metrics(name) if "train/loss" in r]
     off = [(i, step, loss, ref[step]) for i, (step, loss) in enumerate(executed) if loss != ref[step]]
-    assert not off, f"(record, step, loss, uninterrupted loss) of the first steps that differ: {off[:3]}; resumed at {resumed}"
+    assert not off, (
+        f"(record, step, loss, uninterrupted loss) of the first steps that differ: {off[:3]}; resumed at {resumed}"
+    )
     assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", ref_dir / f"step{MAX_STEPS:08d}")

@@ -18,8 +18,14 @@ pytestmark = pytest.mark.slow
 # ZeRO runs the same AdamW on flat fp32 partitions and sums the same micro-batch gradients.
 PARITY_RTOL = 1e-5
 STAGES = (1, 2, 3)
-COMMON = ["trainer.max_steps=20", "trainer.log_every_n_steps=1", "trainer.warmup_steps_excluded=1",
-          "trainer.global_batch_size=8", "trainer.grad_accum_steps=null", "trainer.val_sequences=16"]
+COMMON = [
+    "trainer.max_steps=20",
+    "trainer.log_every_n_steps=1",
+    "trainer.warmup_steps_excluded=1",
+    "trainer.global_batch_size=8",
+    "trainer.grad_accum_steps=null",
+    "trainer.val_sequences=16",
+]
 # Checkpoints at step 15 only (every 15 steps, no save at the end). Resumed runs stop at step 18:
 # steps 1-20 are all LR warm-up (optim.warmup_steps=20), so the LR of steps 16-18 does not depend
 # on trainer.max_steps (which the run name leaves out).
@@ -34,8 +40,14 @@ def zero_runs(tmp_path_factory, data_cache, single_ref) -> Runner:
     runner = Runner(tmp_path_factory.mktemp("zero"), data_cache)
     runner.ref = single_ref  # `single`, micro-batch 8, the same 20 steps
     # One sweep (MLflow on): 2 ranks x micro-batch 2 x grad_accum_steps 2; a checkpoint at step 15 for the resume tests.
-    runner.run("-m", "parallelism=zero1,zero2,zero3", "trainer.micro_batch_size=2", "checkpoint.every_n_steps=15",
-               "checkpoint.save_last=False", *COMMON)  # (a sweep names the run with Hydra's spelling, False)
+    runner.run(
+        "-m",
+        "parallelism=zero1,zero2,zero3",
+        "trainer.micro_batch_size=2",
+        "checkpoint.every_n_steps=15",
+        "checkpoint.save_last=False",
+        *COMMON,
+    )  # (a sweep names the run with Hydra's spelling, False)
     return runner
 
 
@@ -81,11 +93,19 @@ def test_measured_bytes_match_the_zero_model(zero_runs, stage):
     assert len(records) >= 15
     for r in records:
         assert r["mem/model_states_bytes"] == pytest.approx(r["mem/model_states_bytes_model"], rel=0.05)
-        kinds = {k[len("perf/comm_bytes_"):-len("_model")] for k in r if k.startswith("perf/comm_bytes_") and k.endswith("_model")}
+        kinds = {
+            k[len("perf/comm_bytes_") : -len("_model")]
+            for k in r
+            if k.startswith("perf/comm_bytes_") and k.endswith("_model")
+        }
         kinds -= {"wire", ""}  # perf/comm_bytes_model, perf/comm_bytes_wire_model: totals
         assert kinds, r
         for kind in kinds:
-            assert abs(r[f"perf/comm_bytes_{kind}"] - r[f"perf/comm_bytes_{kind}_model"]) <= SCALAR_BYTES, (stage, kind, r)
+            assert abs(r[f"perf/comm_bytes_{kind}"] - r[f"perf/comm_bytes_{kind}_model"]) <= SCALAR_BYTES, (
+                stage,
+                kind,
+                r,
+            )
         assert r["perf/comm_bytes_model"] > 0
 
 
@@ -99,8 +119,14 @@ def test_resume_auto_continues_a_zero3_run_exactly(zero_runs):
     ref = losses(zero_runs.metrics(name))
     # The sweep's zero3 job again, as a single run of its run_name: resume=auto finds step 15 (the run
     # saved no later one) and replays 16..18.
-    again = zero_runs.run("parallelism=zero3", "trainer.micro_batch_size=2", "checkpoint.every_n_steps=15",
-                          "checkpoint.save_last=False", f"run_name='{name}'", *RESUMED)
+    again = zero_runs.run(
+        "parallelism=zero3",
+        "trainer.micro_batch_size=2",
+        "checkpoint.every_n_steps=15",
+        "checkpoint.save_last=False",
+        f"run_name='{name}'",
+        *RESUMED,
+    )
     assert f"resuming from checkpoints/default/{name}/step00000015" in again.stdout
     got = losses(zero_runs.metrics(name))
     for step in range(16, 19):
@@ -120,12 +146,27 @@ def test_zero_checkpoint_resumes_at_1_rank_and_back_at_2_ranks(zero_runs, stage)
     name = _run_name(zero_runs, stage)
     ref = losses(zero_runs.metrics(name))
     two = zero_runs.workdir / "checkpoints" / "default" / name / "step00000015"
-    zero_runs.run(f"parallelism=zero{stage}", "parallelism.world_size=1", "trainer.micro_batch_size=2", f"run_name=to1_{stage}",
-                  f"resume='{two}'", "checkpoint.every_n_steps=15", "tracking=none", *RESUMED)
+    zero_runs.run(
+        f"parallelism=zero{stage}",
+        "parallelism.world_size=1",
+        "trainer.micro_batch_size=2",
+        f"run_name=to1_{stage}",
+        f"resume='{two}'",
+        "checkpoint.every_n_steps=15",
+        "tracking=none",
+        *RESUMED,
+    )
     assert (two.parent / ".universal" / two.name).is_dir()
     one = zero_runs.workdir / "checkpoints" / "default" / f"to1_{stage}" / "step00000018"
-    zero_runs.run(f"parallelism=zero{stage}", "trainer.micro_batch_size=4", f"run_name=to2_{stage}", f"resume='{one}'",
-                  "checkpoint=none", "tracking=none", *COMMON)
+    zero_runs.run(
+        f"parallelism=zero{stage}",
+        "trainer.micro_batch_size=4",
+        f"run_name=to2_{stage}",
+        f"resume='{one}'",
+        "checkpoint=none",
+        "tracking=none",
+        *COMMON,
+    )
     got = {**losses(zero_runs.metrics(f"to1_{stage}")), **losses(zero_runs.metrics(f"to2_{stage}"))}
     assert sorted(got) == list(range(16, 21))
     for step in got:  # other splits of the same global batch: float32 rounding only
@@ -143,12 +184,14 @@ def test_a_deepspeed_checkpoint_is_refused_by_other_plugins_before_any_rank(zero
     assert proc.returncode == 2
     assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [
         f"trainlab: error: resume={str(ckpt)!r}: a 'deepspeed' checkpoint cannot be loaded by plugin 'single';"
-        " allowed: parallelism=zero1|zero2|zero3"]
+        " allowed: parallelism=zero1|zero2|zero3"
+    ]
 
 
 def test_bad_zero_stage_fails_before_any_rank(runner):
     proc = runner.run("parallelism=zero2", "parallelism.zero_stage=5", check=False)
     assert proc.returncode == 2
     assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [
-        "trainlab: error: parallelism.zero_stage=5 is not a ZeRO stage; allowed: 0, 1, 2, 3"]
+        "trainlab: error: parallelism.zero_stage=5 is not a ZeRO stage; allowed: 0, 1, 2, 3"
+    ]
     assert not list(runner.workdir.glob("outputs/**/launch.json"))

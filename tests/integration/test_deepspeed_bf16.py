@@ -12,9 +12,17 @@ from tests.integration.conftest import Runner
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["trainer.max_steps=4", "trainer.log_every_n_steps=1", "trainer.warmup_steps_excluded=1",
-          "trainer.global_batch_size=8", "trainer.grad_accum_steps=null", "trainer.val_sequences=16",
-          "trainer.micro_batch_size=2", "trainer.precision=bf16-mixed", "checkpoint.save_last=False"]
+COMMON = [
+    "trainer.max_steps=4",
+    "trainer.log_every_n_steps=1",
+    "trainer.warmup_steps_excluded=1",
+    "trainer.global_batch_size=8",
+    "trainer.grad_accum_steps=null",
+    "trainer.val_sequences=16",
+    "trainer.micro_batch_size=2",
+    "trainer.precision=bf16-mixed",
+    "checkpoint.save_last=False",
+]
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,22 @@ pytestmark = pytest.mark.slow
 
 MAX_STEPS = 12
 EXPERIMENT = "faults"
-COMMON = ["parallelism=ddp", "model.n_layer=2", "model.n_head=2", "model.d_model=64", "trainer.val_sequences=16",
-          f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1", "trainer.val_every_n_steps=100",
-          "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "checkpoint.every_n_steps=5",
-          "checkpoint.keep_last_k=2", f"experiment_name={EXPERIMENT}", "tracking.system_metrics_interval_s=0"]
+COMMON = [
+    "parallelism=ddp",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.d_model=64",
+    "trainer.val_sequences=16",
+    f"trainer.max_steps={MAX_STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_every_n_steps=100",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=2",
+    "checkpoint.every_n_steps=5",
+    "checkpoint.keep_last_k=2",
+    f"experiment_name={EXPERIMENT}",
+    "tracking.system_metrics_interval_s=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +83,9 @@ def _mlflow_history(fr, name, key) -> dict[int, float]:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{fr.workdir / 'mlruns.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
-                                filter_string=f"attributes.run_name = '{name}'")
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name(EXPERIMENT).experiment_id], filter_string=f"attributes.run_name = '{name}'"
+    )
     points = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
     assert len(points) == len({s for s, _ in points}), f"{key}: more than one point at a step: {sorted(points)}"
     return dict(points)
@@ -99,11 +112,19 @@ def test_nan_grad_skip_step_equals_a_run_without_that_update(fr):
     # run had one step earlier; both counters are logged. (3): the logged grad norm of step 8 is rank 1's NaN.
     rec = {int(r["step"]): r for r in fr.metrics("nan_skip", experiment=EXPERIMENT) if "train/lr" in r}
     ref_lr = {int(r["step"]): r["train/lr"] for r in fr.metrics("ref", experiment=EXPERIMENT) if "train/lr" in r}
-    assert [rec[s]["train/lr"] for s in range(1, MAX_STEPS + 1)] == [ref_lr[s - (s > 8)] for s in range(1, MAX_STEPS + 1)]
+    assert [rec[s]["train/lr"] for s in range(1, MAX_STEPS + 1)] == [
+        ref_lr[s - (s > 8)] for s in range(1, MAX_STEPS + 1)
+    ]
     assert rec[9]["train/lr"] == rec[8]["train/lr"] < ref_lr[9]
     assert [(rec[s]["train/steps_attempted"], rec[s]["train/optimizer_updates"]) for s in (7, 8, 9, MAX_STEPS)] == [
-        (7, 7), (8, 7), (9, 8), (MAX_STEPS, MAX_STEPS - 1)]
-    assert math.isnan(rec[8]["train/grad_norm"]) and all(math.isfinite(rec[s]["train/grad_norm"]) for s in rec if s != 8)
+        (7, 7),
+        (8, 7),
+        (9, 8),
+        (MAX_STEPS, MAX_STEPS - 1),
+    ]
+    assert math.isnan(rec[8]["train/grad_norm"]) and all(
+        math.isfinite(rec[s]["train/grad_norm"]) for s in rec if s != 8
+    )
     m = _mlflow_metrics(fr, "nan_skip")
     assert m["fault/injected"] == 1 and m["fault/detected"] == 1 and m["fault/detect_latency_steps"] == 0
     assert m["recovery/skipped_steps"] == 1 and m["recovery/restarts"] == 0 and 0 < m["goodput"] < 1
@@ -115,9 +136,13 @@ def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
     (2) rank 1 crashes in step 12 -> the restart skips checkpoint 10 (checksum) and resumes from 5:
     6 steps recomputed. Final weights, optimizer and RNG states bitwise-identical to an
     uninterrupted run; the driver logged it all into the same MLflow run."""
-    proc = fr.go("hang_corrupt_crash", "resilience=restart", "resilience.hang_timeout_s=6",
-                 "fault.events=[{kind:hang,step:7,ranks:[1],delay_s:3600},{kind:ckpt_corrupt,step:11,ranks:[0]},"
-                 "{kind:rank_crash,step:12,ranks:[1]}]")
+    proc = fr.go(
+        "hang_corrupt_crash",
+        "resilience=restart",
+        "resilience.hang_timeout_s=6",
+        "fault.events=[{kind:hang,step:7,ranks:[1],delay_s:3600},{kind:ckpt_corrupt,step:11,ranks:[0]},"
+        "{kind:rank_crash,step:12,ranks:[1]}]",
+    )
     fr.go("ref")
     log = _log(fr, "hang_corrupt_crash")
     starts = [r for r in log if r["ev"] == "start"]
@@ -133,7 +158,9 @@ def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
     assert 0.0 < first - hang_inj["t"] <= 6.0 + 1.5 + 2.0, "detected within the timeout (+ poll + slack)"
     (corrupt,) = [r for r in log if r["ev"] == "resume_skipped_corrupt"]
     assert "step00000010" in corrupt["detail"] and "skipping corrupt checkpoint" in proc.stderr
-    assert [r["kind"] for r in log if r["ev"] == "injected"] == ["hang", "ckpt_corrupt", "rank_crash"], "each fired once"
+    assert [r["kind"] for r in log if r["ev"] == "injected"] == ["hang", "ckpt_corrupt", "rank_crash"], (
+        "each fired once"
+    )
     assert_bitwise_equal(_ckpt(fr, "hang_corrupt_crash"), _ckpt(fr, "ref"))
     assert _losses(fr, "hang_corrupt_crash") == _losses(fr, "ref")
     m = _mlflow_metrics(fr, "hang_corrupt_crash")
@@ -145,21 +172,34 @@ def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
     ref = _mlflow_metrics(fr, "ref")
     for figs, restarted in ((m, True), (ref, False)):
         assert 0 < figs["goodput"] < 1 and figs["goodput/productive_s"] > 0
-        assert abs(figs["goodput/unaccounted_s"]) < 0.02 * figs["goodput/wall_s"], "parts sum to the wall time within 2%"
-        assert (figs["goodput/restart_s"] > 0 and figs["goodput/lost_s"] > 0 and figs["goodput/detect_s"] > 0) == restarted
+        assert abs(figs["goodput/unaccounted_s"]) < 0.02 * figs["goodput/wall_s"], (
+            "parts sum to the wall time within 2%"
+        )
+        assert (
+            figs["goodput/restart_s"] > 0 and figs["goodput/lost_s"] > 0 and figs["goodput/detect_s"] > 0
+        ) == restarted
     assert ref["recovery/restarts"] == 0 and ref["recovery/recomputed_steps"] == 0
 
 
 def test_loss_spike_rollback_leaves_no_spike(fr):
     """(6) rank 1's loss x10 in step 8, ``rollback`` to the in-memory snapshot of step 5: steps 6-8
     are replayed, the spike is gone from the final loss history, which equals the uninterrupted run's."""
-    fr.go("spike_rollback", "fault.events=[{kind:loss_spike,step:8,ranks:[1],factor:10}]", "resilience=rollback",
-          "checkpoint=memory", "checkpoint.memory_every_n_steps=5")
+    fr.go(
+        "spike_rollback",
+        "fault.events=[{kind:loss_spike,step:8,ranks:[1],factor:10}]",
+        "resilience=rollback",
+        "checkpoint=memory",
+        "checkpoint.memory_every_n_steps=5",
+    )
     fr.go("ref")
     log = _log(fr, "spike_rollback")
     (rb,) = [r for r in log if r["ev"] == "rollback"]
     assert (rb["from_step"], rb["to_step"]) == (8, 5)
-    spike = [r["train/loss"] for r in fr.metrics("spike_rollback", experiment=EXPERIMENT) if r["step"] == 8 and "train/loss" in r]
+    spike = [
+        r["train/loss"]
+        for r in fr.metrics("spike_rollback", experiment=EXPERIMENT)
+        if r["step"] == 8 and "train/loss" in r
+    ]
     ref = _losses(fr, "ref")
     assert len(spike) == 2 and spike[0] > 3 * ref[8], "the spike was logged, then replaced by the replay"
     final = _losses(fr, "spike_rollback")
@@ -176,11 +216,18 @@ def test_repeated_crash_shrinks_to_one_rank_with_the_same_global_batch(fr):
     used up (``max_restarts=1``), the driver relaunches on 1 rank, global batch 8 kept with
     grad_accum_steps 2 -> 4, resumed from the 2-rank checkpoint of step 5. Losses match the
     uninterrupted 2-rank run within rel 1e-5 (fp32; only the summation order differs)."""
-    fr.go("shrink", "resilience=shrink",
-          "fault.events=[{kind:rank_crash,step:7,ranks:[1]},{kind:rank_crash,step:9,ranks:[1]}]")
+    fr.go(
+        "shrink",
+        "resilience=shrink",
+        "fault.events=[{kind:rank_crash,step:7,ranks:[1]},{kind:rank_crash,step:9,ranks:[1]}]",
+    )
     fr.go("ref")
     log = _log(fr, "shrink")
-    starts = [(s["launch"], s["restart"], s["world_size"], s["grad_accum_steps"], s["step"]) for s in log if s["ev"] == "start"]
+    starts = [
+        (s["launch"], s["restart"], s["world_size"], s["grad_accum_steps"], s["step"])
+        for s in log
+        if s["ev"] == "start"
+    ]
     assert starts == [(0, 0, 2, 2, 0), (0, 1, 2, 2, 5), (1, 0, 1, 4, 5)]
     (shrink,) = [r for r in log if r["ev"] == "shrink"]
     assert (shrink["from_world"], shrink["to_world"], shrink["grad_accum_steps"]) == (2, 1, 4)
@@ -205,16 +252,26 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
 
     from framework.rank.module import warmup_cosine
 
-    fr.go("shrink_3of4", "parallelism.world_size=4", "trainer.max_steps=6",  # later overrides win over COMMON's
-           "trainer.global_batch_size=12", "trainer.micro_batch_size=1", "checkpoint.every_n_steps=3",
-           "resilience=shrink", "resilience.max_restarts=0", "resilience.shrink_to=0.75", "resilience.rewarmup_steps=3",
-           "fault.events=[{kind:rank_crash,step:4,ranks:[3]}]")
+    fr.go(
+        "shrink_3of4",
+        "parallelism.world_size=4",
+        "trainer.max_steps=6",  # later overrides win over COMMON's
+        "trainer.global_batch_size=12",
+        "trainer.micro_batch_size=1",
+        "checkpoint.every_n_steps=3",
+        "resilience=shrink",
+        "resilience.max_restarts=0",
+        "resilience.shrink_to=0.75",
+        "resilience.rewarmup_steps=3",
+        "fault.events=[{kind:rank_crash,step:4,ranks:[3]}]",
+    )
     log = _log(fr, "shrink_3of4")
     starts = [(s["launch"], s["world_size"], s["grad_accum_steps"], s["step"]) for s in log if s["ev"] == "start"]
     assert starts == [(0, 4, 3, 0), (1, 3, 4, 3)]
     client = MlflowClient(tracking_uri=f"sqlite:///{fr.workdir / 'mlruns.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
-                                filter_string="attributes.run_name = 'shrink_3of4'")
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name(EXPERIMENT).experiment_id], filter_string="attributes.run_name = 'shrink_3of4'"
+    )
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert (tags["world_size"], tags["layout"], tags["elastic.shrinks"]) == ("3", "dp3-tp1-pp1", "1")
@@ -255,12 +312,32 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
 def test_compare_report_shows_recovery_side_by_side(fr):
     """(7) The compare report of the experiment holds one recovery row per faulty run."""
     fr.go("nan_skip", "fault.events=[{kind:nan_grad,step:8,ranks:[1]}]", "resilience=skip_step")  # no-ops when
-    fr.go("spike_rollback", "fault.events=[{kind:loss_spike,step:8,ranks:[1],factor:10}]",  # the tests above ran
-          "resilience=rollback", "checkpoint=memory", "checkpoint.memory_every_n_steps=5")
+    fr.go(
+        "spike_rollback",
+        "fault.events=[{kind:loss_spike,step:8,ranks:[1],factor:10}]",  # the tests above ran
+        "resilience=rollback",
+        "checkpoint=memory",
+        "checkpoint.memory_every_n_steps=5",
+    )
     out = fr.workdir / "report"
-    proc = subprocess.run([sys.executable, "-m", "framework.compare", "--experiment", EXPERIMENT, "--out", str(out),
-                           "--tracking-uri", f"sqlite:///{fr.workdir / 'mlruns.db'}", "--no-log"],
-                          cwd=fr.workdir, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "framework.compare",
+            "--experiment",
+            EXPERIMENT,
+            "--out",
+            str(out),
+            "--tracking-uri",
+            f"sqlite:///{fr.workdir / 'mlruns.db'}",
+            "--no-log",
+        ],
+        cwd=fr.workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recovery" in proc.stdout and "recomputed_steps" in proc.stdout
     import csv

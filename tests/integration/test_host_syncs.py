@@ -27,20 +27,35 @@ def test_steps_without_logging_read_nothing_back(tmp_path, data_cache, plugin):
     name = f"syncs-{plugin}"
     runner = Runner(tmp_path, data_cache)
     runner.run(
-        f"parallelism={plugin}", "model=llama_tiny", "tracking=none", "checkpoint=none", f"run_name={name}",
-        "trainer.global_batch_size=8", "trainer.micro_batch_size=2" if plugin == "single" else "trainer.micro_batch_size=1",
-        "trainer.grad_accum_steps=null", f"trainer.max_steps={STEPS}", f"trainer.log_every_n_steps={LOG_EVERY}",
-        f"trainer.val_every_n_steps={VAL_EVERY}", "trainer.val_sequences=16", "trainer.count_host_syncs=true",
-        "trainer.precision=bf16-mixed" if plugin == "single" else "trainer.precision=32-true")
+        f"parallelism={plugin}",
+        "model=llama_tiny",
+        "tracking=none",
+        "checkpoint=none",
+        f"run_name={name}",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=2" if plugin == "single" else "trainer.micro_batch_size=1",
+        "trainer.grad_accum_steps=null",
+        f"trainer.max_steps={STEPS}",
+        f"trainer.log_every_n_steps={LOG_EVERY}",
+        f"trainer.val_every_n_steps={VAL_EVERY}",
+        "trainer.val_sequences=16",
+        "trainer.count_host_syncs=true",
+        "trainer.precision=bf16-mixed" if plugin == "single" else "trainer.precision=32-true",
+    )
     doc = json.loads((tmp_path / "outputs" / "default" / name / "host_syncs.json").read_text())
     counts = {int(s): v["count"] for s, v in doc.items()}
     assert sorted(counts) == list(range(1, STEPS + 1))
     quiet = [s for s in counts if s % LOG_EVERY and s % VAL_EVERY]
     assert quiet == [1, 2, 5, 7]
-    assert {s: doc[str(s)]["sites"] for s in quiet if counts[s]} == {}, "host syncs on steps without logging or validation"
+    assert {s: doc[str(s)]["sites"] for s in quiet if counts[s]} == {}, (
+        "host syncs on steps without logging or validation"
+    )
     for s in (LOG_EVERY, 2 * LOG_EVERY):  # the logged loss and gradient norm are read back there
         sites = " ".join(doc[str(s)]["sites"])
         assert counts[s] >= 2 and "step_metrics.py" in sites, doc[str(s)]
     logged = [r for r in runner.metrics(name) if "train/grad_norm" in r]
     assert [int(r["step"]) for r in logged] == [LOG_EVERY, 2 * LOG_EVERY]
-    assert all(0 < r["train/grad_norm"] < float("inf") for r in logged) and logged[-1]["train/loss"] < logged[0]["train/loss"]
+    assert (
+        all(0 < r["train/grad_norm"] < float("inf") for r in logged)
+        and logged[-1]["train/loss"] < logged[0]["train/loss"]
+    )

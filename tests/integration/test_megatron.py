@@ -19,8 +19,16 @@ from tests.integration.conftest import Runner, job_runs, losses
 pytestmark = pytest.mark.slow
 
 PARITY_RTOL = 1e-5
-COMMON = ["trainer.max_steps=15", "trainer.log_every_n_steps=5", "trainer.val_every_n_steps=1000", "trainer.val_sequences=16", "checkpoint=none",
-          "tracking=none", "trainer.global_batch_size=8", "trainer.grad_accum_steps=null"]
+COMMON = [
+    "trainer.max_steps=15",
+    "trainer.log_every_n_steps=5",
+    "trainer.val_every_n_steps=1000",
+    "trainer.val_sequences=16",
+    "checkpoint=none",
+    "tracking=none",
+    "trainer.global_batch_size=8",
+    "trainer.grad_accum_steps=null",
+]
 B, S, H, L, V = 8, 64, 128, 4, 1024  # global batch, seq_len (SMALL_DATA), gpt_tiny's d_model / n_layer, vocab
 
 
@@ -51,7 +59,11 @@ def _comm(records: list[dict]) -> list[dict]:
     recs = [r for r in records if "perf/comm_bytes" in r]
     assert recs
     for r in recs:
-        kinds = {k[len("perf/comm_bytes_"):-len("_model")] for k in r if k.startswith("perf/comm_bytes_") and k.endswith("_model")} - {""}
+        kinds = {
+            k[len("perf/comm_bytes_") : -len("_model")]
+            for k in r
+            if k.startswith("perf/comm_bytes_") and k.endswith("_model")
+        } - {""}
         assert kinds - {"wire"}, "at least one collective kind is modelled"
         for kind in kinds:  # each kind, and "wire" (ring bytes on the wire)
             assert r[f"perf/comm_bytes_{kind}"] == r[f"perf/comm_bytes_{kind}_model"], kind
@@ -78,8 +90,14 @@ def test_tp2_with_and_without_sequence_parallel(mrun):
 @pytest.mark.parametrize("schedule, v, mbs", [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 2)])
 def test_pp2_schedules(mrun, schedule, v, mbs):
     name = f"pp2-{schedule}"
-    recs = _train(mrun, name, "parallelism=pp", f"parallelism.schedule={schedule}", f"parallelism.virtual_stages={v}",
-                  f"trainer.micro_batch_size={mbs}")
+    recs = _train(
+        mrun,
+        name,
+        "parallelism=pp",
+        f"parallelism.schedule={schedule}",
+        f"parallelism.virtual_stages={v}",
+        f"trainer.micro_batch_size={mbs}",
+    )
     _assert_parity(mrun, name, recs)
     m = B // mbs
     for r in _comm(recs):
@@ -119,9 +137,16 @@ def test_dp2tp2_parity_and_fsdp_bytes_on_steps_with_validation_equal_the_model(m
     validation pass. FSDP2 keeps its root unit (embeddings, ln_f) gathered after a forward; after a validation
     pass the next step skipped that all-gather (656,384 bytes under the model) until the root was resharded
     after evaluation forwards. Validation every 2 steps, so every step from 2 on follows or holds one."""
-    mrun.run("parallelism=tp", "parallelism.world_size=4", "trainer.micro_batch_size=2", "run_name=dp2tp2",
-             *[o for o in COMMON if not o.startswith(("trainer.log_every", "trainer.val_every"))],
-             "trainer.log_every_n_steps=1", "trainer.val_every_n_steps=2", "trainer.warmup_steps_excluded=1")
+    mrun.run(
+        "parallelism=tp",
+        "parallelism.world_size=4",
+        "trainer.micro_batch_size=2",
+        "run_name=dp2tp2",
+        *[o for o in COMMON if not o.startswith(("trainer.log_every", "trainer.val_every"))],
+        "trainer.log_every_n_steps=1",
+        "trainer.val_every_n_steps=2",
+        "trainer.warmup_steps_excluded=1",
+    )
     recs = mrun.metrics("dp2tp2")
     _assert_parity(mrun, "dp2tp2", recs, steps=tuple(range(1, 16)))
     assert set(range(2, 15, 2)) <= {int(r["step"]) for r in recs if "val/loss" in r}
@@ -129,7 +154,9 @@ def test_dp2tp2_parity_and_fsdp_bytes_on_steps_with_validation_equal_the_model(m
 
 
 def test_multirun_tp_pp_records_two_finished_runs(runner):
-    runner.run("-m", "parallelism=tp,pp", "trainer.max_steps=6", "trainer.val_sequences=16")  # the default checkpoint policy (interval)
+    runner.run(
+        "-m", "parallelism=tp,pp", "trainer.max_steps=6", "trainer.val_sequences=16"
+    )  # the default checkpoint policy (interval)
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = job_runs(client, "default")  # the sweep's parent left out
     by_plugin = {r.data.tags["plugin"]: r for r in runs}
@@ -141,7 +168,10 @@ def test_multirun_tp_pp_records_two_finished_runs(runner):
         for key in ("train/loss", "val/loss", "perf/tokens_per_sec", "perf/comm_bytes", "perf/comm_bytes_model"):
             assert key in r.data.metrics, key
         assert r.data.metrics["perf/comm_bytes"] == r.data.metrics["perf/comm_bytes_model"]
-    assert "perf/pp_bubble_frac" in by_plugin["pp"].data.metrics and "perf/pp_bubble_frac_model" in by_plugin["pp"].data.metrics
+    assert (
+        "perf/pp_bubble_frac" in by_plugin["pp"].data.metrics
+        and "perf/pp_bubble_frac_model" in by_plugin["pp"].data.metrics
+    )
     # save_last wrote one sharded (DCP) checkpoint of step 6 per run
     manifests = [json.loads(p.read_text()) for p in runner.workdir.glob("checkpoints/**/step00000006/manifest.json")]
     assert sorted((m["layout"]["tp"], m["layout"]["pp"]) for m in manifests) == [(1, 2), (2, 1)], manifests
@@ -149,9 +179,13 @@ def test_multirun_tp_pp_records_two_finished_runs(runner):
 
 
 def test_bad_layout_fails_before_any_rank_with_one_line(runner):
-    proc = runner.run("parallelism=tp", "parallelism.tp_degree=3", "parallelism.world_size=3", "checkpoint=none", check=False)
+    proc = runner.run(
+        "parallelism=tp", "parallelism.tp_degree=3", "parallelism.world_size=3", "checkpoint=none", check=False
+    )
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines == ["trainlab: error: parallelism.tp_degree=3 must divide model.n_head=4, model.d_model=128 and the MLP"
-                     " width 512 (allowed: a common divisor)"]
+    assert lines == [
+        "trainlab: error: parallelism.tp_degree=3 must divide model.n_head=4, model.d_model=128 and the MLP"
+        " width 512 (allowed: a common divisor)"
+    ]
     assert not list(runner.workdir.glob("outputs/**/launch.json"))

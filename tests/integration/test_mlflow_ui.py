@@ -39,10 +39,24 @@ pytestmark = [
 ]
 
 # Flags for a headless browser on a machine with no network beyond loopback.
-BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync"]
-FAST = ["parallelism=single", "trainer.global_batch_size=4", "trainer.micro_batch_size=4", "trainer.warmup_steps_excluded=0",
-        "trainer.val_sequences=8", "tracking.system_metrics_interval_s=0", "checkpoint=none"]
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+FAST = [
+    "parallelism=single",
+    "trainer.global_batch_size=4",
+    "trainer.micro_batch_size=4",
+    "trainer.warmup_steps_excluded=0",
+    "trainer.val_sequences=8",
+    "tracking.system_metrics_interval_s=0",
+    "checkpoint=none",
+]
 
 
 def _free_port() -> int:
@@ -58,10 +72,26 @@ def ui(tmp_path_factory, data_cache):
     runner = Runner(tmp_path_factory.mktemp("ui"), data_cache)
     runner.run("-m", "trainer.max_steps=2,3", "optim.lr=0.001,0.002", "experiment_name=ui", *FAST)
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                               f"sqlite:///{runner.workdir}/mlruns.db", "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1"], cwd=runner.workdir, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{runner.workdir}/mlruns.db",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        cwd=runner.workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -102,7 +132,9 @@ def test_the_run_list_shows_distinct_names_and_the_parent_shows_the_jobs_table(u
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(f"{base}/#/experiments/{exp.experiment_id}/runs")
         page.get_by_text(parent.info.run_name, exact=True).wait_for(timeout=60_000)
-        name_cell = page.locator(".ag-row").filter(has_text=parent.info.run_name).locator('[col-id="attributes.`Run Name`"]')
+        name_cell = (
+            page.locator(".ag-row").filter(has_text=parent.info.run_name).locator('[col-id="attributes.`Run Name`"]')
+        )
         name_cell.locator("button").first.click()  # the parent's expander lists its children
         names = [c.info.run_name for c in children]
         for name in names:

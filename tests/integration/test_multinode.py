@@ -27,9 +27,18 @@ pytestmark = pytest.mark.slow
 # The same 4 ranks, the same global batch split the same way: only the process placement differs, so
 # the losses agree to float32 summation noise at most (measured: bitwise equal); 1e-6 relative.
 PARITY_RTOL = 1e-6
-COMMON = ["model.n_layer=2", "model.n_head=2", "model.d_model=64", "trainer.val_sequences=16", "trainer.max_steps=10",
-          "trainer.log_every_n_steps=1", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
-          "parallelism.world_size=4", "checkpoint.every_n_steps=3"]
+COMMON = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.d_model=64",
+    "trainer.val_sequences=16",
+    "trainer.max_steps=10",
+    "trainer.log_every_n_steps=1",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=2",
+    "parallelism.world_size=4",
+    "checkpoint.every_n_steps=3",
+]
 
 
 def _free_port() -> int:
@@ -46,10 +55,21 @@ PLUGINS = ("ddp", "fsdp", "tp")
 def _two_nodes(runner, overrides: list[str], shared, node1_cwd) -> tuple[subprocess.CompletedProcess, str]:
     """Node 1 (its own working folder) and node 0 (``runner``'s) with the same command; returns (node 0's run, node 1's output)."""
     node1_cwd.mkdir(exist_ok=True)
-    two = [*overrides, "parallelism.nnodes=2", "trainer.threads_per_rank=1", f"checkpoint.dir={shared}",
-           f"rendezvous.endpoint=127.0.0.1:{_free_port()}", "rendezvous.timeout_s=120"]
-    node1 = subprocess.Popen(runner.args(*two, "rendezvous.node_rank=1"), cwd=node1_cwd, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    two = [
+        *overrides,
+        "parallelism.nnodes=2",
+        "trainer.threads_per_rank=1",
+        f"checkpoint.dir={shared}",
+        f"rendezvous.endpoint=127.0.0.1:{_free_port()}",
+        "rendezvous.timeout_s=120",
+    ]
+    node1 = subprocess.Popen(
+        runner.args(*two, "rendezvous.node_rank=1"),
+        cwd=node1_cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     node0 = runner.run(*two, "rendezvous.node_rank=0")
     out1, _ = node1.communicate(timeout=300)
     assert node1.returncode == 0, out1[-4000:]
@@ -67,8 +87,13 @@ def parity(tmp_path_factory, data_cache):
         runner.run(*common, "experiment_name=one_node", "tracking=none")
         shared = runner.workdir / f"shared_{plugin}"
         node0, out1 = _two_nodes(runner, common, shared, runner.workdir / f"node1_{plugin}")
-        out[plugin] = dict(ref=losses(runner.metrics(f"nodes_{plugin}", experiment="one_node")),
-                           got=losses(runner.metrics(f"nodes_{plugin}")), node0=node0, out1=out1, shared=shared)
+        out[plugin] = dict(
+            ref=losses(runner.metrics(f"nodes_{plugin}", experiment="one_node")),
+            got=losses(runner.metrics(f"nodes_{plugin}")),
+            node0=node0,
+            out1=out1,
+            shared=shared,
+        )
     return runner, out
 
 
@@ -83,19 +108,23 @@ def test_two_loopback_nodes_match_one_node_with_four_ranks(parity, plugin):
         assert got[step] == pytest.approx(ref[step], rel=PARITY_RTOL), f"{plugin} step {step}"
     # node 0 owns the run: one MLflow run, in node 0's folder; node 1 wrote nothing outside the shared folder
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id],
-                                f"tags.mlflow.runName = 'nodes_{plugin}'")
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("default").experiment_id], f"tags.mlflow.runName = 'nodes_{plugin}'"
+    )
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "4"
     assert (run.data.params["derived.nnodes"], run.data.params["derived.cross_node_axes"]) == ("2", "dp")
     # the measured payload split by each collective's group: DDP's and FSDP's groups are the 4 ranks (all of it crosses
     # the nodes); tp's TP all-reduces stay in a node, its FSDP gathers and reduce-scatters on dp cross them
     comm = [m for m in runner.metrics(f"nodes_{plugin}") if "perf/comm_bytes" in m]
-    assert comm and all(m["perf/comm_bytes_inter_node"] + m["perf/comm_bytes_intra_node"] == m["perf/comm_bytes"]
-                        for m in comm)
+    assert comm and all(
+        m["perf/comm_bytes_inter_node"] + m["perf/comm_bytes_intra_node"] == m["perf/comm_bytes"] for m in comm
+    )
     for m in comm:
         if plugin == "tp":  # TP: all-reduces in the tp group; FSDP on dp: all-gathers and reduce-scatters
             assert m["perf/comm_bytes_intra_node"] == m["perf/comm_bytes_allreduce"] > 0
-            assert m["perf/comm_bytes_inter_node"] == m["perf/comm_bytes_allgather"] + m["perf/comm_bytes_reduce_scatter"]
+            assert (
+                m["perf/comm_bytes_inter_node"] == m["perf/comm_bytes_allgather"] + m["perf/comm_bytes_reduce_scatter"]
+            )
         else:
             assert m["perf/comm_bytes_intra_node"] == 0
     one_node = runner.metrics(f"nodes_{plugin}", experiment="one_node")
@@ -107,28 +136,45 @@ def test_two_loopback_nodes_match_one_node_with_four_ranks(parity, plugin):
 
 
 def test_bad_multinode_input_is_one_line(runner):
-    tiny = ["parallelism=ddp", "parallelism.world_size=4", "parallelism.nnodes=2", "trainer.global_batch_size=8",
-            "trainer.micro_batch_size=2", "rendezvous.timeout_s=3", "tracking=none"]
+    tiny = [
+        "parallelism=ddp",
+        "parallelism.world_size=4",
+        "parallelism.nnodes=2",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=2",
+        "rendezvous.timeout_s=3",
+        "tracking=none",
+    ]
     mismatch = runner.run(*tiny, "parallelism.nproc_per_node=3", "rendezvous.endpoint=127.0.0.1:29400", check=False)
     assert mismatch.returncode == 2
-    assert mismatch.stderr.strip() == ("trainlab: error: parallelism.nnodes=2 x parallelism.nproc_per_node=3 = 6"
-                                       " != parallelism.world_size=4")
+    assert mismatch.stderr.strip() == (
+        "trainlab: error: parallelism.nnodes=2 x parallelism.nproc_per_node=3 = 6 != parallelism.world_size=4"
+    )
 
     port = _free_port()  # nothing listens there
     unreachable = runner.run(*tiny, f"rendezvous.endpoint=127.0.0.1:{port}", "rendezvous.node_rank=1", check=False)
     assert unreachable.returncode == 2
     (line,) = [ln for ln in unreachable.stderr.splitlines() if "error" in ln]
-    assert line.startswith(f"trainlab: error: rendezvous.endpoint=127.0.0.1:{port} cannot be reached from node 1"
-                           " within rendezvous.timeout_s=3 s")
+    assert line.startswith(
+        f"trainlab: error: rendezvous.endpoint=127.0.0.1:{port} cannot be reached from node 1"
+        " within rendezvous.timeout_s=3 s"
+    )
 
     with socket.create_server(("127.0.0.1", 0)) as listening:  # an endpoint that answers, a folder node 0 never wrote
         port = listening.getsockname()[1]
-        unshared = runner.run(*tiny, f"rendezvous.endpoint=127.0.0.1:{port}", "rendezvous.node_rank=1",
-                              f"checkpoint.dir={runner.workdir / 'not_shared'}", check=False)
+        unshared = runner.run(
+            *tiny,
+            f"rendezvous.endpoint=127.0.0.1:{port}",
+            "rendezvous.node_rank=1",
+            f"checkpoint.dir={runner.workdir / 'not_shared'}",
+            check=False,
+        )
     assert unshared.returncode == 2
     (line,) = [ln for ln in unshared.stderr.splitlines() if "error" in ln]
-    assert line.startswith(f"trainlab: error: checkpoint folder {runner.workdir / 'not_shared'} is not shared: node 1"
-                           " does not see node 0's marker")
+    assert line.startswith(
+        f"trainlab: error: checkpoint folder {runner.workdir / 'not_shared'} is not shared: node 1"
+        " does not see node 0's marker"
+    )
     assert not (runner.workdir / "outputs").exists()  # node 1 makes no output folder
     db = runner.workdir / "mlruns.db"
     if db.exists():  # and no MLflow run
@@ -147,13 +193,28 @@ def _lose_node1(runner, policy: str) -> dict:
     written; under ``restart`` node 1's same command starts again once node 0 logged the loss (as a scheduler would)."""
     shared, node1_cwd = runner.workdir / f"shared_{policy}", runner.workdir / f"node1_{policy}"
     node1_cwd.mkdir()
-    two = [*COMMON, "parallelism=ddp", f"run_name=lost_{policy}", "parallelism.nnodes=2", "trainer.threads_per_rank=1",
-           f"checkpoint.dir={shared}", f"rendezvous.endpoint=127.0.0.1:{_free_port()}", "rendezvous.timeout_s=120",
-           f"resilience={policy}", f"resilience.max_restarts={1 if policy == 'restart' else 0}"]
+    two = [
+        *COMMON,
+        "parallelism=ddp",
+        f"run_name=lost_{policy}",
+        "parallelism.nnodes=2",
+        "trainer.threads_per_rank=1",
+        f"checkpoint.dir={shared}",
+        f"rendezvous.endpoint=127.0.0.1:{_free_port()}",
+        "rendezvous.timeout_s=120",
+        f"resilience={policy}",
+        f"resilience.max_restarts={1 if policy == 'restart' else 0}",
+    ]
 
     def start(node: int, cwd, output) -> subprocess.Popen:  # output to a file: a full pipe would stall a driver
-        return subprocess.Popen(runner.args(*two, f"rendezvous.node_rank={node}"), cwd=cwd, stdout=output.open("w"),
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return subprocess.Popen(
+            runner.args(*two, f"rendezvous.node_rank={node}"),
+            cwd=cwd,
+            stdout=output.open("w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     first = start(1, node1_cwd, runner.workdir / f"lost_{policy}.node1.log")
     node0 = start(0, runner.workdir, runner.workdir / f"lost_{policy}.node0.log")
@@ -161,7 +222,9 @@ def _lose_node1(runner, policy: str) -> dict:
     def until(predicate) -> None:
         t0 = time.time()
         while not predicate():
-            assert node0.poll() is None and time.time() - t0 < 300, (runner.workdir / f"lost_{policy}.node0.log").read_text()
+            assert node0.poll() is None and time.time() - t0 < 300, (
+                runner.workdir / f"lost_{policy}.node0.log"
+            ).read_text()
             time.sleep(0.05)
 
     until(lambda: shared.is_dir() and find_latest_valid(shared, warn=lambda m: None) is not None)
@@ -175,11 +238,14 @@ def _lose_node1(runner, policy: str) -> dict:
     node0.wait(timeout=400)
     if again:
         again.wait(timeout=120)
-    return dict(rc0=node0.returncode, out0=(runner.workdir / f"lost_{policy}.node0.log").read_text(),
-                rc1=again.returncode if again else None,
-                out1=(runner.workdir / f"lost_{policy}.node1-again.log").read_text() if again else "",
-                records=[json.loads(line) for line in log.read_text().splitlines()],
-                got=losses(runner.metrics(f"lost_{policy}")))
+    return dict(
+        rc0=node0.returncode,
+        out0=(runner.workdir / f"lost_{policy}.node0.log").read_text(),
+        rc1=again.returncode if again else None,
+        out1=(runner.workdir / f"lost_{policy}.node1-again.log").read_text() if again else "",
+        records=[json.loads(line) for line in log.read_text().splitlines()],
+        got=losses(runner.metrics(f"lost_{policy}")),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +256,9 @@ def node_loss(parity):
 
 def _mlflow_run(runner, run_name: str):
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id],
-                                f"tags.mlflow.runName = '{run_name}'")
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("default").experiment_id], f"tags.mlflow.runName = '{run_name}'"
+    )
     return run
 
 
@@ -231,8 +298,15 @@ def test_sigterm_before_the_ranks_start_ends_the_run_killed(runner):
     """Node 0 alone: its agent waits in its store for node 1, which never comes; SIGTERM to node 0's driver there
     (its main thread blocked in C++) ends the MLflow run KILLED, tagged preempted, exit 75, not after the 600 s
     rendezvous timeout."""
-    two = [*COMMON, "parallelism=ddp", "run_name=early", "parallelism.nnodes=2", "trainer.threads_per_rank=1",
-           f"rendezvous.endpoint=127.0.0.1:{_free_port()}", "rendezvous.timeout_s=600"]
+    two = [
+        *COMMON,
+        "parallelism=ddp",
+        "run_name=early",
+        "parallelism.nnodes=2",
+        "trainer.threads_per_rank=1",
+        f"rendezvous.endpoint=127.0.0.1:{_free_port()}",
+        "rendezvous.timeout_s=600",
+    ]
     node0 = runner.start(*two, "rendezvous.node_rank=0")
     launch_file = runner.workdir / "outputs" / "default" / "early" / "launch.json"
     t0 = time.time()

@@ -23,17 +23,43 @@ def test_losing_node0_ends_node1_in_one_line_and_the_run_failed(runner):
     node1_cwd.mkdir()
     uri = f"sqlite:///{runner.workdir}/mlruns.db"
     runner._seed_mlflow_store()
-    two = ["parallelism=ddp", "parallelism.world_size=2", "parallelism.nnodes=2", "trainer.threads_per_rank=1",
-           f"checkpoint.dir={shared}", f"rendezvous.endpoint=127.0.0.1:{_free_port()}", "rendezvous.timeout_s=30",
-           "trainer.max_steps=300", "checkpoint.every_n_steps=3", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
-           "trainer.val_sequences=8", "tracking.system_metrics_interval_s=0", f"tracking.uri={uri}", "run_name=lost0",
-           "resilience=restart", "resilience.max_restarts=1"]
+    two = [
+        "parallelism=ddp",
+        "parallelism.world_size=2",
+        "parallelism.nnodes=2",
+        "trainer.threads_per_rank=1",
+        f"checkpoint.dir={shared}",
+        f"rendezvous.endpoint=127.0.0.1:{_free_port()}",
+        "rendezvous.timeout_s=30",
+        "trainer.max_steps=300",
+        "checkpoint.every_n_steps=3",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=2",
+        "trainer.val_sequences=8",
+        "tracking.system_metrics_interval_s=0",
+        f"tracking.uri={uri}",
+        "run_name=lost0",
+        "resilience=restart",
+        "resilience.max_restarts=1",
+    ]
     log1 = runner.workdir / "node1.log"
-    node1 = subprocess.Popen(runner.args(*two, "rendezvous.node_rank=1"), cwd=node1_cwd, stdout=log1.open("w"),
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    node1 = subprocess.Popen(
+        runner.args(*two, "rendezvous.node_rank=1"),
+        cwd=node1_cwd,
+        stdout=log1.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     log0 = runner.workdir / "node0.log"
-    node0 = subprocess.Popen(runner.args(*two, "rendezvous.node_rank=0"), cwd=runner.workdir, stdout=log0.open("w"),
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    node0 = subprocess.Popen(
+        runner.args(*two, "rendezvous.node_rank=0"),
+        cwd=runner.workdir,
+        stdout=log0.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     wait_for(lambda: any(shared.glob("step*/manifest.json")) or node0.poll() is not None, timeout=400)
     assert node0.poll() is None, log0.read_text()[-3000:]
     os.killpg(node0.pid, signal.SIGKILL)

@@ -26,9 +26,18 @@ def sweep(tmp_path_factory, data_cache):
     from tests.integration.conftest import Runner, job_runs
 
     runner = Runner(tmp_path_factory.mktemp("perf"), data_cache)
-    runner.run("-m", "parallelism=single,ddp", f"experiment_name={EXPERIMENT}", "trainer.max_steps=12",
-               "trainer.log_every_n_steps=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
-               "checkpoint.every_n_steps=6", "trainer.val_sequences=16", "tracking.system_metrics_interval_s=1")
+    runner.run(
+        "-m",
+        "parallelism=single,ddp",
+        f"experiment_name={EXPERIMENT}",
+        "trainer.max_steps=12",
+        "trainer.log_every_n_steps=4",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=2",
+        "checkpoint.every_n_steps=6",
+        "trainer.val_sequences=16",
+        "tracking.system_metrics_interval_s=1",
+    )
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = job_runs(client, EXPERIMENT)  # the sweep's children
     return runner, client, {r.data.tags["plugin"]: r for r in runs}
@@ -49,7 +58,15 @@ def test_the_sweep_records_two_finished_comparable_runs(sweep):
         assert r.data.params["derived.global_batch_size"] == "8"
         assert r.data.params["derived.grad_accum_steps"] == ("4" if plugin == "single" else "2")
         assert r.data.params["mfu.peak_flops_method"]
-        for key in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu", "perf/step_time_s", "val/loss"):
+        for key in (
+            "train/loss",
+            "train/lr",
+            "train/grad_norm",
+            "perf/tokens_per_sec",
+            "perf/mfu",
+            "perf/step_time_s",
+            "val/loss",
+        ):
             assert key in r.data.metrics, (plugin, key)
         assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")][-1] == 12
         assert "resolved_config.yaml" in [a.path for a in client.list_artifacts(r.info.run_id)]
@@ -57,7 +74,10 @@ def test_the_sweep_records_two_finished_comparable_runs(sweep):
     (sweep_dir,) = [p for p in (runner.workdir / "outputs" / EXPERIMENT).iterdir() if p.is_dir()]
     out = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
     assert out == ["parallelism=ddp", "parallelism=single"], out
-    assert {r.info.run_name for r in runs.values()} == {"ddp (parallelism)", "single (parallelism)"}  # by its swept values
+    assert {r.info.run_name for r in runs.values()} == {
+        "ddp (parallelism)",
+        "single (parallelism)",
+    }  # by its swept values
 
 
 @pytest.mark.parametrize("plugin", ["single", "ddp"])
@@ -123,7 +143,10 @@ def test_compare_report_prints_the_mlflow_figures_and_writes_plots(sweep):
     out = runner.workdir / "report"
     proc = subprocess.run(
         [sys.executable, "-m", "framework.compare", "--experiment", EXPERIMENT, "--out", str(out)],
-        cwd=runner.workdir, capture_output=True, text=True, timeout=300,
+        cwd=runner.workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**__import__("os").environ, "MLFLOW_TRACKING_URI": f"sqlite:///{runner.workdir}/mlruns.db"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -133,30 +156,53 @@ def test_compare_report_prints_the_mlflow_figures_and_writes_plots(sweep):
         row, m = rows[plugin], run.data.metrics
         assert row["run_id"] == run.info.run_id
         assert row["layout"] == run.data.tags["layout"] and row["parallelism"] == plugin  # the swept key's column
-        pairs = {"tokens_per_sec": "perf/tokens_per_sec_mean", "mfu": "perf/mfu_mean", "comm_bytes": "perf/comm_bytes",
-                 "final_loss": "train/loss_final", **{f"{c}_frac": f"perf/{c}_frac_mean" for c in CATEGORIES}}
+        pairs = {
+            "tokens_per_sec": "perf/tokens_per_sec_mean",
+            "mfu": "perf/mfu_mean",
+            "comm_bytes": "perf/comm_bytes",
+            "final_loss": "train/loss_final",
+            **{f"{c}_frac": f"perf/{c}_frac_mean" for c in CATEGORIES},
+        }
         for col, key in pairs.items():
             assert math.isclose(float(row[col]), m[key], rel_tol=1e-9), (plugin, col)
         assert math.isclose(float(row["peak_mem_GiB"]) * 1024**3, m["mem/peak_bytes"], rel_tol=1e-9)
-        line = next(ln for ln in proc.stdout.splitlines() if ln.split()[0] == plugin)  # rows labelled by the swept value
-        for value in (f"{m['perf/mfu_mean']:.4f}", f"{m['perf/tokens_per_sec_mean']:,.0f}", f"{m['train/loss_final']:.4f}",
-                      f"{m['perf/compute_frac_mean']:.3f}", f"{m['perf/comm_bytes']:,.0f}"):
+        line = next(
+            ln for ln in proc.stdout.splitlines() if ln.split()[0] == plugin
+        )  # rows labelled by the swept value
+        for value in (
+            f"{m['perf/mfu_mean']:.4f}",
+            f"{m['perf/tokens_per_sec_mean']:,.0f}",
+            f"{m['train/loss_final']:.4f}",
+            f"{m['perf/compute_frac_mean']:.3f}",
+            f"{m['perf/comm_bytes']:,.0f}",
+        ):
             assert value in line.split(), (plugin, value, line)
     for name in ("loss.png", "throughput.png", "breakdown.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 5000
     exp_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
     reports = client.search_runs([exp_id], filter_string="tags.`trainlab.report` = 'true'")
     assert len(reports) == 1
-    assert {"compare.csv", "breakdown.png", "loss.png", "throughput.png"} <= {a.path for a in client.list_artifacts(reports[0].info.run_id)}
+    assert {"compare.csv", "breakdown.png", "loss.png", "throughput.png"} <= {
+        a.path for a in client.list_artifacts(reports[0].info.run_id)
+    }
 
 
 def test_profile_steps_store_a_trace_per_rank_as_mlflow_artifacts(runner):
-    runner.run("parallelism=ddp", "trainer.max_steps=4", "trainer.profile_steps=[2,3]", "checkpoint=none",
-               "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "tracking.system_metrics_interval_s=0")
+    runner.run(
+        "parallelism=ddp",
+        "trainer.max_steps=4",
+        "trainer.profile_steps=[2,3]",
+        "checkpoint=none",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=2",
+        "tracking.system_metrics_interval_s=0",
+    )
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     names = sorted(a.path for a in client.list_artifacts(run.info.run_id, "profile"))
     assert names == ["profile/rank0-steps2-3.json", "profile/rank1-steps2-3.json"]
-    trace = __import__("json").loads(open(client.download_artifacts(run.info.run_id, names[0], str(runner.workdir))).read())
+    trace = __import__("json").loads(
+        open(client.download_artifacts(run.info.run_id, names[0], str(runner.workdir))).read()
+    )
     ops = {e.get("name") for e in trace["traceEvents"]}
     assert "aten::addmm" in ops or "aten::mm" in ops, "the trace holds the model's matmuls"

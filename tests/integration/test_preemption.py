@@ -23,12 +23,22 @@ from tests.integration.test_checkpoint_resume import assert_bitwise_equal
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 40
-COMMON = ["model.n_layer=2", "model.n_head=2", "model.d_model=64", "trainer.val_sequences=16",
-          f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=1000",
-          "checkpoint.keep_last_k=3", "trainer.global_batch_size=8"]
+COMMON = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.d_model=64",
+    "trainer.val_sequences=16",
+    f"trainer.max_steps={MAX_STEPS}",
+    "trainer.log_every_n_steps=1",
+    "checkpoint.every_n_steps=1000",
+    "checkpoint.keep_last_k=3",
+    "trainer.global_batch_size=8",
+]
 # single gets Slurm's warning signal, ddp the scheduler's SIGTERM (both go the same way)
-LAYOUT = {"single": (["parallelism=single", "trainer.micro_batch_size=4"], signal.SIGUSR1),
-          "ddp": (["parallelism=ddp", "trainer.micro_batch_size=2"], signal.SIGTERM)}
+LAYOUT = {
+    "single": (["parallelism=single", "trainer.micro_batch_size=4"], signal.SIGUSR1),
+    "ddp": (["parallelism=ddp", "trainer.micro_batch_size=2"], signal.SIGTERM),
+}
 
 
 @pytest.mark.parametrize("plugin", ["single", "ddp"])
@@ -60,15 +70,19 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(runner, plugin):
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert run.info.status == "KILLED" and "(0 finished steps lost)" in run.data.tags[PREEMPTED_TAG]
-    print(f"\n{plugin}: {sig.name} in step {rec['step_at_signal']}, saved step {rec['saved_step']}, 0 steps lost;"
-          f" signal to driver exit {exit_s:.1f} s (measured by the test)")
+    print(
+        f"\n{plugin}: {sig.name} in step {rec['step_at_signal']}, saved step {rec['saved_step']}, 0 steps lost;"
+        f" signal to driver exit {exit_s:.1f} s (measured by the test)"
+    )
 
     again = runner.run(*common)
     assert f"resuming from {ckpt.relative_to(runner.workdir)}/step{steps_run:08d}" in again.stdout
     got = losses(runner.metrics(name))
     for step in range(steps_run + 1, MAX_STEPS + 1):
         assert got[step] == ref[step], f"step {step} after the resume"
-    assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", runner.workdir / "checkpoints" / "ref" / name / f"step{MAX_STEPS:08d}")
+    assert_bitwise_equal(
+        ckpt / f"step{MAX_STEPS:08d}", runner.workdir / "checkpoints" / "ref" / name / f"step{MAX_STEPS:08d}"
+    )
     (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert run.info.status == "FINISHED" and PREEMPTED_TAG not in run.data.tags
 
@@ -79,9 +93,17 @@ def test_ranks_that_saved_exit_without_waiting_out_the_grace_when_every_process_
     for the agent's "read your return value" event until it SIGKILLed them at ``trainer.stop_grace_s``
     (measured: exit 20.4 s after the signal with 20 s of grace, 'Unable to shutdown process ... forcefully
     exiting via 9' for both ranks; now 0.3 s, framework.driver.launcher.release_finished_ranks_on_close)."""
-    proc = runner.start("parallelism=ddp", "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.max_steps=400",
-                        "trainer.val_sequences=8", "tracking=none", "trainer.stop_grace_s=60", "checkpoint.every_n_steps=1000",
-                        "run_name=group_signal")
+    proc = runner.start(
+        "parallelism=ddp",
+        "trainer.micro_batch_size=2",
+        "trainer.global_batch_size=4",
+        "trainer.max_steps=400",
+        "trainer.val_sequences=8",
+        "tracking=none",
+        "trainer.stop_grace_s=60",
+        "checkpoint.every_n_steps=1000",
+        "run_name=group_signal",
+    )
     wait_for(lambda: len(runner.metrics("group_signal")) >= 3, timeout=300, proc=proc)
     os.killpg(proc.pid, signal.SIGUSR2)
     out, _ = proc.communicate(timeout=300)

@@ -19,11 +19,26 @@ from tests.integration.conftest import Runner
 
 pytestmark = pytest.mark.slow
 
-SEARCH = ["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.direction=minimize",
-          "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=1", "hydra.sweeper.study_name=grid",
-          "hydra.callbacks.trainlab_sweep.objective=val/loss_final"]
-TINY = ["parallelism.world_size=2", "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "trainer.max_steps=4",
-        "trainer.warmup_steps_excluded=0", "trainer.val_sequences=8", "checkpoint=none", "tracking.system_metrics_interval_s=0"]
+SEARCH = [
+    "-m",
+    "hydra/sweeper=optuna",
+    "hydra/sweeper/sampler=grid",
+    "hydra.sweeper.direction=minimize",
+    "hydra.sweeper.n_trials=4",
+    "hydra.sweeper.n_jobs=1",
+    "hydra.sweeper.study_name=grid",
+    "hydra.callbacks.trainlab_sweep.objective=val/loss_final",
+]
+TINY = [
+    "parallelism.world_size=2",
+    "trainer.global_batch_size=2",
+    "trainer.micro_batch_size=2",
+    "trainer.max_steps=4",
+    "trainer.warmup_steps_excluded=0",
+    "trainer.val_sequences=8",
+    "checkpoint=none",
+    "tracking.system_metrics_interval_s=0",
+]
 
 
 def _runs(runner: Runner, experiment: str):
@@ -35,19 +50,33 @@ def _runs(runner: Runner, experiment: str):
 
 def test_a_grid_with_an_invalid_layout_and_a_nan_fault_completes_and_names_the_best(runner):
     storage = f"sqlite:///{runner.workdir}/study.db"
-    proc = runner.run(*SEARCH, f"hydra.sweeper.storage={storage}", "hydra.sweeper.max_failure_rate=0.75",
-                      "parallelism=choice(ddp,tp)", "resilience=choice(skip_step,none)",
-                      "fault=nan_grad", "fault.events=[{kind:nan_grad,step:2,ranks:[1]}]", "experiment_name=grid", *TINY,
-                      check=False)
+    proc = runner.run(
+        *SEARCH,
+        f"hydra.sweeper.storage={storage}",
+        "hydra.sweeper.max_failure_rate=0.75",
+        "parallelism=choice(ddp,tp)",
+        "resilience=choice(skip_step,none)",
+        "fault=nan_grad",
+        "fault.events=[{kind:nan_grad,step:2,ranks:[1]}]",
+        "experiment_name=grid",
+        *TINY,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     study = optuna.load_study(study_name="grid", storage=study_storage(storage))
     by_point = {(t.params["parallelism"], t.params["resilience"]): t for t in study.trials}
     assert {p: t.state.name for p, t in by_point.items()} == {
-        ("tp", "skip_step"): "COMPLETE", ("tp", "none"): "FAIL", ("ddp", "skip_step"): "FAIL", ("ddp", "none"): "FAIL"}
+        ("tp", "skip_step"): "COMPLETE",
+        ("tp", "none"): "FAIL",
+        ("ddp", "skip_step"): "FAIL",
+        ("ddp", "none"): "FAIL",
+    }
     nan_reason = by_point["tp", "none"].user_attrs[FAIL_REASON_ATTR]
     assert nan_reason.startswith("training went non-finite: train/loss = nan at step ")
     layout_reason = by_point["ddp", "none"].user_attrs[FAIL_REASON_ATTR]
-    assert layout_reason == "FAILED: trainer.global_batch_size=2 is not divisible by micro_batch_size 2 x dp_degree 2 = 4"
+    assert (
+        layout_reason == "FAILED: trainer.global_batch_size=2 is not divisible by micro_batch_size 2 x dp_degree 2 = 4"
+    )
     parent, children = _runs(runner, "grid")
     best = children["parallelism=tp,resilience=skip_step"]
     assert study.best_trial.value == pytest.approx(best.data.metrics["val/loss_final"])
@@ -62,12 +91,21 @@ def test_a_grid_with_an_invalid_layout_and_a_nan_fault_completes_and_names_the_b
 
 def test_a_search_over_its_failure_budget_exits_1_and_fails_the_parent(runner):
     # micro-batch 2 does not divide the global batch of 1 (refused layouts, no rank starts); the second FAIL is over 0.25 x 4 = 1
-    proc = runner.run(*SEARCH, "hydra.sweeper.max_failure_rate=0.25", "trainer.micro_batch_size=choice(1,2)",
-                      "parallelism=choice(ddp,zero1)", "trainer.global_batch_size=1", "parallelism.world_size=1",
-                      "experiment_name=budget", *[o for o in TINY if not o.startswith(("trainer.micro_batch_size",
-                                                                                       "trainer.global_batch_size",
-                                                                                       "parallelism.world_size"))],
-                      check=False)
+    proc = runner.run(
+        *SEARCH,
+        "hydra.sweeper.max_failure_rate=0.25",
+        "trainer.micro_batch_size=choice(1,2)",
+        "parallelism=choice(ddp,zero1)",
+        "trainer.global_batch_size=1",
+        "parallelism.world_size=1",
+        "experiment_name=budget",
+        *[
+            o
+            for o in TINY
+            if not o.startswith(("trainer.micro_batch_size", "trainer.global_batch_size", "parallelism.world_size"))
+        ],
+        check=False,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "trainlab: error: the search failed: 2 of " in proc.stderr
     assert "trials FAILED, over max_failure_rate 0.25 x n_trials 4 = 1; the search stopped" in proc.stderr
@@ -79,12 +117,20 @@ def test_a_search_over_its_failure_budget_exits_1_and_fails_the_parent(runner):
 
 
 def test_a_sweep_whose_sweeper_raises_ends_its_parent_failed_with_the_reason(runner):
-    proc = runner.run(*SEARCH, "hydra.sweeper.storage=nosuchdb://x/y", "optim.lr=choice(1e-3,3e-3)",
-                      "experiment_name=broken", "trainer.micro_batch_size=1",
-                      *[o for o in TINY if not o.startswith("trainer.micro_batch_size")], check=False)
+    proc = runner.run(
+        *SEARCH,
+        "hydra.sweeper.storage=nosuchdb://x/y",
+        "optim.lr=choice(1e-3,3e-3)",
+        "experiment_name=broken",
+        "trainer.micro_batch_size=1",
+        *[o for o in TINY if not o.startswith("trainer.micro_batch_size")],
+        check=False,
+    )
     assert proc.returncode == 1
     parent, children = _runs(runner, "broken")
     assert parent.info.status == "FAILED" and not children
-    assert parent.data.tags["sweep.error"].startswith("NoSuchModuleError: Can't load plugin: sqlalchemy.dialects:nosuchdb")
+    assert parent.data.tags["sweep.error"].startswith(
+        "NoSuchModuleError: Can't load plugin: sqlalchemy.dialects:nosuchdb"
+    )
     assert parent.data.metrics["sweep/jobs"] == 0
     assert "trainlab: the sweep ended FAILED: NoSuchModuleError" in proc.stderr

@@ -41,7 +41,9 @@ def test_fsdp_checkpoint_is_a_checksummed_sharded_folder(conformance, capsys):
     # Every rank is seeded alike and draws alike, so the saved per-rank RNG states are equal: a
     # resume at another world size hands that one state to every rank (framework.rank.checkpoint.reshard).
     rng = safe_torch_load(step / STATE_FILE)["trainlab"]["rng"]
-    assert len(rng) == 2 and torch.equal(rng[0]["torch_cpu"], rng[1]["torch_cpu"]) and rng[0]["python"] == rng[1]["python"]
+    assert (
+        len(rng) == 2 and torch.equal(rng[0]["torch_cpu"], rng[1]["torch_cpu"]) and rng[0]["python"] == rng[1]["python"]
+    )
 
 
 def test_a_corrupt_shard_is_named_and_skipped(conformance, tmp_path, capsys):
@@ -86,19 +88,30 @@ def _one_line_error(capsys, argv: list[str]) -> str:
 
 def test_fsdp_options_that_do_not_exist_fail_in_one_line_before_any_rank(capsys, tmp_path):
     # End to end: the driver exits 2 before Hydra makes a folder or any rank starts.
-    proc = subprocess.run([sys.executable, "-m", "framework.train", "parallelism=fsdp", "parallelism.reshard_after_forwad=false"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework.train", "parallelism=fsdp", "parallelism.reshard_after_forwad=false"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [
         "trainlab: error: parallelism.reshard_after_forwad is not a config key; did you mean"
-        " parallelism.reshard_after_forward? (to add a new key write +parallelism.reshard_after_forwad=...)"]
+        " parallelism.reshard_after_forward? (to add a new key write +parallelism.reshard_after_forwad=...)"
+    ]
     assert not (tmp_path / "outputs").exists()
     err = _one_line_error(capsys, ["parallelism=fsdp", "+parallelism.cpu_offload=true"])
     assert err.startswith("trainlab: error: parallelism.cpu_offload is not an option of plugin 'fsdp'; allowed: ")
     assert "reshard_after_forward" in err and "mixed_precision" in err
     assert _one_line_error(capsys, ["parallelism=fsdp", "parallelism.mixed_precision=fp8"]) == (
-        "trainlab: error: parallelism.mixed_precision='fp8' is not allowed; allowed: none, bf16")
+        "trainlab: error: parallelism.mixed_precision='fp8' is not allowed; allowed: none, bf16"
+    )
     assert _one_line_error(capsys, ["parallelism=fsdp", "checkpoint=async"]) == (
         "trainlab: error: checkpoint.mode='async': plugin 'fsdp' saves sharded (DCP) checkpoints synchronously only;"
-        " allowed: sync")
-    assert "checkpoint.full_every_n_saves=4: plugin 'fsdp' saves sharded (DCP) checkpoints without deltas" in _one_line_error(capsys, ["parallelism=fsdp", "checkpoint=incremental"])
+        " allowed: sync"
+    )
+    assert (
+        "checkpoint.full_every_n_saves=4: plugin 'fsdp' saves sharded (DCP) checkpoints without deltas"
+        in _one_line_error(capsys, ["parallelism=fsdp", "checkpoint=incremental"])
+    )

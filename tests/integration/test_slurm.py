@@ -6,7 +6,6 @@ is not installed or cannot be started (the script needs root)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -21,15 +20,23 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 START = REPO / "scripts" / "slurm" / "start_local_slurm.sh"
-TINY = ["model.n_layer=2", "model.n_head=2", "model.d_model=64", "trainer.val_sequences=8",
-        "tracking.system_metrics_interval_s=0", "trainer.warmup_steps_excluded=0"]
+TINY = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.d_model=64",
+    "trainer.val_sequences=8",
+    "tracking.system_metrics_interval_s=0",
+    "trainer.warmup_steps_excluded=0",
+]
 
 
 @pytest.fixture(scope="module")
 def slurm() -> None:
     """A running local Slurm, or the test is skipped with the reason."""
     if shutil.which("sbatch") is None:
-        pytest.skip(f"Slurm is not installed (no sbatch on PATH): {START.relative_to(REPO)} --install, as root, installs and starts it")
+        pytest.skip(
+            f"Slurm is not installed (no sbatch on PATH): {START.relative_to(REPO)} --install, as root, installs and starts it"
+        )
     # (close_fds: the daemons it starts must not inherit a lock held by the test run, e.g. flock's)
     proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=180, close_fds=True)
     if proc.returncode != 0:
@@ -44,19 +51,46 @@ def job_lines(job_ids: list[str]) -> list[str]:
     for jid in job_ids:
         out = subprocess.run(["scontrol", "show", "job", "-o", jid], capture_output=True, text=True).stdout
         fields = dict(re.findall(r"(\w+(?:/\w+)?)=(\S*)", out))
-        lines.append(" ".join(f"{k}={fields.get(k)}" for k in ("JobId", "ArrayJobId", "ArrayTaskId", "JobName", "JobState",
-                                                                 "ExitCode", "Restarts", "RunTime", "NodeList", "NumCPUs")))
+        lines.append(
+            " ".join(
+                f"{k}={fields.get(k)}"
+                for k in (
+                    "JobId",
+                    "ArrayJobId",
+                    "ArrayTaskId",
+                    "JobName",
+                    "JobState",
+                    "ExitCode",
+                    "Restarts",
+                    "RunTime",
+                    "NodeList",
+                    "NumCPUs",
+                )
+            )
+        )
     return lines
 
 
 def test_sweep_submitted_to_slurm_ends_in_finished_children(slurm, tmp_path, data_cache):
     runner = Runner(tmp_path, data_cache)
-    proc = runner.run("-m", "hydra/launcher=submitit_slurm", "parallelism=single,ddp", *TINY, "trainer.max_steps=3",
-                      "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "checkpoint=none",
-                      "experiment_name=slurm", "slurm.timeout_min=10", timeout=540)
+    proc = runner.run(
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        "parallelism=single,ddp",
+        *TINY,
+        "trainer.max_steps=3",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=2",
+        "checkpoint=none",
+        "experiment_name=slurm",
+        "slurm.timeout_min=10",
+        timeout=540,
+    )
     assert "Submitit 'slurm' sweep output dir" in proc.stdout + proc.stderr
     # one Slurm job per sweep point: submitit's folders are named <array job>_<task>
-    job_ids = sorted(p.name for p in (tmp_path / "outputs" / "slurm" / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+    job_ids = sorted(
+        p.name for p in (tmp_path / "outputs" / "slurm" / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)
+    )
     assert len(job_ids) == 2, job_ids
     lines = job_lines(job_ids)
     print("\n" + "\n".join(lines))
@@ -68,8 +102,13 @@ def test_sweep_submitted_to_slurm_ends_in_finished_children(slurm, tmp_path, dat
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(children) == len(runs) - 1 == 2
     print("\n".join(f"MLflow {r.info.run_name}: {r.info.status}" for r in runs))
-    assert all(c.info.status == "FINISHED" for c in children), [(c.info.run_name, c.data.tags.get("error")) for c in children]
-    assert sorted((c.data.tags["plugin"], c.data.tags["world_size"]) for c in children) == [("ddp", "2"), ("single", "1")]
+    assert all(c.info.status == "FINISHED" for c in children), [
+        (c.info.run_name, c.data.tags.get("error")) for c in children
+    ]
+    assert sorted((c.data.tags["plugin"], c.data.tags["world_size"]) for c in children) == [
+        ("ddp", "2"),
+        ("single", "1"),
+    ]
     for c in children:  # each trained its steps inside its Slurm job
         assert c.data.metrics["train/steps"] == 3
         assert c.data.params["slurm.timeout_min"] == "10"
@@ -79,8 +118,15 @@ def test_sweep_submitted_to_slurm_ends_in_finished_children(slurm, tmp_path, dat
 
 
 MAX_STEPS = 30
-PREEMPT = [*TINY, f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=1000",
-           "checkpoint.keep_last_k=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"]  # 4 / 2 micro-batches per step
+PREEMPT = [
+    *TINY,
+    f"trainer.max_steps={MAX_STEPS}",
+    "trainer.log_every_n_steps=1",
+    "checkpoint.every_n_steps=1000",
+    "checkpoint.keep_last_k=3",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=2",
+]  # 4 / 2 micro-batches per step
 
 
 def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(slurm, tmp_path, data_cache):
@@ -99,15 +145,24 @@ def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(
     runner = Runner(tmp_path, data_cache)
     for plugin in ("single", "ddp"):  # the uninterrupted runs, here (not under Slurm)
         runner.run(f"parallelism={plugin}", *PREEMPT, "experiment_name=ref", "tracking=none", f"run_name={plugin}")
-    sweep = runner.start("-m", "hydra/launcher=submitit_slurm", "parallelism=single,ddp", *PREEMPT,
-                         "experiment_name=requeue", "slurm.timeout_min=10")
+    sweep = runner.start(
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        "parallelism=single,ddp",
+        *PREEMPT,
+        "experiment_name=requeue",
+        "slurm.timeout_min=10",
+    )
     exp_dir = tmp_path / "outputs" / "requeue"
     signalled = {}
     try:
         for task, plugin in enumerate(("single", "ddp")):  # (one job at a time: each takes the node's 2 CPUs)
             metrics = lambda: [p / "metrics.jsonl" for p in exp_dir.glob(f"*/parallelism={plugin}")]  # noqa: E731
-            wait_for(lambda: any(len(losses(read_jsonl_metrics(m))) >= 3 for m in metrics() if m.exists()),
-                     timeout=300, proc=sweep)
+            wait_for(
+                lambda: any(len(losses(read_jsonl_metrics(m))) >= 3 for m in metrics() if m.exists()),
+                timeout=300,
+                proc=sweep,
+            )
             (job_dir,) = [p for p in (exp_dir / ".submitit").iterdir() if p.name.endswith(f"_{task}")]
             subprocess.run(["scancel", "--signal=USR2", job_dir.name], check=True)
             signalled[plugin] = (job_dir.name, time.time())
@@ -119,11 +174,13 @@ def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db")
     runs = client.search_runs([client.get_experiment_by_name("requeue").experiment_id])
     print()
-    for plugin, (job_id, t_sent) in signalled.items():
+    for plugin, (job_id, _t_sent) in signalled.items():
         (run_dir,) = exp_dir.glob(f"*/parallelism={plugin}")
         (child,) = [r for r in runs if r.info.run_name == f"{plugin} (parallelism)"]
         assert child.info.status == "FINISHED" and PREEMPTED_TAG not in child.data.tags, child.data.tags.get("error")
-        recs = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines() if '"preempted"' in line]
+        recs = [
+            json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines() if '"preempted"' in line
+        ]
         assert len(recs) == 1, recs
         rec = recs[0]
         assert rec["signal"] == "SIGUSR2" and rec["step_at_signal"] - 1 <= rec["saved_step"] <= rec["step_at_signal"]
@@ -136,7 +193,13 @@ def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(
         assert "JobState=COMPLETED" in line and "Restarts=1" in line, line
         ref = losses(read_jsonl_metrics(tmp_path / "outputs" / "ref" / plugin / "metrics.jsonl"))
         got = losses(read_jsonl_metrics(run_dir / "metrics.jsonl"))
-        assert [got[s] for s in range(rec["saved_step"] + 1, MAX_STEPS + 1)] == [ref[s] for s in range(rec["saved_step"] + 1, MAX_STEPS + 1)]
-        assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", tmp_path / "checkpoints" / "ref" / plugin / f"step{MAX_STEPS:08d}")
-        print(f"{plugin}: SIGUSR2 in step {rec['step_at_signal']}, saved step {rec['saved_step']} (0 steps lost),"
-              f" requeued: {line}; MLflow {child.info.status}")
+        assert [got[s] for s in range(rec["saved_step"] + 1, MAX_STEPS + 1)] == [
+            ref[s] for s in range(rec["saved_step"] + 1, MAX_STEPS + 1)
+        ]
+        assert_bitwise_equal(
+            ckpt / f"step{MAX_STEPS:08d}", tmp_path / "checkpoints" / "ref" / plugin / f"step{MAX_STEPS:08d}"
+        )
+        print(
+            f"{plugin}: SIGUSR2 in step {rec['step_at_signal']}, saved step {rec['saved_step']} (0 steps lost),"
+            f" requeued: {line}; MLflow {child.info.status}"
+        )

@@ -40,9 +40,19 @@ def _short_documents(path: Path) -> Path:
 def test_masked_ddp_2x2_equals_single_one_pass(tmp_path, data_cache):
     runner = Runner(tmp_path, data_cache)
     corpus = _short_documents(tmp_path / "short.jsonl")
-    common = ["data=jsonl", f"data.paths=[{corpus}]", "data.mask_document_boundaries=true", f"trainer.max_steps={STEPS}",
-              "trainer.log_every_n_steps=1", "trainer.val_sequences=16", "trainer.val_every_n_steps=3", "checkpoint=none",
-              "tracking=none", "trainer.global_batch_size=8", "trainer.grad_accum_steps=null"]
+    common = [
+        "data=jsonl",
+        f"data.paths=[{corpus}]",
+        "data.mask_document_boundaries=true",
+        f"trainer.max_steps={STEPS}",
+        "trainer.log_every_n_steps=1",
+        "trainer.val_sequences=16",
+        "trainer.val_every_n_steps=3",
+        "checkpoint=none",
+        "tracking=none",
+        "trainer.global_batch_size=8",
+        "trainer.grad_accum_steps=null",
+    ]
     runner.run("parallelism=single", "trainer.micro_batch_size=8", "run_name=one_pass", *common)
     runner.run("parallelism=ddp", "trainer.micro_batch_size=2", "run_name=ddp", *common)
 
@@ -52,9 +62,18 @@ def test_masked_ddp_2x2_equals_single_one_pass(tmp_path, data_cache):
     from framework.rank.data import TextDataModule
 
     kv = dict(o.split("=", 1) for o in SMALL_DATA)
-    cfg = DataConfig(name="jsonl", paths=[str(corpus)], vocab_size=int(kv["data.vocab_size"]), seq_len=int(kv["data.seq_len"]),
-                     max_bytes=int(kv["data.max_bytes"]), cache_dir=str(data_cache), mask_document_boundaries=True)
-    dm = TextDataModule(cfg, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=1, max_steps=STEPS, val_sequences=0)
+    cfg = DataConfig(
+        name="jsonl",
+        paths=[str(corpus)],
+        vocab_size=int(kv["data.vocab_size"]),
+        seq_len=int(kv["data.seq_len"]),
+        max_bytes=int(kv["data.max_bytes"]),
+        cache_dir=str(data_cache),
+        mask_document_boundaries=True,
+    )
+    dm = TextDataModule(
+        cfg, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=1, max_steps=STEPS, val_sequences=0
+    )
     batches = list(dm.train_dataloader())
     counts = [[int((y != -100).sum()) for _, y, _ in batches[4 * k : 4 * k + 4]] for k in range(STEPS)]
     assert sum(len(set(c)) > 1 for c in counts) >= STEPS // 2, counts

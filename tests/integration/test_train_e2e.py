@@ -7,8 +7,8 @@ import signal
 import pytest
 from mlflow.tracking import MlflowClient
 
-from framework.rank.module import warmup_cosine
 from framework.base.testing.conformance import VAL_EVERY, PluginCase
+from framework.rank.module import warmup_cosine
 from tests.integration.conftest import REF_STEPS, job_runs, kill_group, losses, wait_for
 
 pytestmark = pytest.mark.slow
@@ -22,13 +22,25 @@ def test_gradient_accumulation_gives_the_same_losses(runner, single_ref):
     """`single` with 4 micro-batches of 2 against `single` with one of 8 (the session's reference run:
     tests/integration/conftest.py). ddp's and fsdp's splits of the same global batch (2 ranks x 2 x 2), their
     learning rates, bytes and model states: the conformance suite (test_conformance.py, loss_parity and bytes)."""
-    runner.run("parallelism=single", "trainer.micro_batch_size=2", "run_name=accum", f"trainer.max_steps={REF_STEPS}",
-               "trainer.log_every_n_steps=1", "checkpoint=none", "tracking=none", "trainer.global_batch_size=8",
-               "trainer.grad_accum_steps=null", "trainer.val_sequences=16")
+    runner.run(
+        "parallelism=single",
+        "trainer.micro_batch_size=2",
+        "run_name=accum",
+        f"trainer.max_steps={REF_STEPS}",
+        "trainer.log_every_n_steps=1",
+        "checkpoint=none",
+        "tracking=none",
+        "trainer.global_batch_size=8",
+        "trainer.grad_accum_steps=null",
+        "trainer.val_sequences=16",
+    )
     records = {"ref": single_ref, "accum": runner.metrics("accum")}
     ref, accum = losses(records["ref"]), losses(records["accum"])
     # The LR schedule counts optimizer steps, not micro-batches: same lr at every step for both splits.
-    expected = {k: 3e-3 * warmup_cosine(k - 1, warmup_steps=20, max_steps=REF_STEPS, min_lr_ratio=0.1) for k in range(1, REF_STEPS + 1)}
+    expected = {
+        k: 3e-3 * warmup_cosine(k - 1, warmup_steps=20, max_steps=REF_STEPS, min_lr_ratio=0.1)
+        for k in range(1, REF_STEPS + 1)
+    }
     for recs in records.values():
         assert {int(r["step"]): r["train/lr"] for r in recs if "train/lr" in r} == pytest.approx(expected, rel=1e-9)
     assert sorted(ref) == list(range(1, REF_STEPS + 1))
@@ -49,16 +61,31 @@ def test_fsdp_bytes_on_steps_with_validation_equal_the_model(runner, conformance
         val_steps = {VAL_EVERY, 2 * VAL_EVERY}
     else:
         name = f"fsdp{ranks}-val"
-        runner.run("parallelism=fsdp", f"parallelism.world_size={ranks}", f"trainer.global_batch_size={4 * ranks}",
-                   "trainer.micro_batch_size=2", "trainer.max_steps=5", "trainer.val_every_n_steps=2", "trainer.log_every_n_steps=1",
-                   "trainer.warmup_steps_excluded=1",
-                   "trainer.val_sequences=16", "checkpoint=none", "tracking=none", f"run_name={name}")
+        runner.run(
+            "parallelism=fsdp",
+            f"parallelism.world_size={ranks}",
+            f"trainer.global_batch_size={4 * ranks}",
+            "trainer.micro_batch_size=2",
+            "trainer.max_steps=5",
+            "trainer.val_every_n_steps=2",
+            "trainer.log_every_n_steps=1",
+            "trainer.warmup_steps_excluded=1",
+            "trainer.val_sequences=16",
+            "checkpoint=none",
+            "tracking=none",
+            f"run_name={name}",
+        )
         records = runner.metrics(name)
         val_steps = {2, 4}
     comm = {int(r["step"]): r for r in records if "perf/comm_bytes" in r}
     assert {int(r["step"]) for r in records if "val/loss" in r} >= val_steps and val_steps <= set(comm)
     for step, r in comm.items():
-        for key in ("perf/comm_bytes", "perf/comm_bytes_allgather", "perf/comm_bytes_reduce_scatter", "perf/comm_bytes_wire"):
+        for key in (
+            "perf/comm_bytes",
+            "perf/comm_bytes_allgather",
+            "perf/comm_bytes_reduce_scatter",
+            "perf/comm_bytes_wire",
+        ):
             assert r[key] == r[f"{key}_model"] > 0, (step, key)
         assert r["mem/model_states_bytes"] == r["mem/model_states_bytes_model"], step
     if ranks == 2:
@@ -70,8 +97,15 @@ def test_ctrl_c_run_resumes_to_the_same_losses(runner):
     uninterrupted losses. (SIGKILL of the driver, ranks dying with it and the bitwise resume after it:
     tests/integration/test_checkpoint_resume.py.)"""
     name = "stopped"
-    common = ["parallelism=ddp", "trainer.max_steps=30", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=10",
-              "trainer.global_batch_size=8", "trainer.micro_batch_size=2", f"run_name={name}"]
+    common = [
+        "parallelism=ddp",
+        "trainer.max_steps=30",
+        "trainer.log_every_n_steps=1",
+        "checkpoint.every_n_steps=10",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=2",
+        f"run_name={name}",
+    ]
     # The uninterrupted reference, in its own checkpoint folder and experiment.
     runner.run(*common, "experiment_name=ref")
     ref = losses(runner.metrics(name, experiment="ref"))
@@ -108,7 +142,9 @@ def test_bad_input_fails_before_any_rank_with_one_line(runner):
     proc = runner.run("parallelism.name=nope", check=False)
     assert proc.returncode == 2
     err_lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert err_lines == ["trainlab: error: parallelism.name='nope' is not a known plugin; available: ddp, deepspeed, fsdp, pp, single, tp"]
+    assert err_lines == [
+        "trainlab: error: parallelism.name='nope' is not a known plugin; available: ddp, deepspeed, fsdp, pp, single, tp"
+    ]
     assert not list(runner.workdir.glob("outputs/**/launch.json"))
     db = runner.workdir / "mlruns.db"
     if db.exists():
@@ -122,7 +158,10 @@ def test_bad_input_fails_before_any_rank_with_one_line(runner):
     # Issue 13 item 8: a global batch larger than the train split (the small corpus: about 7,800
     # windows of 64 tokens) ran, repeating windows inside every step; refused after tokenizing.
     huge = runner.run("trainer.global_batch_size=16384", "trainer.micro_batch_size=8192", check=False)
-    assert huge.returncode == 2 and "trainlab: error: trainer.global_batch_size=16384 sequences is larger than the train split" in huge.stderr
+    assert (
+        huge.returncode == 2
+        and "trainlab: error: trainer.global_batch_size=16384 sequences is larger than the train split" in huge.stderr
+    )
     assert not list(runner.workdir.glob("outputs/**/launch.json"))
 
     # An unknown top-level key (not a config group) got Hydra's 77-line traceback and exit 1.
@@ -130,7 +169,8 @@ def test_bad_input_fails_before_any_rank_with_one_line(runner):
     assert unknown.returncode == 2
     assert [ln for ln in unknown.stderr.splitlines() if ln.strip()] == [
         "trainlab: error: nosuchkey is not a config key; see conf/ and framework/base/config/schema.py for the keys"
-        " (to add a new key write +nosuchkey=...)"]
+        " (to add a new key write +nosuchkey=...)"
+    ]
 
 
 def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
@@ -140,8 +180,12 @@ def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
     from tests.unit.test_checkpoint import _CreatesAFile
 
     marker = runner.workdir / "pwned"
-    bad = write_checkpoint(runner.workdir / "foreign", 5, {"evil": _CreatesAFile(marker)}, {"kind": "full", "base": None})
-    proc = runner.run("parallelism=single", "trainer.global_batch_size=8", "trainer.max_steps=5", f"resume={bad}", check=False)
+    bad = write_checkpoint(
+        runner.workdir / "foreign", 5, {"evil": _CreatesAFile(marker)}, {"kind": "full", "base": None}
+    )
+    proc = runner.run(
+        "parallelism=single", "trainer.global_batch_size=8", "trainer.max_steps=5", f"resume={bad}", check=False
+    )
     assert proc.returncode == 1
     assert "trainlab: error: training failed" in proc.stderr
     assert "refused to load" in proc.stdout + proc.stderr
@@ -157,8 +201,15 @@ def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
     assert tag == text if len(text) <= 4000 else (tag.startswith(text[:1500]) and tag.endswith(text[-2400:]))
 
     # In a sweep the failed job does not stop the others, but the sweep's exit status reports it.
-    sweep = runner.run("-m", "parallelism=single", "trainer.global_batch_size=8", "trainer.max_steps=5", f"resume={bad}",
-                       "experiment_name=sweep", check=False)
+    sweep = runner.run(
+        "-m",
+        "parallelism=single",
+        "trainer.global_batch_size=8",
+        "trainer.max_steps=5",
+        f"resume={bad}",
+        "experiment_name=sweep",
+        check=False,
+    )
     assert sweep.returncode == 1, sweep.stderr[-3000:]
     assert "trainlab: 1 sweep job(s) FAILED" in sweep.stderr
     (swept,) = job_runs(client, "sweep")

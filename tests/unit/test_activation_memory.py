@@ -56,7 +56,9 @@ def test_one_microbatch_of_gpt_tiny_saves_the_adapted_korthikanti_bytes():
     meter = SavedTensorMeter()
     with meter:
         loss = gpt_tiny()(x, y)
-    assert meter.peak_bytes == L * parts["layer"] + parts["ids"] + parts["pos"] + parts["head"] + parts["targets"]  # 51,536,904
+    assert (
+        meter.peak_bytes == L * parts["layer"] + parts["ids"] + parts["pos"] + parts["head"] + parts["targets"]
+    )  # 51,536,904
     loss.backward()
     assert meter.live_bytes == 0  # backward freed every saved storage
 
@@ -67,7 +69,7 @@ def test_two_microbatches_in_flight_hold_twice_the_activations():
     x, y = batch()
     meter = SavedTensorMeter()
     with meter:
-        loss = model(x, y)
+        model(x, y)
     one = meter.peak_bytes
     meter = SavedTensorMeter()
     with meter:

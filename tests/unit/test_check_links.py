@@ -22,7 +22,8 @@ def test_broken_links_absolute_paths_and_missing_anchors_are_reported(tmp_path):
         "[outside](../../x.md)\n"
         "[web](https://example.com/x.md) `[code](nothere.md)`\n"
         "```\n[fenced](nothere.md)\n```\n"
-        "# Top\n")
+        "# Top\n"
+    )
     errors = check_links.check_file(tmp_path / "docs" / "a.md", root=tmp_path)
     assert [e.split(": ", 1)[0] for e in errors] == ["docs/a.md:2", "docs/a.md:3", "docs/a.md:4", "docs/a.md:5"]
     assert "no such file" in errors[0] and "absolute path" in errors[1]

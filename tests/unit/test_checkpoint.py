@@ -35,8 +35,12 @@ def _state(step: int, seed: int = 0) -> dict:
     return {
         "global_step": step,
         "state_dict": {"model.w": torch.randn(64, 32, generator=g), "model.b": torch.zeros(32, dtype=torch.bfloat16)},
-        "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(64, 32, generator=g), "step": torch.tensor(float(step))}},
-                              "param_groups": [{"lr": 1e-3, "params": [0]}]}],
+        "optimizer_states": [
+            {
+                "state": {0: {"exp_avg": torch.randn(64, 32, generator=g), "step": torch.tensor(float(step))}},
+                "param_groups": [{"lr": 1e-3, "params": [0]}],
+            }
+        ],
         "loops": {"progress": step},
     }
 
@@ -57,8 +61,13 @@ def _assert_same(a, b) -> None:
 
 
 def _io(**kw) -> FolderCheckpointIO:
-    args = dict(keep_last_k=3, asynchronous=False, full_every_n_saves=1, manifest_fields={"layout": {"plugin": "single"}},
-                tokens_per_step=100)
+    args = dict(
+        keep_last_k=3,
+        asynchronous=False,
+        full_every_n_saves=1,
+        manifest_fields={"layout": {"plugin": "single"}},
+        tokens_per_step=100,
+    )
     return FolderCheckpointIO(**{**args, **kw})
 
 
@@ -67,7 +76,11 @@ def test_folder_round_trip_and_manifest(tmp_path):
     path = write_checkpoint(tmp_path, 7, state, {"kind": "full", "base": None, "tokens_seen": 700})
     assert path.name == "step00000007" and list_checkpoints(tmp_path) == [(7, path)]
     m = read_manifest(path)
-    assert m["step"] == 7 and m["tokens_seen"] == 700 and m["files"]["state.pt"]["bytes"] == (path / "state.pt").stat().st_size
+    assert (
+        m["step"] == 7
+        and m["tokens_seen"] == 700
+        and m["files"]["state.pt"]["bytes"] == (path / "state.pt").stat().st_size
+    )
     assert len(m["files"]["state.pt"]["sha256"]) == 64
     assert verify(path) == []
     _assert_same(load_state(path), state)
@@ -108,8 +121,12 @@ class _CreatesAFile:
 def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "pwned"
     # A checkpoint with a valid manifest and checksum, whose state file carries a code-running pickle.
-    path = write_checkpoint(tmp_path / "ckpt", 3, {"state_dict": {}, "evil": _CreatesAFile(marker)},
-                            {"kind": "full", "base": None, "tokens_seen": 0})
+    path = write_checkpoint(
+        tmp_path / "ckpt",
+        3,
+        {"state_dict": {}, "evil": _CreatesAFile(marker)},
+        {"kind": "full", "base": None, "tokens_seen": 0},
+    )
     assert verify(path) == []
     with pytest.raises(UnsafeCheckpointError, match="refused to load") as info:
         load_state(path)
@@ -214,8 +231,9 @@ def test_memory_snapshot_restores_bitwise():
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    trainer = SimpleNamespace(lightning_module=model, optimizers=[opt], lr_scheduler_configs=[SimpleNamespace(scheduler=sched)],
-                              global_step=0)
+    trainer = SimpleNamespace(
+        lightning_module=model, optimizers=[opt], lr_scheduler_configs=[SimpleNamespace(scheduler=sched)], global_step=0
+    )
 
     def step() -> None:
         model(torch.randn(2, 8)).sum().backward()  # torch.randn: the RNG must be restored too
@@ -260,16 +278,24 @@ def test_tool_lists_verifies_and_converts(tmp_path, capsys):
 def test_buffered_metrics_are_sent_before_the_checkpoint_that_covers_their_step(tmp_path):
     """A kill right after a save must not lose the saved step's metrics (the resumed run does not replay
     that step): ``before_save`` (the worker's metric flush) runs before the folder is written."""
-    from framework.rank.checkpoint.periodic import PeriodicCheckpoint
     from framework.base.metrics.emit import MetricEmitter
+    from framework.rank.checkpoint.periodic import PeriodicCheckpoint
 
     order = []
-    io = FolderCheckpointIO(keep_last_k=1, asynchronous=False, full_every_n_saves=1, manifest_fields={}, tokens_per_step=1)
-    cb = PeriodicCheckpoint(dirpath=str(tmp_path), io=io, every_n_steps=2, save_last=False,
-                            emit=MetricEmitter([lambda m, step: order.append(("metrics", step, sorted(m)))]),
-                            before_save=lambda: order.append(("flush", trainer.global_step)))
-    trainer = SimpleNamespace(global_step=0, is_global_zero=True,
-                              save_checkpoint=lambda path: order.append(("save", pathlib.Path(path).name)))
+    io = FolderCheckpointIO(
+        keep_last_k=1, asynchronous=False, full_every_n_saves=1, manifest_fields={}, tokens_per_step=1
+    )
+    cb = PeriodicCheckpoint(
+        dirpath=str(tmp_path),
+        io=io,
+        every_n_steps=2,
+        save_last=False,
+        emit=MetricEmitter([lambda m, step: order.append(("metrics", step, sorted(m)))]),
+        before_save=lambda: order.append(("flush", trainer.global_step)),
+    )
+    trainer = SimpleNamespace(
+        global_step=0, is_global_zero=True, save_checkpoint=lambda path: order.append(("save", pathlib.Path(path).name))
+    )
     for step in (1, 2, 3):
         trainer.global_step = step
         cb.on_train_batch_end(trainer, None, None, None, step - 1)

@@ -41,8 +41,12 @@ def table(monkeypatch):
 
 
 def _full(dirpath: Path, step: int, value: float = 0.0) -> Path:
-    return write_checkpoint(dirpath, step, {"global_step": step, "state_dict": {"w": torch.full((4,), value)}},
-                            {"kind": "full", "base": None, "tokens_seen": 0})
+    return write_checkpoint(
+        dirpath,
+        step,
+        {"global_step": step, "state_dict": {"w": torch.full((4,), value)}},
+        {"kind": "full", "base": None, "tokens_seen": 0},
+    )
 
 
 def _own_kind_folder(dirpath: Path, step: int, kind: str) -> Path:
@@ -65,8 +69,11 @@ def _trained_linear(seed: int = 0):
 def _dcp_checkpoint(dirpath: Path, step: int, model, opt) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    checkpoint = {"global_step": step, "state_dict": get_model_state_dict(model),
-                  "optimizer_states": [get_optimizer_state_dict(model, opt)]}
+    checkpoint = {
+        "global_step": step,
+        "state_dict": get_model_state_dict(model),
+        "optimizer_states": [get_optimizer_state_dict(model, opt)],
+    }
     return save_sharded(dirpath, step, checkpoint, {"tokens_seen": 0})
 
 
@@ -81,10 +88,18 @@ def test_the_package_registers_full_delta_and_dcp():
 @pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_the_table_imports_no_torch_or_lightning():
     """The driver consults it before any rank starts."""
-    code = ("import sys, framework.base.checkpoint.kinds as k; k.get_checkpoint_kind('dcp');"
-            " print(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning_fabric') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(REPO), "PATH": ""}).stdout
+    code = (
+        "import sys, framework.base.checkpoint.kinds as k; k.get_checkpoint_kind('dcp');"
+        " print(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning_fabric') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -103,19 +118,22 @@ def test_an_unknown_kind_names_the_known_ones(table):
         get_checkpoint_kind("nope")
 
 
-@pytest.mark.parametrize("kind, writes, loads_full_state, expected", [
-    ("full", "full", True, True),
-    ("delta", "full", True, True),
-    ("dcp", "full", True, True),  # gathered into a full state
-    ("full", "dcp", True, True),  # a sharded plugin distributes a full state
-    ("dcp", "dcp", True, True),
-    ("own", "own", False, True),  # a plugin loads its own format
-    ("full", "own", False, False),  # ... and only that
-    ("dcp", "own", False, False),
-    ("own", "full", True, False),  # registered without a full-state loader
-    ("unregistered", "full", True, False),  # not registered in this process: only its writer loads it
-    ("unregistered", "unregistered", False, True),
-])
+@pytest.mark.parametrize(
+    "kind, writes, loads_full_state, expected",
+    [
+        ("full", "full", True, True),
+        ("delta", "full", True, True),
+        ("dcp", "full", True, True),  # gathered into a full state
+        ("full", "dcp", True, True),  # a sharded plugin distributes a full state
+        ("dcp", "dcp", True, True),
+        ("own", "own", False, True),  # a plugin loads its own format
+        ("full", "own", False, False),  # ... and only that
+        ("dcp", "own", False, False),
+        ("own", "full", True, False),  # registered without a full-state loader
+        ("unregistered", "full", True, False),  # not registered in this process: only its writer loads it
+        ("unregistered", "unregistered", False, True),
+    ],
+)
 def test_can_load(table, kind, writes, loads_full_state, expected):
     register_checkpoint_kind(CheckpointKind("own", "own files"))
     assert can_load(kind, writes=writes, loads_full_state=loads_full_state) is expected
@@ -143,18 +161,29 @@ def test_saves_dispatch_on_the_declared_kind_not_on_the_state(table, tmp_path):
     from framework.base.checkpoint.io import FolderCheckpointIO
 
     def io(kind):
-        return FolderCheckpointIO(keep_last_k=3, asynchronous=False, full_every_n_saves=1, manifest_fields={},
-                                  tokens_per_step=10, kind=kind)
+        return FolderCheckpointIO(
+            keep_last_k=3, asynchronous=False, full_every_n_saves=1, manifest_fields={}, tokens_per_step=10, kind=kind
+        )
 
     calls = []
-    register_checkpoint_kind(CheckpointKind("shards", "my shards", save_shards=lambda d, s, c, m: calls.append((s, m)) or None))
-    io("shards").save_checkpoint({"global_step": 3, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a" / "step00000003")
-    assert calls == [(3, {"tokens_seen": 30})] and not (tmp_path / "a").exists()  # not rank 0's folder here: nothing reported
+    register_checkpoint_kind(
+        CheckpointKind("shards", "my shards", save_shards=lambda d, s, c, m: calls.append((s, m)) or None)
+    )
+    io("shards").save_checkpoint(
+        {"global_step": 3, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a" / "step00000003"
+    )
+    assert (
+        calls == [(3, {"tokens_seen": 30})] and not (tmp_path / "a").exists()
+    )  # not rank 0's folder here: nothing reported
 
     model, opt = _trained_linear()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    state = {"global_step": 4, "state_dict": get_model_state_dict(model), "optimizer_states": [get_optimizer_state_dict(model, opt)]}
+    state = {
+        "global_step": 4,
+        "state_dict": get_model_state_dict(model),
+        "optimizer_states": [get_optimizer_state_dict(model, opt)],
+    }
     dcp_io = io("dcp")
     dcp_io.save_checkpoint(state, tmp_path / "b" / "step00000004")
     (done,) = dcp_io.pop_results()
@@ -172,8 +201,11 @@ def test_saves_dispatch_on_the_declared_kind_not_on_the_state(table, tmp_path):
 def test_a_kind_without_a_full_state_is_refused_by_load_state(table, tmp_path):
     register_checkpoint_kind(CheckpointKind("own", "my plugin's own files"))
     path = _own_kind_folder(tmp_path, 3, "own")
-    with pytest.raises(CheckpointError, match=r"my plugin's own files \('own'\) do not gather into one full state;"
-                                              r" only a plugin that writes 'own' checkpoints loads them"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"my plugin's own files \('own'\) do not gather into one full state;"
+        r" only a plugin that writes 'own' checkpoints loads them",
+    ):
         load_state(path)
     unknown = _own_kind_folder(tmp_path / "b", 3, "unregistered")
     with pytest.raises(CheckpointError, match="unknown checkpoint kind 'unregistered'"):
@@ -191,8 +223,12 @@ def test_a_dcp_checkpoint_gathers_into_a_full_state_and_loads_into_live_tensors(
     # load_into_sharded reads a kind with load_into_shards straight into the live tensors, through the table
     used = []
     dcp_kind = table["dcp"]
-    table["dcp"] = CheckpointKind("dcp", dcp_kind.description, load_full_state=dcp_kind.load_full_state,
-                                  load_into_shards=lambda p, t: used.append(p) or dcp_kind.load_into_shards(p, t))
+    table["dcp"] = CheckpointKind(
+        "dcp",
+        dcp_kind.description,
+        load_full_state=dcp_kind.load_full_state,
+        load_into_shards=lambda p, t: used.append(p) or dcp_kind.load_into_shards(p, t),
+    )
     fresh, fresh_opt = _trained_linear(seed=1)
     rest = load_into_sharded(path, fresh, [fresh_opt])
     assert used == [path] and rest["global_step"] == 4
@@ -247,16 +283,24 @@ def test_deepspeed_saves_commit_through_the_folder_format(tmp_path, monkeypatch)
             (Path(save_dir) / "latest").write_text(tag)
 
     results = []
-    io = SimpleNamespace(manifest_fields={"layout": {"world_size": 1}}, tokens_per_step=10, keep_last_k=2, record=results.append)
-    strategy = SimpleNamespace(checkpoint_io=io, broadcast=lambda x: x, is_global_zero=True, barrier=lambda: None,
-                               deepspeed_engine=Engine())
+    io = SimpleNamespace(
+        manifest_fields={"layout": {"world_size": 1}}, tokens_per_step=10, keep_last_k=2, record=results.append
+    )
+    strategy = SimpleNamespace(
+        checkpoint_io=io, broadcast=lambda x: x, is_global_zero=True, barrier=lambda: None, deepspeed_engine=Engine()
+    )
     for step in (3, 3, 6, 9):  # step 3 saved twice: replaced
-        ds.save_folder(strategy, {"global_step": step, "state_dict": {}, "optimizer_states": [], "loops": step},
-                       tmp_path / f"step{step:08d}")
+        ds.save_folder(
+            strategy,
+            {"global_step": step, "state_dict": {}, "optimizer_states": [], "loops": step},
+            tmp_path / f"step{step:08d}",
+        )
     assert [s for s, _ in list_checkpoints(tmp_path)] == [6, 9]  # pruned to keep_last_k
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000006", "step00000009"]
     m = read_manifest(tmp_path / "step00000009")
-    assert m["kind"] == "deepspeed" and m["base"] is None and m["tokens_seen"] == 90 and m["layout"] == {"world_size": 1}
+    assert (
+        m["kind"] == "deepspeed" and m["base"] is None and m["tokens_seen"] == 90 and m["layout"] == {"world_size": 1}
+    )
     assert set(m["files"]) == {"latest", "deepspeed/mp_rank_00_model_states.pt"}
     assert verify(tmp_path / "step00000009") == [] and (tmp_path / "step00000009" / MANIFEST).is_file()
     assert committed == [{"fsync_files": True}] * 4
@@ -266,7 +310,9 @@ def test_deepspeed_saves_commit_through_the_folder_format(tmp_path, monkeypatch)
 
 # -- resume selection --------------------------------------------------------------------------
 def _check(resume, ckdir, plugin="single", writes="full", loads_full_state=True, writers=None):
-    check_resume_request(str(resume), str(ckdir), plugin, writes=writes, loads_full_state=loads_full_state, writers=writers)
+    check_resume_request(
+        str(resume), str(ckdir), plugin, writes=writes, loads_full_state=loads_full_state, writers=writers
+    )
 
 
 def test_resume_never_with_checkpoints_names_checkpoint_dir(tmp_path):
@@ -275,16 +321,21 @@ def test_resume_never_with_checkpoints_names_checkpoint_dir(tmp_path):
     _full(tmp_path, 8)
     with pytest.raises(ConfigError) as info:
         _check("never", tmp_path)
-    assert str(info.value) == (f"resume=never but checkpoint.dir={tmp_path} already holds checkpoints (up to step 8);"
-                               " remove it or choose another checkpoint.dir")
+    assert str(info.value) == (
+        f"resume=never but checkpoint.dir={tmp_path} already holds checkpoints (up to step 8);"
+        " remove it or choose another checkpoint.dir"
+    )
     _check("auto", tmp_path)
 
 
 def test_resume_folder_that_is_not_intact_is_refused(tmp_path):
     path = _full(tmp_path, 2)
     (path / "state.pt").write_bytes(b"changed")
-    with pytest.raises(ConfigError, match=r"resume='.*step00000002': not a usable checkpoint folder \(.*\); allowed: auto,"
-                                          r" never, or an intact checkpoint folder$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"resume='.*step00000002': not a usable checkpoint folder \(.*\); allowed: auto,"
+        r" never, or an intact checkpoint folder$",
+    ):
         _check(path, tmp_path / "other")
     with pytest.raises(ConfigError, match="not a usable checkpoint folder"):
         _check(tmp_path / "missing", tmp_path / "other")
@@ -295,8 +346,9 @@ def test_resume_a_kind_only_its_plugin_loads(table, tmp_path):
     writers = {"own": ["own1", "own2"], "full": ["single", "ddp"]}.get
     with pytest.raises(ConfigError) as info:
         _check(own, tmp_path / "b", writers=writers)
-    assert str(info.value) == (f"resume={str(own)!r}: a 'own' checkpoint cannot be loaded by plugin 'single';"
-                               " allowed: parallelism=own1|own2")
+    assert str(info.value) == (
+        f"resume={str(own)!r}: a 'own' checkpoint cannot be loaded by plugin 'single'; allowed: parallelism=own1|own2"
+    )
     with pytest.raises(ConfigError, match="allowed: a plugin that writes 'own' checkpoints$"):
         _check(own, tmp_path / "b")
     register_checkpoint_kind(CheckpointKind("own", "own files"))  # registered (the plugin was imported): the same
@@ -307,8 +359,10 @@ def test_resume_a_kind_only_its_plugin_loads(table, tmp_path):
     full = _full(tmp_path / "c", 3)  # the other way: a plugin that loads only its own kind
     with pytest.raises(ConfigError) as info:
         _check(full, tmp_path / "b", plugin="own1", writes="own", loads_full_state=False, writers=writers)
-    assert str(info.value) == (f"resume={str(full)!r}: a 'full' checkpoint cannot be loaded by plugin 'own1';"
-                               " allowed: a checkpoint written by own1|own2")
+    assert str(info.value) == (
+        f"resume={str(full)!r}: a 'full' checkpoint cannot be loaded by plugin 'own1';"
+        " allowed: a checkpoint written by own1|own2"
+    )
     with pytest.raises(ConfigError, match="allowed: a 'own' checkpoint$"):
         _check(full, tmp_path / "b", plugin="own1", writes="own", loads_full_state=False)
 

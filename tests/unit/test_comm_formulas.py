@@ -22,7 +22,9 @@ SHAPE = ModelShape(n_layer=4, d_model=64, n_head=4, vocab_size=256, seq_len=32, 
 
 
 def _planner_dp_payload(zero_stage: int, *, dp: int, m: int) -> dict[str, float]:
-    lay = PlanLayout(dp=dp, tp=1, pp=1, micro_batch_size=1, global_batch_size=dp * m, zero_stage=zero_stage, precision="fp32")
+    lay = PlanLayout(
+        dp=dp, tp=1, pp=1, micro_batch_size=1, global_batch_size=dp * m, zero_stage=zero_stage, precision="fp32"
+    )
     out: dict[str, float] = {}
     for c in layout_collectives(SHAPE, lay, gpus_per_node=8):
         out[c.kind] = out.get(c.kind, 0.0) + c.payload_bytes * c.calls
@@ -44,11 +46,15 @@ def test_planner_and_plugins_price_the_dp_group_alike(zero_stage, m):
     if zero_stage == 0:
         assert plugin == ddp_comm_volume(stats, 4).payload_bytes
     if zero_stage == 3:
-        assert plugin == fsdp_comm_volume(stats, dp_degree=4, grad_accum_steps=m, reshard_after_forward=True).payload_bytes
+        assert (
+            plugin == fsdp_comm_volume(stats, dp_degree=4, grad_accum_steps=m, reshard_after_forward=True).payload_bytes
+        )
 
 
 def test_dp_collectives_by_stage_and_reduction():
-    kinds = {z: [(c.kind, c.tensor, c.per_microbatch) for c in dp_collectives(z, grad_reduce="allreduce")] for z in range(4)}
+    kinds = {
+        z: [(c.kind, c.tensor, c.per_microbatch) for c in dp_collectives(z, grad_reduce="allreduce")] for z in range(4)
+    }
     assert kinds[0] == [("allreduce", "grads", False)]
     assert kinds[1] == [("allreduce", "grads", False), ("allgather", "params", False)]
     assert kinds[2] == [("allreduce", "grads", True), ("allgather", "params", False)]
@@ -66,8 +72,14 @@ def test_planner_tp_collectives_are_the_plugins_per_layer_calls(sp):
     planner: dict[str, float] = {}
     for c in layout_collectives(SHAPE, lay, gpus_per_node=8):
         planner[c.kind] = planner.get(c.kind, 0.0) + c.payload_bytes * c.calls
-    plugin = tp_payload_bytes_per_microbatch(micro_batch_size=2, seq_len=SHAPE.seq_len, d_model=SHAPE.d_model,
-                                             n_layer=SHAPE.n_layer, tp=2, sequence_parallel=sp)
+    plugin = tp_payload_bytes_per_microbatch(
+        micro_batch_size=2,
+        seq_len=SHAPE.seq_len,
+        d_model=SHAPE.d_model,
+        n_layer=SHAPE.n_layer,
+        tp=2,
+        sequence_parallel=sp,
+    )
     if sp:
         plugin["allgather"] -= 2 * 2 * SHAPE.seq_len * SHAPE.d_model * 4
     assert planner == plugin

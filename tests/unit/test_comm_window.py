@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytorch_lightning as pl
 import torch
 
-from framework.rank.callbacks.breakdown import StepBreakdown
-from framework.rank.callbacks.clock import StepClock
-from framework.base.metrics.emit import MetricEmitter
-from framework.rank.callbacks.validation import ValidationLoss
 from framework.base.cost.comm import CommEstimate
 from framework.base.layout import ParallelLayout
+from framework.base.metrics.emit import MetricEmitter
 from framework.base.plugin import ParallelPlugin
+from framework.rank.callbacks.breakdown import StepBreakdown
+from framework.rank.callbacks.clock import StepClock
+from framework.rank.callbacks.validation import ValidationLoss
 
 ACCUM = 2  # micro-batches per optimizer step
 
@@ -67,7 +67,9 @@ class _EveryForwardPlugin(ParallelPlugin):
         super().__init__(cfg=None)
 
     def comm_volume(self, stats, resolved):
-        return CommEstimate(payload_bytes={"allreduce": 10 * ACCUM, "allgather": 1}, group_size=2, group_sizes={"allgather": 4})
+        return CommEstimate(
+            payload_bytes={"allreduce": 10 * ACCUM, "allgather": 1}, group_size=2, group_sizes={"allgather": 4}
+        )
 
     def model_states_bytes(self, stats, resolved):
         return 0
@@ -101,13 +103,33 @@ def test_only_training_collectives_count_even_on_steps_with_validation(tmp_path)
     records: list[tuple[int, dict]] = []
     sink = lambda metrics, step: records.append((step, dict(metrics)))  # noqa: E731
     clock = StepClock()
-    breakdown = StepBreakdown(plugin=_EveryForwardPlugin(), resolved=SimpleNamespace(layout=ParallelLayout(dp=1)), log_every_n_steps=1,
-                              warmup_steps_excluded=0, emit=MetricEmitter([sink]), clock=clock)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=ACCUM, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(tmp_path),
-                         callbacks=[clock, _FrameworkReductions(),
-                                    ValidationLoss(every_n_steps=1, emit=MetricEmitter([sink]), on_time_spent=clock.add_validation), breakdown])
+    breakdown = StepBreakdown(
+        plugin=_EveryForwardPlugin(),
+        resolved=SimpleNamespace(layout=ParallelLayout(dp=1)),
+        log_every_n_steps=1,
+        warmup_steps_excluded=0,
+        emit=MetricEmitter([sink]),
+        clock=clock,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        accumulate_grad_batches=ACCUM,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        callbacks=[
+            clock,
+            _FrameworkReductions(),
+            ValidationLoss(every_n_steps=1, emit=MetricEmitter([sink]), on_time_spent=clock.add_validation),
+            breakdown,
+        ],
+    )
     trainer.fit(_Module(), datamodule=_Data())
     validated = {step for step, m in records if "val/loss" in m}
     comm = {step: m for step, m in records if "perf/comm_bytes" in m}
@@ -115,7 +137,9 @@ def test_only_training_collectives_count_even_on_steps_with_validation(tmp_path)
     for step, m in comm.items():
         assert "perf/comm_bytes_broadcast" not in m, step  # the framework's reductions
         assert m["perf/comm_bytes_allreduce"] == m["perf/comm_bytes_allreduce_model"] == 10 * ACCUM, step
-        assert m["perf/comm_bytes_allgather"] == m["perf/comm_bytes_allgather_model"] == 1, step  # the optimizer step counts
+        assert m["perf/comm_bytes_allgather"] == m["perf/comm_bytes_allgather_model"] == 1, (
+            step
+        )  # the optimizer step counts
         # each kind on its own group: all-reduce 2 ranks (factor 1), all-gather 4 ranks (factor 3/4)
         assert m["perf/comm_bytes_wire"] == m["perf/comm_bytes_wire_model"] == 10 * ACCUM + 0.75, step
     assert not breakdown.meter.counting, "closed after training"

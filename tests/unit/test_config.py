@@ -57,7 +57,11 @@ def _options(group: str) -> list[str]:
 
 @pytest.mark.parametrize(
     "group, option",
-    [(g, o) for g in ("model", "data", "parallelism", "checkpoint", "trainer", "tracking", "experiment") for o in _options(g)],
+    [
+        (g, o)
+        for g in ("model", "data", "parallelism", "checkpoint", "trainer", "tracking", "experiment")
+        for o in _options(g)
+    ],
 )
 def test_every_conf_option_composes_and_validates(compose, group, option, tmp_path):
     overrides = [f"{group}={option}"]
@@ -71,14 +75,31 @@ def test_every_conf_option_composes_and_validates(compose, group, option, tmp_pa
     validate(run)
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["model=gpt_tiny", "+model.mlp=swiglu"], "model.mlp='swiglu' does not go with model.arch='gpt' (it trains only model.mlp='gelu'"),
-    (["model=llama_tiny", "model.tied_embeddings=true"], "model.tied_embeddings=True does not go with model.arch='llama'"),
-    (["model=llama_tiny", "model.bias=true"], "model.bias=True does not go with model.arch='llama'"),
-    (["model=llama_tiny", "model.arch=mamba"], "model.arch='mamba' is not allowed; allowed: gpt, llama"),
-    (["model=llama_tiny", "parallelism=tp", "parallelism.tp_degree=4", "parallelism.world_size=4", "checkpoint=none"],
-     "parallelism.tp_degree=4 must divide model.n_kv_head=2 (grouped-query attention splits key/value heads over tp"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (
+            ["model=gpt_tiny", "+model.mlp=swiglu"],
+            "model.mlp='swiglu' does not go with model.arch='gpt' (it trains only model.mlp='gelu'",
+        ),
+        (
+            ["model=llama_tiny", "model.tied_embeddings=true"],
+            "model.tied_embeddings=True does not go with model.arch='llama'",
+        ),
+        (["model=llama_tiny", "model.bias=true"], "model.bias=True does not go with model.arch='llama'"),
+        (["model=llama_tiny", "model.arch=mamba"], "model.arch='mamba' is not allowed; allowed: gpt, llama"),
+        (
+            [
+                "model=llama_tiny",
+                "parallelism=tp",
+                "parallelism.tp_degree=4",
+                "parallelism.world_size=4",
+                "checkpoint=none",
+            ],
+            "parallelism.tp_degree=4 must divide model.n_kv_head=2 (grouped-query attention splits key/value heads over tp",
+        ),
+    ],
+)
 def test_a_shape_that_does_not_fit_the_architecture_is_one_line(compose, overrides, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         validate(load_run_config(compose(*overrides)))
@@ -87,12 +108,18 @@ def test_a_shape_that_does_not_fit_the_architecture_is_one_line(compose, overrid
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["parallelism.name=nope"], "parallelism.name='nope' is not a known plugin; available: ddp, deepspeed, fsdp, pp, single, tp"),
+        (
+            ["parallelism.name=nope"],
+            "parallelism.name='nope' is not a known plugin; available: ddp, deepspeed, fsdp, pp, single, tp",
+        ),
         (["trainer.global_batch_size=15"], "trainer.global_batch_size=15 is not divisible"),
         (["data.seq_len=512"], "data.seq_len=512 is longer than model.max_seq_len=256"),
         (["optim.lr=0"], "optim.lr=0.0 must be > 0"),
         (["optim.lr=-1e-3"], "optim.lr=-0.001 must be > 0"),
-        (["parallelism.world_size=3", "parallelism.dp_degree=2"], "parallelism.world_size=3 != dp_degree(2) x tp_degree(1) x pp_degree(1) = 2"),
+        (
+            ["parallelism.world_size=3", "parallelism.dp_degree=2"],
+            "parallelism.world_size=3 != dp_degree(2) x tp_degree(1) x pp_degree(1) = 2",
+        ),
         (["parallelism.tp_degree=2"], "plugin 'ddp' is data parallel only"),
         (["parallelism=single", "parallelism.world_size=2"], "must be 1 for plugin 'single'"),
         (["trainer.precision=fp8"], "trainer.precision='fp8' is not allowed; allowed: 32-true, bf16-mixed, 16-mixed"),
@@ -101,15 +128,24 @@ def test_a_shape_that_does_not_fit_the_architecture_is_one_line(compose, overrid
         (["data=text_files"], "data.paths"),
         (["model.n_head=5"], "model.n_head=5 must divide model.d_model=128"),
         (["parallelism.nnodes=2"], "rendezvous.endpoint is required with parallelism.nnodes=2"),
-        (["parallelism.nnodes=2", "parallelism.nproc_per_node=2"], "parallelism.nnodes=2 x parallelism.nproc_per_node=2 = 4 != parallelism.world_size=2"),
+        (
+            ["parallelism.nnodes=2", "parallelism.nproc_per_node=2"],
+            "parallelism.nnodes=2 x parallelism.nproc_per_node=2 = 4 != parallelism.world_size=2",
+        ),
         (["data.name=web"], "data.name='web' is not a data source; allowed: stdlib_code, text_files, jsonl"),
         (["checkpoint.mode=later"], "checkpoint.mode='later' is not allowed; allowed: sync, async"),
         (["checkpoint.full_every_n_saves=0"], "checkpoint.full_every_n_saves=0 must be > 0"),
         (["checkpoint.memory_every_n_steps=-1"], "checkpoint.memory_every_n_steps=-1 must be >= 0"),
-        (["trainer.profile_steps=[3]"], "trainer.profile_steps=[3] must be [a, b] with 1 <= a <= b <= trainer.max_steps=800, or null"),
+        (
+            ["trainer.profile_steps=[3]"],
+            "trainer.profile_steps=[3] must be [a, b] with 1 <= a <= b <= trainer.max_steps=800, or null",
+        ),
         (["trainer.profile_steps=[5,2]"], "trainer.profile_steps=[5, 2] must be [a, b]"),
         (["trainer.profile_steps=[0,2]"], "trainer.profile_steps=[0, 2] must be [a, b]"),
-        (["trainer.max_steps=10", "trainer.profile_steps=[5,11]"], "trainer.profile_steps=[5, 11] must be [a, b] with 1 <= a <= b <= trainer.max_steps=10"),
+        (
+            ["trainer.max_steps=10", "trainer.profile_steps=[5,11]"],
+            "trainer.profile_steps=[5, 11] must be [a, b] with 1 <= a <= b <= trainer.max_steps=10",
+        ),
         (["tracking.system_metrics_interval_s=-1"], "tracking.system_metrics_interval_s=-1.0 must be >= 0 (0 = off)"),
     ],
 )
@@ -176,7 +212,12 @@ def test_threads_per_rank_is_refused_only_above_the_cores(compose, monkeypatch):
     import os
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # a 2-core machine
-    common = ("parallelism=ddp", "trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.grad_accum_steps=null")
+    common = (
+        "parallelism=ddp",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=1",
+        "trainer.grad_accum_steps=null",
+    )
     validate(load_run_config(compose(*common, "parallelism.world_size=4", "trainer.threads_per_rank=1")))
     validate(load_run_config(compose(*common, "parallelism.world_size=2", "trainer.threads_per_rank=1")))
     with pytest.raises(ConfigError) as err:
@@ -187,7 +228,12 @@ def test_threads_per_rank_is_refused_only_above_the_cores(compose, monkeypatch):
 def test_key_suggestions_are_the_close_ones_not_the_same_prefix():
     from framework.base.config import near_keys
 
-    keys = ["parallelism.reshard_after_forward", "parallelism.nproc_per_node", "parallelism.world_size", "trainer.max_steps"]
+    keys = [
+        "parallelism.reshard_after_forward",
+        "parallelism.nproc_per_node",
+        "parallelism.world_size",
+        "trainer.max_steps",
+    ]
     assert near_keys("parallelism.reshard_after_forwad", keys) == ["parallelism.reshard_after_forward"]
     assert near_keys("parallelism.nproc_per_nod", keys) == ["parallelism.nproc_per_node"]
     assert near_keys("nothing.like.it", keys) == []

@@ -10,16 +10,19 @@ import math
 import pytest
 import yaml
 
-from framework.driver.cli import CONF_DIR
 from framework.base.config.schema import ModelConfig
 from framework.base.cost import activations as A
 from framework.base.cost.bubble import microbatches_in_flight, pp_bubble_fraction
 from framework.base.cost.collectives import layout_collectives
-from framework.base.cost.comm import ZERO3_COLLECTIVES
-from framework.base.cost.comm import ModelStats, ddp_comm_volume, fsdp_comm_volume, tp_payload_bytes_per_microbatch
+from framework.base.cost.comm import (
+    ZERO3_COLLECTIVES,
+    ModelStats,
+    ddp_comm_volume,
+    fsdp_comm_volume,
+    tp_payload_bytes_per_microbatch,
+)
 from framework.base.cost.estimate import estimate
 from framework.base.cost.hardware import REQUIRED, ClusterError, Link, cluster_from_dict
-from framework.base.metrics.local_cpu import cluster_of
 from framework.base.cost.layout import PlanLayout
 from framework.base.cost.memory import (
     ZERO_STAGES,
@@ -29,7 +32,16 @@ from framework.base.cost.memory import (
     stage_params,
 )
 from framework.base.cost.shape import ModelShape
-from framework.base.cost.steptime import MeasuredBreakdown, MeasuredCollective, StepTimeParams, collective_time, step_time, whatif
+from framework.base.cost.steptime import (
+    MeasuredBreakdown,
+    MeasuredCollective,
+    StepTimeParams,
+    collective_time,
+    step_time,
+    whatif,
+)
+from framework.base.metrics.local_cpu import cluster_of
+from framework.driver.cli import CONF_DIR
 from framework.driver.plan.search import PlanError, search
 
 GPT3 = ModelShape(n_layer=96, d_model=12288, n_head=96, vocab_size=51200, seq_len=2048, max_seq_len=2048)
@@ -74,10 +86,14 @@ def test_zero_paper_table_is_reproduced():
 def test_plugin_figures_equal_the_planner_breakdown():
     shapes = ((64, 32), (32,), (128, 32))  # every dim 0 divides by 4: no FSDP padding
     stats = ModelStats(num_params=sum(math.prod(s) for s in shapes), num_param_tensors=3, param_shapes=shapes)
-    assert replicated_adamw_model_states_bytes(stats) == model_states_per_rank(
-        stats.num_params, dp=4, zero_stage=0, precision="fp32").total + 4 * 3
-    assert fsdp_model_states_bytes(stats, dp_degree=4) == model_states_per_rank(
-        stats.num_params, dp=4, zero_stage=3, precision="fp32").total + 4 * 3
+    assert (
+        replicated_adamw_model_states_bytes(stats)
+        == model_states_per_rank(stats.num_params, dp=4, zero_stage=0, precision="fp32").total + 4 * 3
+    )
+    assert (
+        fsdp_model_states_bytes(stats, dp_degree=4)
+        == model_states_per_rank(stats.num_params, dp=4, zero_stage=3, precision="fp32").total + 4 * 3
+    )
 
 
 @pytest.mark.parametrize("bad", [4, -1, "zero1", "1", True, 1.0])
@@ -125,14 +141,18 @@ def test_bubble_and_microbatches_in_flight():
     assert microbatches_in_flight(schedule="1F1B", pp=4, n_microbatches=8) == 4
     assert microbatches_in_flight(schedule="1F1B", pp=4, n_microbatches=2) == 2
     assert microbatches_in_flight(schedule="GPipe", pp=4, n_microbatches=8) == 8
-    assert microbatches_in_flight(schedule="Interleaved1F1B", pp=4, n_microbatches=8, virtual_stages=2) == pytest.approx(4 * (1 + 3 / 8))
+    assert microbatches_in_flight(
+        schedule="Interleaved1F1B", pp=4, n_microbatches=8, virtual_stages=2
+    ) == pytest.approx(4 * (1 + 3 / 8))
 
 
 def test_planner_collectives_equal_the_plugins_closed_forms():
     sh = _gpt_table2_shape(s=128, h=64, a=4)
     lay = PlanLayout(dp=1, tp=2, pp=1, micro_batch_size=2, global_batch_size=8, precision="fp32")
     tp = sum(c.payload_bytes * c.calls for c in layout_collectives(sh, lay, 8) if c.group == "tp")
-    ref = tp_payload_bytes_per_microbatch(micro_batch_size=2, seq_len=128, d_model=64, n_layer=4, tp=2, sequence_parallel=False)
+    ref = tp_payload_bytes_per_microbatch(
+        micro_batch_size=2, seq_len=128, d_model=64, n_layer=4, tp=2, sequence_parallel=False
+    )
     assert tp == ref["allreduce"] * lay.n_microbatches
     psi = sh.num_params()
     stats = ModelStats(num_params=psi, num_param_tensors=1)
@@ -145,7 +165,9 @@ def test_planner_collectives_equal_the_plugins_closed_forms():
         got[c.kind] = got.get(c.kind, 0) + c.payload_bytes * c.calls
     ref = fsdp_comm_volume(stats, dp_degree=4, grad_accum_steps=2, reshard_after_forward=True).payload_bytes
     # FSDP pads Ψ to a multiple of dp (flat tensor here: < 4 elements): equal within that padding
-    assert got["allgather"] == pytest.approx(ref["allgather"], abs=2 * 2 * 4 * 4) and got["reduce_scatter"] == pytest.approx(ref["reduce_scatter"], abs=2 * 4 * 4)
+    assert got["allgather"] == pytest.approx(ref["allgather"], abs=2 * 2 * 4 * 4) and got[
+        "reduce_scatter"
+    ] == pytest.approx(ref["reduce_scatter"], abs=2 * 4 * 4)
 
 
 def test_alpha_beta_collective_time():
@@ -178,31 +200,60 @@ def test_step_overhead_adds_once_and_a_replicated_head_adds_its_flops_on_each_tp
     extra = (whole.forward + whole.backward) - (base.forward + base.backward)
     assert extra == pytest.approx(head_flops / 2 / fast.achievable_flops)  # the half of the head the other rank did
     tp1 = PlanLayout(dp=1, tp=1, pp=1, micro_batch_size=2, global_batch_size=4)
-    assert step_time(GPT3, tp1, fast, StepTimeParams(replicated_head=True)).total == pytest.approx(step_time(GPT3, tp1, fast).total)
+    assert step_time(GPT3, tp1, fast, StepTimeParams(replicated_head=True)).total == pytest.approx(
+        step_time(GPT3, tp1, fast).total
+    )
 
 
 def test_whatif_respects_overlap():
-    hidden = MeasuredBreakdown(data_wait=2e-3, forward=5e-3, backward=10e-3,
-                               collectives=(MeasuredCollective("dp_allreduce", 8e-3, "backward", tail_s=1e-3),))
+    hidden = MeasuredBreakdown(
+        data_wait=2e-3,
+        forward=5e-3,
+        backward=10e-3,
+        collectives=(MeasuredCollective("dp_allreduce", 8e-3, "backward", tail_s=1e-3),),
+    )
     assert hidden.step_time() == pytest.approx(2e-3 + 5e-3 + 10e-3 + 1e-3)
     g = whatif(hidden)
-    assert g["backward"] == pytest.approx(1e-3) and g["dp_allreduce"] == pytest.approx(0) and g["data_wait"] == pytest.approx(1e-3)
-    exposed = MeasuredBreakdown(forward=5e-3, backward=10e-3,
-                                collectives=(MeasuredCollective("dp_allreduce", 15e-3, "backward", tail_s=1e-3),
-                                             MeasuredCollective("tp", 3e-3)))
+    assert (
+        g["backward"] == pytest.approx(1e-3)
+        and g["dp_allreduce"] == pytest.approx(0)
+        and g["data_wait"] == pytest.approx(1e-3)
+    )
+    exposed = MeasuredBreakdown(
+        forward=5e-3,
+        backward=10e-3,
+        collectives=(
+            MeasuredCollective("dp_allreduce", 15e-3, "backward", tail_s=1e-3),
+            MeasuredCollective("tp", 3e-3),
+        ),
+    )
     g = whatif(exposed)
-    assert g["backward"] == pytest.approx(0) and g["dp_allreduce"] == pytest.approx(1e-3) and g["tp"] == pytest.approx(1e-3)
+    assert (
+        g["backward"] == pytest.approx(0)
+        and g["dp_allreduce"] == pytest.approx(1e-3)
+        and g["tp"] == pytest.approx(1e-3)
+    )
 
 
 def test_every_cluster_file_loads_and_a_missing_field_is_one_line(tmp_path):
-    (tmp_path / "local_cpu.json").write_text(json.dumps({"gemm_flops": 5e10, "memory_gib": 16.0, "ranks": 2,
-                                                         "links": {"allreduce": [1e-4, 1e9], "allgather": [2e-4, 5e8], "p2p": [5e-5, 2e9]}}))
+    (tmp_path / "local_cpu.json").write_text(
+        json.dumps(
+            {
+                "gemm_flops": 5e10,
+                "memory_gib": 16.0,
+                "ranks": 2,
+                "links": {"allreduce": [1e-4, 1e9], "allgather": [2e-4, 5e8], "p2p": [5e-5, 2e9]},
+            }
+        )
+    )
     for path in sorted((CONF_DIR / "cluster").glob("*.yaml")):
         c = cluster_of(yaml.safe_load(path.read_text()), cache_dir=str(tmp_path), measure=False)
         assert c.peak_flops > 0 and c.usable_memory_bytes > 0
         if path.stem == "local_cpu":
             assert c.nic.params("allgather") == (2e-4, 5e8) and c.peak_flops == 5e10 and c.hbm_bytes == 8 * 2**30
-    with pytest.raises(ClusterError, match="python -m framework.base.metrics.local_cpu"):  # the cost model measures nothing
+    with pytest.raises(
+        ClusterError, match="python -m framework.base.metrics.local_cpu"
+    ):  # the cost model measures nothing
         cluster_from_dict(yaml.safe_load((CONF_DIR / "cluster" / "local_cpu.yaml").read_text()), where="local_cpu")
     raw = yaml.safe_load((CONF_DIR / "cluster" / "b200.yaml").read_text())
     del raw["nic_bandwidth"]
@@ -225,24 +276,45 @@ def test_search_ranks_by_step_time_and_reports_undividable_batch():
 
 def test_estimate_memory_drops_with_tp_and_fits_flag():
     c = _cluster()
-    mem = [estimate(GPT3, PlanLayout(dp=1, tp=t, pp=8, micro_batch_size=1, global_batch_size=64, recompute="full"), c).memory_bytes
-           for t in (1, 2, 4, 8)]
+    mem = [
+        estimate(
+            GPT3, PlanLayout(dp=1, tp=t, pp=8, micro_batch_size=1, global_batch_size=64, recompute="full"), c
+        ).memory_bytes
+        for t in (1, 2, 4, 8)
+    ]
     assert mem == sorted(mem, reverse=True)
     assert not estimate(GPT3, PlanLayout(dp=8, tp=1, pp=1, micro_batch_size=1, global_batch_size=8), c).fits
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["model=gpt_1t", "plan.nodes=1", "trainer.global_batch_size=8"], "model=gpt_1t fits no layout of 8 x h100_sxm: the smallest needs"),
-    (["plan.nodes=1", "plan.tp_degrees=[1]", "plan.pp_degrees=[1]", "trainer.global_batch_size=7", "model=gpt_tiny",
-      "data.seq_len=128"], "trainer.global_batch_size=7: no layout of 8 GPUs divides it"),
-    (["~cluster.nic_bandwidth"], "missing field(s) cluster.nic_bandwidth"),
-    (["cluster=nope"], "cluster"),
-    (["plan.zero_stages=[0,4]"], "plan.zero_stages: 4 is not allowed; allowed: 0, 1, 2, 3"),
-    (["plan.zero_stages=[zero1]"], "plan.zero_stages: 'zero1' is not allowed; allowed: 0, 1, 2, 3"),
-    (["plan.schedules=[2F2B]"], "plan.schedules: '2F2B' is not allowed; allowed: GPipe, 1F1B, Interleaved1F1B"),
-    (["plan.run_with.data_parallel=['parallelism=ddp']"],
-     "plan.run_with.data_parallel must be a list of 4 overrides, entry i for ZeRO stage i (0, 1, 2, 3); got ['parallelism=ddp']"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (
+            ["model=gpt_1t", "plan.nodes=1", "trainer.global_batch_size=8"],
+            "model=gpt_1t fits no layout of 8 x h100_sxm: the smallest needs",
+        ),
+        (
+            [
+                "plan.nodes=1",
+                "plan.tp_degrees=[1]",
+                "plan.pp_degrees=[1]",
+                "trainer.global_batch_size=7",
+                "model=gpt_tiny",
+                "data.seq_len=128",
+            ],
+            "trainer.global_batch_size=7: no layout of 8 GPUs divides it",
+        ),
+        (["~cluster.nic_bandwidth"], "missing field(s) cluster.nic_bandwidth"),
+        (["cluster=nope"], "cluster"),
+        (["plan.zero_stages=[0,4]"], "plan.zero_stages: 4 is not allowed; allowed: 0, 1, 2, 3"),
+        (["plan.zero_stages=[zero1]"], "plan.zero_stages: 'zero1' is not allowed; allowed: 0, 1, 2, 3"),
+        (["plan.schedules=[2F2B]"], "plan.schedules: '2F2B' is not allowed; allowed: GPipe, 1F1B, Interleaved1F1B"),
+        (
+            ["plan.run_with.data_parallel=['parallelism=ddp']"],
+            "plan.run_with.data_parallel must be a list of 4 overrides, entry i for ZeRO stage i (0, 1, 2, 3); got ['parallelism=ddp']",
+        ),
+    ],
+)
 def test_planner_bad_input_is_one_line(overrides, fragment, capsys):
     from framework.driver.plan.__main__ import main
 
@@ -253,22 +325,36 @@ def test_planner_bad_input_is_one_line(overrides, fragment, capsys):
     assert fragment in err and "\n" not in err
 
 
-@pytest.mark.parametrize("lay", [
-    PlanLayout(dp=2, tp=2, pp=2, micro_batch_size=2, global_batch_size=16, schedule="Interleaved1F1B", virtual_stages=2,
-               zero_stage=3, recompute="full", sequence_parallel=True, precision="fp32"),
-    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=3, precision="fp32"),
-    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=1, precision="fp32"),
-    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=2, precision="fp32"),
-    PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=0, precision="fp32"),
-    PlanLayout(dp=2, tp=2, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=0, precision="fp32"),
-])
+@pytest.mark.parametrize(
+    "lay",
+    [
+        PlanLayout(
+            dp=2,
+            tp=2,
+            pp=2,
+            micro_batch_size=2,
+            global_batch_size=16,
+            schedule="Interleaved1F1B",
+            virtual_stages=2,
+            zero_stage=3,
+            recompute="full",
+            sequence_parallel=True,
+            precision="fp32",
+        ),
+        PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=3, precision="fp32"),
+        PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=1, precision="fp32"),
+        PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=2, precision="fp32"),
+        PlanLayout(dp=2, tp=1, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=0, precision="fp32"),
+        PlanLayout(dp=2, tp=2, pp=1, micro_batch_size=4, global_batch_size=16, zero_stage=0, precision="fp32"),
+    ],
+)
 def test_planner_overrides_run_in_trainlab(compose, lay):
     """The overrides the planner prints compose and validate as a trainlab run of the same layout."""
     from omegaconf import OmegaConf
 
     from framework.base.load import load_run_config
-    from framework.driver.validate import validate
     from framework.driver.plan.runs import trainlab_overrides
+    from framework.driver.validate import validate
 
     run_with = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "plan.yaml").plan.run_with)
     over, notes = trainlab_overrides(lay, model="gpt_tiny", seq_len=128, nodes=1, run_with=run_with)
@@ -276,8 +362,11 @@ def test_planner_overrides_run_in_trainlab(compose, lay):
     assert (resolved.layout.dp, resolved.layout.tp, resolved.layout.pp) == (lay.dp, lay.tp, lay.pp)
     assert (resolved.micro_batch_size, resolved.global_batch_size) == (lay.micro_batch_size, lay.global_batch_size)
     assert resolved.run.model.activation_checkpointing == (lay.recompute == "full")
-    assert notes == (["sequence parallelism with pp > 1: trainlab cannot run it yet (plan.run_with.sequence_parallel_with_pp)"]
-                     if lay.sequence_parallel and lay.pp > 1 else [])
+    assert notes == (
+        ["sequence parallelism with pp > 1: trainlab cannot run it yet (plan.run_with.sequence_parallel_with_pp)"]
+        if lay.sequence_parallel and lay.pp > 1
+        else []
+    )
 
 
 def test_activation_bytes_without_dropout_and_in_fp32():
@@ -291,13 +380,23 @@ def test_activation_bytes_without_dropout_and_in_fp32():
 def test_breakdown_from_trainlab_metrics():
     from framework.base.cost.steptime import breakdown_from_metrics
 
-    m = {"perf/data_wait_s": 0.002, "perf/compute_s": 0.030, "perf/comm_s": 0.001, "perf/comm_inflight_s": 0.008,
-         "perf/optimizer_s": 0.004, "perf/other_s": 0.003}
+    m = {
+        "perf/data_wait_s": 0.002,
+        "perf/compute_s": 0.030,
+        "perf/comm_s": 0.001,
+        "perf/comm_inflight_s": 0.008,
+        "perf/optimizer_s": 0.004,
+        "perf/other_s": 0.003,
+    }
     b = breakdown_from_metrics(m)
     # the all-reduce's 7 ms before its exposed tail hide behind the 20 ms backward: the step is the spans' sum
     assert b.step_time() == pytest.approx(0.002 + 0.030 + 0.001 + 0.004 + 0.003)
     g = whatif(b)
-    assert g["dp_grad_reduction"] == pytest.approx(0) and g["backward"] == pytest.approx(1e-3) and g["other"] == pytest.approx(1e-3)
+    assert (
+        g["dp_grad_reduction"] == pytest.approx(0)
+        and g["backward"] == pytest.approx(1e-3)
+        and g["other"] == pytest.approx(1e-3)
+    )
 
 
 def test_the_cost_package_measures_nothing():

@@ -4,11 +4,8 @@ the step-exact batch sampler and the Lightning DataModule. CPU only; small corpo
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
-import textwrap
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +13,12 @@ import pytest
 import torch
 
 from framework.base.config.schema import ConfigError, DataConfig
-from framework.rank.data import StepBatchSampler, TextDataModule
-from framework.base.data.tokens import TokenCache, load_token_cache, prepare_data
-from framework.base.data.dataset import WindowDataset
 from framework.base.data import tokens as tokens_mod
 from framework.base.data.corpus import list_sources, read_corpus, split_documents
+from framework.base.data.dataset import WindowDataset
 from framework.base.data.tokenizer import EOT
+from framework.base.data.tokens import TokenCache, load_token_cache, prepare_data
+from framework.rank.data import StepBatchSampler, TextDataModule
 
 # ------------------------------------------------------------------------------ fixtures
 
@@ -53,8 +50,14 @@ def text_dir(tmp_path: Path) -> Path:
 
 
 def _text_cfg(text_dir: Path, tmp_path: Path, **kw) -> DataConfig:
-    base = dict(name="text_files", paths=[str(text_dir / "**" / "*.txt")], vocab_size=300,
-                val_fraction=0.2, seq_len=16, cache_dir=str(tmp_path / "cache"))
+    base = dict(
+        name="text_files",
+        paths=[str(text_dir / "**" / "*.txt")],
+        vocab_size=300,
+        val_fraction=0.2,
+        seq_len=16,
+        cache_dir=str(tmp_path / "cache"),
+    )
     base.update(kw)
     return DataConfig(**base)
 
@@ -143,8 +146,14 @@ def test_jsonl_source_builds_a_cache(tmp_path):
         with open(d / f"part{f}.jsonl", "w") as fh:
             for i in range(10):
                 fh.write(json.dumps({"id": i, "content": _real_text(100 * f + i, 60)}) + "\n")
-    cfg = DataConfig(name="jsonl", paths=[str(d / "*.jsonl")], text_field="content", vocab_size=300,
-                     val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        name="jsonl",
+        paths=[str(d / "*.jsonl")],
+        text_field="content",
+        vocab_size=300,
+        val_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+    )
     cache = prepare_data(cfg, progress=False)
     assert (cache.meta["train_docs"], cache.meta["val_docs"], cache.meta["num_files"]) == (18, 2, 2)
     train = np.asarray(cache.open_train())
@@ -285,8 +294,16 @@ def _batches_per_step(n, steps, *, gbs, mbs, dp, seed=3, start=0):
     """{step: sorted window indices over all ranks and micro-steps}."""
     out: dict[int, list[int]] = {}
     for r in range(dp):
-        s = StepBatchSampler(n, global_batch_size=gbs, micro_batch_size=mbs, dp_rank=r, dp_size=dp,
-                             seed=seed, start_step=start, max_steps=steps)
+        s = StepBatchSampler(
+            n,
+            global_batch_size=gbs,
+            micro_batch_size=mbs,
+            dp_rank=r,
+            dp_size=dp,
+            seed=seed,
+            start_step=start,
+            max_steps=steps,
+        )
         A = s.grad_accum_steps
         assert A == gbs // (mbs * dp) and len(s) == (steps - start) * A
         batches = list(s)
@@ -307,12 +324,14 @@ def test_sampler_union_is_invariant_to_the_split():
     # every epoch is a permutation of all windows, and epochs differ
     flat = ref.windows(0, 3 * n)
     for e in range(3):
-        assert sorted(flat[e * n:(e + 1) * n]) == list(range(n))
-    assert flat[:n] != flat[n:2 * n]
+        assert sorted(flat[e * n : (e + 1) * n]) == list(range(n))
+    assert flat[:n] != flat[n : 2 * n]
     # a different seed gives a different order; ranks of one step are disjoint within an epoch
     assert _batches_per_step(n, steps, gbs=8, mbs=8, dp=1, seed=4) != single
-    s0, s1 = (list(StepBatchSampler(1000, global_batch_size=8, micro_batch_size=2, dp_rank=r, dp_size=2,
-                                    seed=0, max_steps=3)) for r in (0, 1))
+    s0, s1 = (
+        list(StepBatchSampler(1000, global_batch_size=8, micro_batch_size=2, dp_rank=r, dp_size=2, seed=0, max_steps=3))
+        for r in (0, 1)
+    )
     assert not set(sum(s0, [])) & set(sum(s1, []))
 
 
@@ -323,7 +342,7 @@ def test_sampler_resume_yields_the_tail():
             full = list(StepBatchSampler(21, start_step=0, **kw))
             A = 8 // (mbs * dp)
             for k in (0, 1, 4, 9):
-                assert list(StepBatchSampler(21, start_step=k, **kw)) == full[k * A:]
+                assert list(StepBatchSampler(21, start_step=k, **kw)) == full[k * A :]
 
 
 def test_sampler_rejects_bad_arithmetic():
@@ -332,8 +351,9 @@ def test_sampler_rejects_bad_arithmetic():
     with pytest.raises(ValueError, match="dp_rank"):
         StepBatchSampler(10, global_batch_size=8, micro_batch_size=2, dp_rank=2, dp_size=2, seed=0, max_steps=1)
     with pytest.raises(ValueError, match="start_step"):
-        StepBatchSampler(10, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=1, seed=0,
-                         start_step=5, max_steps=4)
+        StepBatchSampler(
+            10, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=1, seed=0, start_step=5, max_steps=4
+        )
 
 
 # --------------------------------------------------------------------------- datamodule
@@ -350,9 +370,21 @@ def test_datamodule_loaders_shard_by_rank(stdlib_cache):
     single = _dm(cfg, micro_batch_size=8)
     assert single.vocab_size == cache.vocab_size  # before setup
     single.setup("fit")
-    want = [sorted(single.train_set[i][0][0].item() for i in StepBatchSampler(
-        len(single.train_set), global_batch_size=8, micro_batch_size=8, dp_rank=0, dp_size=1,
-        seed=cfg.seed, max_steps=5).step_windows(k)) for k in range(5)]
+    want = [
+        sorted(
+            single.train_set[i][0][0].item()
+            for i in StepBatchSampler(
+                len(single.train_set),
+                global_batch_size=8,
+                micro_batch_size=8,
+                dp_rank=0,
+                dp_size=1,
+                seed=cfg.seed,
+                max_steps=5,
+            ).step_windows(k)
+        )
+        for k in range(5)
+    ]
     firsts: dict[int, list[int]] = {k: [] for k in range(5)}
     val_seen = []
     for r in range(2):
@@ -395,7 +427,9 @@ def test_a_resume_at_another_global_batch_reads_on_from_the_sample_reached(stdli
     (24 samples) resumed at global batch 6 (3 ranks x 2 micro-batches of 1) starts at step 3 with samples 24..29,
     then 30..35: the union over ranks and micro-batches is the uninterrupted stream's next samples."""
     cfg, _ = stdlib_cache
-    full = StepBatchSampler(1000, global_batch_size=8, micro_batch_size=8, dp_rank=0, dp_size=1, seed=cfg.seed, max_steps=9)
+    full = StepBatchSampler(
+        1000, global_batch_size=8, micro_batch_size=8, dp_rank=0, dp_size=1, seed=cfg.seed, max_steps=9
+    )
     stream = full.windows(0, 60)
     got: dict[int, list[int]] = {}
     for r in range(3):
@@ -404,16 +438,36 @@ def test_a_resume_at_another_global_batch_reads_on_from_the_sample_reached(stdli
         assert (dm.start_step, dm.first_sample) == (3, 24)
         assert dm.state_dict() == {"consumed_samples": 24, "global_batch_size": 6, "step": 3}
         assert dm.consumed_samples(5) == 24 + 2 * 6
-        s = StepBatchSampler(1000, global_batch_size=6, micro_batch_size=1,
-                             dp_rank=r, dp_size=3, seed=cfg.seed, start_step=3, max_steps=5, first_sample=24)
+        s = StepBatchSampler(
+            1000,
+            global_batch_size=6,
+            micro_batch_size=1,
+            dp_rank=r,
+            dp_size=3,
+            seed=cfg.seed,
+            start_step=3,
+            max_steps=5,
+            first_sample=24,
+        )
         for i, b in enumerate(s):
             got.setdefault(3 + i // 2, []).extend(b)
-    probe = StepBatchSampler(1000, global_batch_size=6, micro_batch_size=1, dp_rank=0, dp_size=3, seed=cfg.seed,
-                             start_step=3, max_steps=5, first_sample=24)
+    probe = StepBatchSampler(
+        1000,
+        global_batch_size=6,
+        micro_batch_size=1,
+        dp_rank=0,
+        dp_size=3,
+        seed=cfg.seed,
+        start_step=3,
+        max_steps=5,
+        first_sample=24,
+    )
     assert probe.step_first_sample(4) == 30 and probe.step_windows(3) == stream[24:30]
     assert {k: sorted(v) for k, v in got.items()} == {3: sorted(stream[24:30]), 4: sorted(stream[30:36])}
     with pytest.raises(ValueError, match="first_sample=-1 must be >= 0"):
-        StepBatchSampler(10, global_batch_size=2, micro_batch_size=1, dp_rank=0, dp_size=1, seed=0, max_steps=3, first_sample=-1)
+        StepBatchSampler(
+            10, global_batch_size=2, micro_batch_size=1, dp_rank=0, dp_size=1, seed=0, max_steps=3, first_sample=-1
+        )
 
 
 def test_lightning_resume_continues_the_sample_stream(stdlib_cache, tmp_path):
@@ -438,9 +492,18 @@ def test_lightning_resume_continues_the_sample_stream(stdlib_cache, tmp_path):
 
     def fit(max_steps, ckpt=None, save=None):
         model = Probe()
-        trainer = pl.Trainer(max_steps=max_steps, accumulate_grad_batches=4, accelerator="cpu", logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0)
+        trainer = pl.Trainer(
+            max_steps=max_steps,
+            accumulate_grad_batches=4,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+        )
         trainer.fit(model, datamodule=_dm(cfg, max_steps=6), ckpt_path=ckpt)
         if save:
             trainer.save_checkpoint(save)
@@ -461,7 +524,9 @@ def test_on_the_fly_tokenization_gives_the_memmap_windows(stdlib_cache):
 
     cfg, cache = stdlib_cache
     memmap = WindowDataset(cache.open_train(), cfg.seq_len)
-    fly = pickle.loads(pickle.dumps(OnTheFlyWindowDataset(cache.dir, "train", cfg.seq_len, cache.eot_id)))  # as a worker gets it
+    fly = pickle.loads(
+        pickle.dumps(OnTheFlyWindowDataset(cache.dir, "train", cfg.seq_len, cache.eot_id))
+    )  # as a worker gets it
     assert len(fly) == len(memmap)
     for i in [0, 1, len(memmap) // 2, len(memmap) - 1, *random.Random(0).sample(range(len(memmap)), 40)]:
         assert all(torch.equal(a, b) for a, b in zip(fly[i], memmap[i])), i
@@ -470,7 +535,9 @@ def test_on_the_fly_tokenization_gives_the_memmap_windows(stdlib_cache):
     fly_cfg = dataclasses.replace(cfg, mode="on_the_fly", num_workers=1, prefetch_factor=3)
     a = list(_dm(fly_cfg).train_dataloader())
     b = list(_dm(cfg).train_dataloader())
-    assert len(a) == len(b) and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1, _), (x2, y2, _) in zip(a, b))
+    assert len(a) == len(b) and all(
+        torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1, _), (x2, y2, _) in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize(
@@ -530,4 +597,5 @@ def test_a_global_batch_larger_than_the_train_split_is_refused():
         check_global_batch_fits(global_batch_size=41, train_tokens=40 * 128 + 1, seq_len=128)
     assert str(info.value) == (
         "trainer.global_batch_size=41 sequences is larger than the train split: 40 windows of data.seq_len=128"
-        " (5,121 tokens); every step would repeat windows. Use global_batch_size <= 40, a shorter data.seq_len or more data")
+        " (5,121 tokens); every step would repeat windows. Use global_batch_size <= 40, a shorter data.seq_len or more data"
+    )

@@ -21,8 +21,13 @@ from framework.rank.checkpoint.reshard import rescale_batch_progress, rng_state_
 def _trained():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
-                             {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}], lr=0.1)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[1].weight]},
+            {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+    )
     model(torch.randn(5, 3)).sum().backward()
     opt.step()
     return model, opt
@@ -38,8 +43,13 @@ def test_optimizer_state_by_name_and_back_is_the_identity():
     back = optim_state_by_position(named)
     assert back["param_groups"] == positional["param_groups"]
     torch.testing.assert_close(back["state"], positional["state"], rtol=0, atol=0)
-    fresh = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
-                               {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}], lr=0.1)
+    fresh = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[1].weight]},
+            {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+    )
     fresh.load_state_dict(back)  # loads into an optimizer with the same groups
     assert torch.equal(fresh.state[model[0].weight]["exp_avg_sq"], opt.state[model[0].weight]["exp_avg_sq"])
 
@@ -75,7 +85,9 @@ def test_dcp_index_reader_admits_only_metadata_classes(tmp_path):
 
     from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
-    good = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]), [])})
+    good = Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]), [])}
+    )
     assert _MetadataUnpickler(io.BytesIO(pickle.dumps(good))).load().state_dict_metadata["w"].size == torch.Size([2])
     with pytest.raises(pickle.UnpicklingError, match="builtins.print is not allowed"):
         _MetadataUnpickler(io.BytesIO(pickle.dumps(_RunsCode()))).load()
@@ -101,8 +113,10 @@ def test_rng_states_at_another_world_size():
 
 def _progress(ready: int, completed: int) -> dict:
     counters = {"ready": ready, "started": ready, "processed": ready, "completed": completed}
-    return {"global_step": 3, "loops": {"fit_loop": {"epoch_loop.batch_progress": {"total": dict(counters),
-                                                                                     "current": dict(counters)}}}}
+    return {
+        "global_step": 3,
+        "loops": {"fit_loop": {"epoch_loop.batch_progress": {"total": dict(counters), "current": dict(counters)}}},
+    }
 
 
 def test_batch_counter_follows_the_micro_batches_per_step():

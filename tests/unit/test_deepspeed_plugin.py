@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from framework.base.config.schema import ConfigError
-from framework.driver.validate import load_run_config, validate
 from framework.base.cost.comm import ModelStats
+from framework.driver.validate import load_run_config, validate
 from plugins.deepspeed import DeepSpeedConfig
 from plugins.deepspeed.cost import zero_comm_volume, zero_model_states_bytes
 
@@ -18,15 +18,27 @@ from plugins.deepspeed.cost import zero_comm_volume, zero_model_states_bytes
     [
         ("parallelism.zero_stage=4", "parallelism.zero_stage=4 is not a ZeRO stage; allowed: 0, 1, 2, 3"),
         ("parallelism.offload_param=cpu", "parallelism.offload_param='cpu' needs parallelism.zero_stage=3 (got 2)"),
-        ("parallelism.offload_optimizer=nvme", "parallelism.offload_optimizer='nvme' is not allowed; allowed: none, cpu"),
+        (
+            "parallelism.offload_optimizer=nvme",
+            "parallelism.offload_optimizer='nvme' is not allowed; allowed: none, cpu",
+        ),
         ("parallelism.reduce_bucket_size=0", "parallelism.reduce_bucket_size=0 must be > 0"),
         # Found by trying: async/incremental were silently saved as full sync checkpoints, and a
         # rollback to an in-memory snapshot crashed in DeepSpeed's optimizer load (KeyError).
-        ("checkpoint=async", "checkpoint.mode='async': plugin 'deepspeed' saves DeepSpeed's own checkpoint files"
-                             " synchronously only; allowed: sync"),
-        ("checkpoint=incremental", "plugin 'deepspeed' saves DeepSpeed's own checkpoint files without deltas; allowed: 1"),
-        ("checkpoint=memory", "plugin 'deepspeed' does not keep in-memory snapshots (so no resilience=rollback;"
-                              " resilience=restart resumes from the last checkpoint); allowed: 0"),
+        (
+            "checkpoint=async",
+            "checkpoint.mode='async': plugin 'deepspeed' saves DeepSpeed's own checkpoint files"
+            " synchronously only; allowed: sync",
+        ),
+        (
+            "checkpoint=incremental",
+            "plugin 'deepspeed' saves DeepSpeed's own checkpoint files without deltas; allowed: 1",
+        ),
+        (
+            "checkpoint=memory",
+            "plugin 'deepspeed' does not keep in-memory snapshots (so no resilience=rollback;"
+            " resilience=restart resumes from the last checkpoint); allowed: 0",
+        ),
     ],
 )
 def test_bad_options_are_one_line_config_errors(compose, override, message):
@@ -37,7 +49,11 @@ def test_bad_options_are_one_line_config_errors(compose, override, message):
 
 def test_offload_on_cpu_ranks_is_refused(compose):
     with pytest.raises(ConfigError, match=r"parallelism.offload_optimizer='cpu' needs CUDA ranks .*allowed here: none"):
-        validate(load_run_config(compose("parallelism=zero3", "parallelism.offload_optimizer=cpu", "trainer.accelerator=cpu")))
+        validate(
+            load_run_config(
+                compose("parallelism=zero3", "parallelism.offload_optimizer=cpu", "trainer.accelerator=cpu")
+            )
+        )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -83,13 +99,28 @@ def test_a_users_deepspeed_config_is_merged_over_trainlabs(compose, tmp_path):
     from plugins.deepspeed.strategy import deepspeed_config
 
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"steps_per_print": 5, "wall_clock_breakdown": True,
-                                "zero_optimization": {"allgather_bucket_size": 2000, "sub_group_size": 123}}))
-    resolved = validate(load_run_config(compose(
-        "parallelism=zero2", f"parallelism.ds_config_path={path}", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
-        "trainer.grad_accum_steps=null",
-        "++parallelism.ds_config={steps_per_print:10,train_batch_size:16,gradient_accumulation_steps:2,"
-        "zero_optimization:{reduce_bucket_size:1000,round_robin_gradients:true}}")))
+    path.write_text(
+        json.dumps(
+            {
+                "steps_per_print": 5,
+                "wall_clock_breakdown": True,
+                "zero_optimization": {"allgather_bucket_size": 2000, "sub_group_size": 123},
+            }
+        )
+    )
+    resolved = validate(
+        load_run_config(
+            compose(
+                "parallelism=zero2",
+                f"parallelism.ds_config_path={path}",
+                "trainer.global_batch_size=16",
+                "trainer.micro_batch_size=4",
+                "trainer.grad_accum_steps=null",
+                "++parallelism.ds_config={steps_per_print:10,train_batch_size:16,gradient_accumulation_steps:2,"
+                "zero_optimization:{reduce_bucket_size:1000,round_robin_gradients:true}}",
+            )
+        )
+    )
     par = resolved.run.parallelism
     assert (par.reduce_bucket_size, par.allgather_bucket_size) == (1000, 2000)  # the typed options follow
     ds = deepspeed_config(par, resolved)
@@ -105,36 +136,62 @@ def test_a_users_deepspeed_config_is_merged_over_trainlabs(compose, tmp_path):
 @pytest.mark.parametrize(
     "ds_config, message",
     [
-        ("{train_micro_batch_size_per_gpu:8}",
-         "parallelism.ds_config.train_micro_batch_size_per_gpu=8 contradicts trainlab's batch arithmetic:"
-         " trainer.micro_batch_size=4 (global_batch_size 16 = micro_batch_size 4 x grad_accum_steps 2 x dp_degree 2);"
-         " remove the key or set trainer.micro_batch_size"),
-        ("{gradient_accumulation_steps:4}",
-         "parallelism.ds_config.gradient_accumulation_steps=4 contradicts trainlab's batch arithmetic:"
-         " trainer.grad_accum_steps=2 (global_batch_size 16 = micro_batch_size 4 x grad_accum_steps 2 x dp_degree 2);"
-         " remove the key or set trainer.grad_accum_steps"),
-        ("{train_batch_size:32}",
-         "parallelism.ds_config.train_batch_size=32 contradicts trainlab's batch arithmetic: trainer.global_batch_size=16"),
-        ("{zero_optimization:{stage:3}}", "parallelism.ds_config.zero_optimization.stage=3 contradicts parallelism.zero_stage=2"),
-        ("{zero_optimization:{reduce_bucket_size:1.5}}",
-         "parallelism.ds_config.zero_optimization.reduce_bucket_size=1.5 must be a whole number (it sets parallelism.reduce_bucket_size)"),
+        (
+            "{train_micro_batch_size_per_gpu:8}",
+            "parallelism.ds_config.train_micro_batch_size_per_gpu=8 contradicts trainlab's batch arithmetic:"
+            " trainer.micro_batch_size=4 (global_batch_size 16 = micro_batch_size 4 x grad_accum_steps 2 x dp_degree 2);"
+            " remove the key or set trainer.micro_batch_size",
+        ),
+        (
+            "{gradient_accumulation_steps:4}",
+            "parallelism.ds_config.gradient_accumulation_steps=4 contradicts trainlab's batch arithmetic:"
+            " trainer.grad_accum_steps=2 (global_batch_size 16 = micro_batch_size 4 x grad_accum_steps 2 x dp_degree 2);"
+            " remove the key or set trainer.grad_accum_steps",
+        ),
+        (
+            "{train_batch_size:32}",
+            "parallelism.ds_config.train_batch_size=32 contradicts trainlab's batch arithmetic: trainer.global_batch_size=16",
+        ),
+        (
+            "{zero_optimization:{stage:3}}",
+            "parallelism.ds_config.zero_optimization.stage=3 contradicts parallelism.zero_stage=2",
+        ),
+        (
+            "{zero_optimization:{reduce_bucket_size:1.5}}",
+            "parallelism.ds_config.zero_optimization.reduce_bucket_size=1.5 must be a whole number (it sets parallelism.reduce_bucket_size)",
+        ),
         ("{gradient_clipping:0.5}", "parallelism.ds_config.gradient_clipping=0.5 contradicts optim.grad_clip=1.0"),
         ("{bf16:{enabled:true}}", "parallelism.ds_config.bf16.enabled=true contradicts trainer.precision='32-true'"),
-        ("{optimizer:{type:Adam}}", "parallelism.ds_config.optimizer is not allowed: the run's AdamW and LR schedule are optim.*"),
+        (
+            "{optimizer:{type:Adam}}",
+            "parallelism.ds_config.optimizer is not allowed: the run's AdamW and LR schedule are optim.*",
+        ),
     ],
 )
 def test_a_deepspeed_key_that_contradicts_the_run_is_a_one_line_error(compose, ds_config, message):
     with pytest.raises(ConfigError) as info:
-        validate(load_run_config(compose("parallelism=zero2", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
-                                         "trainer.grad_accum_steps=null", "optim.grad_clip=1.0", f"++parallelism.ds_config={ds_config}")))
+        validate(
+            load_run_config(
+                compose(
+                    "parallelism=zero2",
+                    "trainer.global_batch_size=16",
+                    "trainer.micro_batch_size=4",
+                    "trainer.grad_accum_steps=null",
+                    "optim.grad_clip=1.0",
+                    f"++parallelism.ds_config={ds_config}",
+                )
+            )
+        )
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_an_unreadable_deepspeed_json_is_a_one_line_error(compose, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
-    for path, message in ((tmp_path / "missing.json", "cannot read a JSON DeepSpeed config (No such file or directory)"),
-                          (bad, "holds a JSON list, not an object")):
+    for path, message in (
+        (tmp_path / "missing.json", "cannot read a JSON DeepSpeed config (No such file or directory)"),
+        (bad, "holds a JSON list, not an object"),
+    ):
         with pytest.raises(ConfigError) as info:
             validate(load_run_config(compose("parallelism=zero2", f"parallelism.ds_config_path={path}")))
         assert message in str(info.value) and "\n" not in str(info.value)
@@ -160,7 +217,11 @@ def test_held_state_hooks_count_what_zero_keeps_outside_the_parameters():
 
     wrapper = Wrapper()
     ds, base = DeepSpeedPlugin(DeepSpeedConfig(zero_stage=3)), ParallelPlugin(None)
-    assert ds.inner_optimizer(wrapper) is adamw and ds.inner_optimizer(adamw) is adamw and base.inner_optimizer(adamw) is adamw
+    assert (
+        ds.inner_optimizer(wrapper) is adamw
+        and ds.inner_optimizer(adamw) is adamw
+        and base.inner_optimizer(adamw) is adamw
+    )
     plain = model_states_bytes(base.held_state(module, adamw))
     assert plain == {"params": 32, "grads": 0, "optimizer": 0, "total": 32}  # AdamW's params are the module's
     zero = model_states_bytes(ds.held_state(module, wrapper))

@@ -6,15 +6,16 @@ from __future__ import annotations
 import pytest
 
 from framework.base.config.schema import ConfigError
-from framework.driver.validate import load_run_config, validate
 from framework.driver.faults.elastic import check_first_shrink, resolve_shrunk, shrink_tags, shrink_targets
+from framework.driver.validate import load_run_config, validate
 from framework.rank.faults.guard import rewarmup_factor
 
 
 def _resolved(compose, *overrides):
     """The driver's checks before any rank starts: the config's rules, then whether its first shrink can keep the batch."""
-    resolved = validate(load_run_config(compose("checkpoint=none", "tracking=none", "parallelism=ddp", "resilience=shrink",
-                                                *overrides)))
+    resolved = validate(
+        load_run_config(compose("checkpoint=none", "tracking=none", "parallelism=ddp", "resilience=shrink", *overrides))
+    )
     check_first_shrink(resolved)
     return resolved
 
@@ -30,29 +31,60 @@ def test_shrink_targets_a_fraction_a_size_or_one_less():
 
 
 def test_a_shrink_to_three_quarters_keeps_the_global_batch(compose):
-    resolved = _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=12",
-                         "trainer.grad_accum_steps=null", "resilience.shrink_to=0.75")
+    resolved = _resolved(
+        compose,
+        "parallelism.world_size=4",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=12",
+        "trainer.grad_accum_steps=null",
+        "resilience.shrink_to=0.75",
+    )
     assert (resolved.layout.dp, resolved.grad_accum_steps) == (4, 3)
     shrunk = resolve_shrunk(resolved.run, resolved.world_size)
     assert (shrunk.world_size, shrunk.layout.dp, shrunk.grad_accum_steps) == (3, 3, 4)
     assert (shrunk.global_batch_size, shrunk.micro_batch_size) == (12, 1)
     # a config that gives micro-batch and accumulation (no global batch) keeps its global batch too
-    by_accum = _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=null",
-                         "trainer.grad_accum_steps=3", "resilience.shrink_to=3")
+    by_accum = _resolved(
+        compose,
+        "parallelism.world_size=4",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=null",
+        "trainer.grad_accum_steps=3",
+        "resilience.shrink_to=3",
+    )
     again = resolve_shrunk(by_accum.run, 4)
     assert (again.world_size, again.global_batch_size, again.grad_accum_steps) == (3, 12, 4)
 
 
 def test_a_shrink_that_scales_the_batch_keeps_the_accumulation_and_scales_the_lr(compose):
-    resolved = _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=12",
-                         "trainer.grad_accum_steps=null", "resilience.shrink_to=0.75", "resilience.shrink_batch=scale",
-                         "optim.lr=0.004")
+    resolved = _resolved(
+        compose,
+        "parallelism.world_size=4",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=12",
+        "trainer.grad_accum_steps=null",
+        "resilience.shrink_to=0.75",
+        "resilience.shrink_batch=scale",
+        "optim.lr=0.004",
+    )
     shrunk = resolve_shrunk(resolved.run, resolved.world_size)
-    assert (shrunk.world_size, shrunk.grad_accum_steps, shrunk.global_batch_size, shrunk.micro_batch_size) == (3, 3, 9, 1)
+    assert (shrunk.world_size, shrunk.grad_accum_steps, shrunk.global_batch_size, shrunk.micro_batch_size) == (
+        3,
+        3,
+        9,
+        1,
+    )
     assert shrunk.run.optim.lr == pytest.approx(0.003)
     # a batch 8 that 3 ranks cannot keep is no obstacle when the batch shrinks with the ranks
-    odd = _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
-                    "trainer.grad_accum_steps=null", "resilience.shrink_to=0.75", "resilience.shrink_batch=scale")
+    odd = _resolved(
+        compose,
+        "parallelism.world_size=4",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=8",
+        "trainer.grad_accum_steps=null",
+        "resilience.shrink_to=0.75",
+        "resilience.shrink_batch=scale",
+    )
     assert resolve_shrunk(odd.run, 4).global_batch_size == 6
     with pytest.raises(ConfigError, match="resilience.shrink_batch='half' is not allowed; allowed: keep, scale"):
         _resolved(compose, "resilience.shrink_batch=half")
@@ -61,24 +93,45 @@ def test_a_shrink_that_scales_the_batch_keeps_the_accumulation_and_scales_the_lr
 def test_no_layout_that_keeps_the_global_batch_is_one_line_before_any_rank(compose):
     # 8 sequences of 1 cannot be split over 3 ranks, and min_world_size forbids 2
     with pytest.raises(ConfigError) as err:
-        _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
-                  "trainer.grad_accum_steps=null", "resilience.shrink_to=0.75", "resilience.min_world_size=3")
+        _resolved(
+            compose,
+            "parallelism.world_size=4",
+            "trainer.micro_batch_size=1",
+            "trainer.global_batch_size=8",
+            "trainer.grad_accum_steps=null",
+            "resilience.shrink_to=0.75",
+            "resilience.min_world_size=3",
+        )
     msg = str(err.value)
     assert "\n" not in msg
-    assert msg == ("resilience.policy=shrink: no smaller layout keeps global_batch_size=8 at micro_batch_size=1 (from"
-                   " world_size 4, resilience.shrink_to=0.75, resilience.min_world_size=3); dp degrees tried: 3 (each"
-                   " must divide global_batch_size / micro_batch_size = 8)")
-    with pytest.raises(ConfigError, match=r"dp degrees tried: 5, 4 \(each must divide global_batch_size / "
-                                          r"micro_batch_size = 6\)"):  # one rank less at a time (shrink_to null)
-        _resolved(compose, "parallelism.world_size=6", "trainer.micro_batch_size=2", "trainer.global_batch_size=12",
-                  "trainer.grad_accum_steps=null", "resilience.min_world_size=4")
+    assert msg == (
+        "resilience.policy=shrink: no smaller layout keeps global_batch_size=8 at micro_batch_size=1 (from"
+        " world_size 4, resilience.shrink_to=0.75, resilience.min_world_size=3); dp degrees tried: 3 (each"
+        " must divide global_batch_size / micro_batch_size = 8)"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"dp degrees tried: 5, 4 \(each must divide global_batch_size / "
+        r"micro_batch_size = 6\)",
+    ):  # one rank less at a time (shrink_to null)
+        _resolved(
+            compose,
+            "parallelism.world_size=6",
+            "trainer.micro_batch_size=2",
+            "trainer.global_batch_size=12",
+            "trainer.grad_accum_steps=null",
+            "resilience.min_world_size=4",
+        )
 
 
-@pytest.mark.parametrize("value, fragment", [
-    ("1.5", "resilience.shrink_to=1.5 is not a target; allowed: null (one rank less), a fraction in (0, 1)"),
-    ("0", "resilience.shrink_to=0.0 is not a target"),
-    ("4", "resilience.shrink_to=4 ranks is not below world_size=4"),
-])
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ("1.5", "resilience.shrink_to=1.5 is not a target; allowed: null (one rank less), a fraction in (0, 1)"),
+        ("0", "resilience.shrink_to=0.0 is not a target"),
+        ("4", "resilience.shrink_to=4 ranks is not below world_size=4"),
+    ],
+)
 def test_bad_shrink_targets_are_one_line(compose, value, fragment):
     with pytest.raises(ConfigError) as err:
         _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", f"resilience.shrink_to={value}")
@@ -93,15 +146,25 @@ def test_rewarmup_ramps_the_scheduled_lr_after_the_resumed_step():
 
 
 def test_shrink_tags_name_the_launch_in_force(compose):
-    first = _resolved(compose, "parallelism.world_size=4", "trainer.micro_batch_size=1", "trainer.global_batch_size=12",
-                      "trainer.grad_accum_steps=null", "resilience.shrink_to=0.75")
+    first = _resolved(
+        compose,
+        "parallelism.world_size=4",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=12",
+        "trainer.grad_accum_steps=null",
+        "resilience.shrink_to=0.75",
+    )
     second = resolve_shrunk(first.run, 4)
     third = resolve_shrunk(second.run, 3)
     assert shrink_tags([]) == {}
     tags = shrink_tags([(first, second, 3), (second, third, 7)])
-    assert tags == {"world_size": "2", "layout": "dp2-tp1-pp1", "elastic.shrinks": "2",
-                    "elastic.history": "step 3: 4 -> 3 ranks, dp 4 -> 3, grad_accum_steps 3 -> 4; step 7: 3 -> 2 ranks,"
-                                       " dp 3 -> 2, grad_accum_steps 4 -> 6"}
+    assert tags == {
+        "world_size": "2",
+        "layout": "dp2-tp1-pp1",
+        "elastic.shrinks": "2",
+        "elastic.history": "step 3: 4 -> 3 ranks, dp 4 -> 3, grad_accum_steps 3 -> 4; step 7: 3 -> 2 ranks,"
+        " dp 3 -> 2, grad_accum_steps 4 -> 6",
+    }
 
 
 def test_a_checkpoint_resumed_at_another_lr_goes_on_at_the_new_one():
@@ -114,7 +177,9 @@ def test_a_checkpoint_resumed_at_another_lr_goes_on_at_the_new_one():
     def make(lr):
         w = torch.nn.Parameter(torch.ones(3))
         opt = torch.optim.AdamW([{"params": [w]}, {"params": [torch.nn.Parameter(torch.ones(1))]}], lr=lr)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: warmup_cosine(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
+        )
         return w, opt, sched
 
     w, opt, sched = make(4e-3)
@@ -131,6 +196,8 @@ def test_a_checkpoint_resumed_at_another_lr_goes_on_at_the_new_one():
     assert [g["lr"] for g in opt2.param_groups] == pytest.approx([0.75 * saved_lr] * 2)
     opt2.step()
     sched2.step()
-    assert opt2.param_groups[1]["lr"] == pytest.approx(3e-3 * warmup_cosine(5, warmup_steps=2, max_steps=10, min_lr_ratio=0.1))
+    assert opt2.param_groups[1]["lr"] == pytest.approx(
+        3e-3 * warmup_cosine(5, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
+    )
     same = {"optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()]}
     assert rescale_lr_state(same, 4e-3) == 1.0 and same["lr_schedulers"][0]["base_lrs"] == [4e-3, 4e-3]

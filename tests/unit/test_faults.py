@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from framework.base.config.schema import ConfigError
-from framework.driver.validate import load_run_config, validate
-from framework.driver.faults.accounting import recovery_figures
-from framework.rank.faults.detect import RunningMean, StepHealth, gather_health
 from framework.base.faults.events import FaultLog
 from framework.base.faults.schedule import build_schedule
+from framework.driver.faults.accounting import recovery_figures
+from framework.driver.validate import load_run_config, validate
+from framework.rank.faults.detect import RunningMean, StepHealth, gather_health
 from tests.conftest import CONF_DIR
 
 
@@ -46,9 +46,8 @@ def test_issue_default_scenarios(compose):
 
 
 def test_fault_recovery_preset_sweeps_kinds_by_policies(compose):
-    from omegaconf import OmegaConf
-
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
 
     preset = OmegaConf.load(CONF_DIR / "experiment" / "fault_recovery.yaml")
     sweep = preset.hydra.sweeper.params
@@ -58,24 +57,33 @@ def test_fault_recovery_preset_sweeps_kinds_by_policies(compose):
     assert set(sweep["resilience"].split(",")) == set(_options("resilience")) - {"none"}
     for fault in faults:  # every sweep point is a valid run (one line each, else)
         for policy in sweep["resilience"].split(","):
-            run = validate(load_run_config(compose("experiment=fault_recovery", f"fault={fault}", f"resilience={policy}"))).run
+            run = validate(
+                load_run_config(compose("experiment=fault_recovery", f"fault={fault}", f"resilience={policy}"))
+            ).run
             assert run.checkpoint.every_n_steps == 25 and run.experiment_name == "fault_recovery"
 
 
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["fault.events=[{kind:nan_grud,step:3}]"], "fault.events[0].kind='nan_grud' is not a fault kind; allowed: bad_batch,"),
-        (["fault.mtbf_steps=5", "fault.random_kinds=[rank_crash,oom]"],
-         "fault.random_kinds has 'oom', which is not a fault kind; allowed: bad_batch,"),
+        (
+            ["fault.events=[{kind:nan_grud,step:3}]"],
+            "fault.events[0].kind='nan_grud' is not a fault kind; allowed: bad_batch,",
+        ),
+        (
+            ["fault.mtbf_steps=5", "fault.random_kinds=[rank_crash,oom]"],
+            "fault.random_kinds has 'oom', which is not a fault kind; allowed: bad_batch,",
+        ),
         (["fault.events=[{kind:nan_grad,step:0}]"], "fault.events.step=0 must be >= 1"),
         (["fault.events=[{kind:nan_grad,step:9999}]"], "fault.events[0].step=9999 is after trainer.max_steps=800"),
         (["fault.events=[{kind:rank_crash,step:3,ranks:[5]}]"], "rank 5 does not exist (world_size=2"),
         (["fault=hang"], "fault kind 'hang' needs the watchdog: set resilience.hang_timeout_s > 0"),
         (["resilience.policy=retry"], "resilience.policy='retry' is not a policy; allowed: none, skip_step"),
         (["resilience=rollback"], "resilience.policy=rollback needs in-memory snapshots"),
-        (["resilience=rollback", "checkpoint=memory", "checkpoint.every_n_steps=25"],
-         "checkpoint.every_n_steps=25 must be a multiple of checkpoint.memory_every_n_steps=10"),
+        (
+            ["resilience=rollback", "checkpoint=memory", "checkpoint.every_n_steps=25"],
+            "checkpoint.every_n_steps=25 must be a multiple of checkpoint.memory_every_n_steps=10",
+        ),
         (["resilience=shrink", "resilience.min_world_size=3"], "world_size=2 < resilience.min_world_size=3"),
         (["resilience.loss_spike_factor=0.5"], "resilience.loss_spike_factor=0.5 must be > 1 (or 0 = off)"),
         (["fault.mtbf_steps=-1"], "fault.mtbf_steps=-1.0 must be >= 0"),
@@ -88,8 +96,14 @@ def test_bad_fault_config_is_one_line(compose, overrides, fragment):
 
 
 def test_random_schedule_is_seeded_and_exponential(compose):
-    run = load_run_config(compose("fault.mtbf_steps=20", "fault.random_seed=7", "trainer.max_steps=20000",
-                                  "fault.random_kinds=[rank_crash,nan_grad]"))
+    run = load_run_config(
+        compose(
+            "fault.mtbf_steps=20",
+            "fault.random_seed=7",
+            "trainer.max_steps=20000",
+            "fault.random_kinds=[rank_crash,nan_grad]",
+        )
+    )
     a, b = build_schedule(run, world_size=4), build_schedule(run, world_size=4)
     assert a == b and len(a) > 100
     steps = [e["step"] for e in a]
@@ -134,10 +148,13 @@ def test_accounting_of_a_crash_restart_and_a_rollback():
     recs += [_rec("injected", 8.2, id="e0", kind="rank_crash", step=8, rank=1)]
     recs += [_rec("start", 20, launch=0, restart=1, step=5)]  # resumed from step 5 after the crash in step 8
     recs += [_rec("step", 20 + s, step=s, d=0.5) for s in range(6, 11)]
-    recs += [_rec("injected", 30.1, id="e1", kind="loss_spike", step=11, rank=1),
-             _rec("detected", 30.5, detector="loss_spike", step=11, seg="0.1"),
-             _rec("skipped", 30.5, step=11, rank=0), _rec("rollback", 30.6, from_step=11, to_step=10),
-             _rec("step", 30.6, step=11, d=0.5, rolled_back=True)]  # the timeline's record of the rolled-back step
+    recs += [
+        _rec("injected", 30.1, id="e1", kind="loss_spike", step=11, rank=1),
+        _rec("detected", 30.5, detector="loss_spike", step=11, seg="0.1"),
+        _rec("skipped", 30.5, step=11, rank=0),
+        _rec("rollback", 30.6, from_step=11, to_step=10),
+        _rec("step", 30.6, step=11, d=0.5, rolled_back=True),
+    ]  # the timeline's record of the rolled-back step
     recs += [_rec("step", 31, step=11, d=0.5), _rec("step", 32, step=12, d=0.5), _rec("end", 32.5, step=12)]
     recs += [_rec("driver_end", 40.0)]
     f = recovery_figures(recs)
@@ -162,8 +179,8 @@ def test_reported_grad_norm_is_the_value_a_skip_rests_on():
 
 def _module_and_optimizer(compose, *overrides):
     """The LMModule's own AdamW + LambdaLR (configure_optimizers) over a small stand-in model."""
-    from framework.rank.module import LMModule
     from framework.base.registry import get_plugin_class
+    from framework.rank.module import LMModule
 
     resolved = validate(load_run_config(compose("parallelism=single", *overrides)))
     module = LMModule(resolved, vocab_size=16, plugin=get_plugin_class("single")(resolved.run.parallelism))
@@ -184,8 +201,14 @@ def _train(module, opt, sched, steps: int, dropped: set[int]) -> list[float]:
     for step in range(1, steps + 1):
         lrs.append(opt.param_groups[0]["lr"])
         x = torch.randn(5, 4)
-        before = {**{f"p{i}": p.detach().clone().double() for i, p in enumerate(module.model.parameters())},
-                  **{f"s{i}/{k}": v.detach().clone().double() for i, st in enumerate(opt.state.values()) for k, v in st.items()}}
+        before = {
+            **{f"p{i}": p.detach().clone().double() for i, p in enumerate(module.model.parameters())},
+            **{
+                f"s{i}/{k}": v.detach().clone().double()
+                for i, st in enumerate(opt.state.values())
+                for k, v in st.items()
+            },
+        }
 
         def closure():
             loss = module.model(x).square().mean()
@@ -199,8 +222,14 @@ def _train(module, opt, sched, steps: int, dropped: set[int]) -> list[float]:
             closure()
             opt.step()
         module.lr_scheduler_step(sched)
-        after = {**{f"p{i}": p.detach().clone().double() for i, p in enumerate(module.model.parameters())},
-                 **{f"s{i}/{k}": v.detach().clone().double() for i, st in enumerate(opt.state.values()) for k, v in st.items()}}
+        after = {
+            **{f"p{i}": p.detach().clone().double() for i, p in enumerate(module.model.parameters())},
+            **{
+                f"s{i}/{k}": v.detach().clone().double()
+                for i, st in enumerate(opt.state.values())
+                for k, v in st.items()
+            },
+        }
         moved = max_abs_diff(before, after)
         assert (moved == 0.0) == (step in dropped), f"step {step}: max |after - before| = {moved}"
         opt.zero_grad()
@@ -217,7 +246,9 @@ def test_a_dropped_update_changes_nothing_and_the_lr_schedule_counts_applied_upd
 
     module, opt, sched = _module_and_optimizer(compose, "optim.warmup_steps=4", "optim.lr=1e-3", "trainer.max_steps=10")
     lrs = _train(module, opt, sched, 8, dropped={3, 4})
-    ref_module, ref_opt, ref_sched = _module_and_optimizer(compose, "optim.warmup_steps=4", "optim.lr=1e-3", "trainer.max_steps=10")
+    ref_module, ref_opt, ref_sched = _module_and_optimizer(
+        compose, "optim.warmup_steps=4", "optim.lr=1e-3", "trainer.max_steps=10"
+    )
     ref = _train(ref_module, ref_opt, ref_sched, 8, dropped=set())
     schedule = [1e-3 * warmup_cosine(u, warmup_steps=4, max_steps=10, min_lr_ratio=0.1) for u in range(8)]
     assert ref == pytest.approx(schedule, rel=1e-12)
@@ -251,6 +282,11 @@ def test_skip_audit_sees_any_change_of_the_state():
     assert max_abs_diff({}, {}) == 0.0
     from framework.rank.faults.audit import max_abs_diff_by_part
 
-    b = {"model/w": torch.zeros(2, dtype=torch.float64), "optimizer0/state/0/step": torch.tensor(2.0, dtype=torch.float64)}
+    b = {
+        "model/w": torch.zeros(2, dtype=torch.float64),
+        "optimizer0/state/0/step": torch.tensor(2.0, dtype=torch.float64),
+    }
     assert max_abs_diff_by_part(b, {**b, "optimizer0/state/0/step": torch.tensor(3.0, dtype=torch.float64)}) == {
-        "model": 0.0, "optimizer0": 1.0}
+        "model": 0.0,
+        "optimizer0": 1.0,
+    }

@@ -62,13 +62,18 @@ def test_mfu_llama3_table4_consistency():
     # Llama 3 Table 4: 430 TFLOP/s per GPU <-> 43% MFU on H100 (989 TFLOP/s dense BF16).
     fpt = 1e9
     tokens_per_sec = 430e12 * 16 / fpt  # 16 GPUs each doing 430 TFLOP/s of model FLOPs
-    got = F.mfu(tokens_per_sec=tokens_per_sec, flops_per_token=fpt, num_devices=16,
-                peak_flops_per_device=F.PEAK_FLOPS_BF16["H100-SXM"])
+    got = F.mfu(
+        tokens_per_sec=tokens_per_sec,
+        flops_per_token=fpt,
+        num_devices=16,
+        peak_flops_per_device=F.PEAK_FLOPS_BF16["H100-SXM"],
+    )
     assert got == pytest.approx(0.4346, abs=1e-3)
     assert 0.43 <= round(got, 2) <= 0.44
     # HFU with full recompute: 8N instead of 6N on the parameter term.
-    assert F.hfu(tokens_per_sec=1.0, hardware_flops_per_token=8.0, num_devices=1,
-                 peak_flops_per_device=6.0) == pytest.approx(4 / 3)
+    assert F.hfu(
+        tokens_per_sec=1.0, hardware_flops_per_token=8.0, num_devices=1, peak_flops_per_device=6.0
+    ) == pytest.approx(4 / 3)
     with pytest.raises(ValueError):
         F.mfu(tokens_per_sec=1.0, flops_per_token=1.0, num_devices=0, peak_flops_per_device=1.0)
 
@@ -122,8 +127,9 @@ def test_cpu_peak_uses_current_thread_count_by_default(tmp_path, monkeypatch):
 
 def test_measurement_arithmetic_with_fake_timer():
     ticks = iter(range(0, 10_000))  # every timer call advances 1 "second"
-    got = F._measure_gemm_flops(torch.device("cpu"), torch.float32, n=8, repeat_s=0.2, repeats=2,
-                                timer=lambda: float(next(ticks)))
+    got = F._measure_gemm_flops(
+        torch.device("cpu"), torch.float32, n=8, repeat_s=0.2, repeats=2, timer=lambda: float(next(ticks))
+    )
     assert got == 2 * 8**3  # k = 1 matmul per 1-second repeat
 
 
@@ -141,13 +147,17 @@ def test_unknown_dtype_is_an_error(tmp_path):
 def test_a_peak_measured_under_load_is_measured_again_later_and_the_cache_keeps_the_highest(tmp_path, monkeypatch):
     readings = iter([1e9, 3e9, 2e9])
     loads = iter([0.6, 0.0, 0.0])
-    monkeypatch.setattr(F, "_measure_under", lambda *a, **k: (next(readings), {"other_cpu_share": next(loads), "loadavg_1m": 1.0}))
+    monkeypatch.setattr(
+        F, "_measure_under", lambda *a, **k: (next(readings), {"other_cpu_share": next(loads), "loadavg_1m": 1.0})
+    )
     cpu = torch.device("cpu")
     first = F.peak_flops_info(cpu, dtype="fp32", threads=1, cache_dir=str(tmp_path))
     assert first.flops == 1e9 and first.under_load  # the machine was busy: on record, with its date
     (entry,) = json.loads((tmp_path / "peak_flops.json").read_text()).values()
     assert entry["other_cpu_share"] == 0.6 and entry["date"] and len(entry["history"]) == 1
-    assert F.peak_flops_info(cpu, dtype="fp32", threads=1, cache_dir=str(tmp_path)).flops == 1e9  # not an hour old: reused
+    assert (
+        F.peak_flops_info(cpu, dtype="fp32", threads=1, cache_dir=str(tmp_path)).flops == 1e9
+    )  # not an hour old: reused
     now = __import__("time").time()
     monkeypatch.setattr(F.time, "time", lambda: now + F.REMEASURE_AFTER_S + 1)
     second = F.peak_flops_info(cpu, dtype="fp32", threads=1, cache_dir=str(tmp_path))
@@ -160,11 +170,19 @@ def test_a_peak_measured_under_load_is_measured_again_later_and_the_cache_keeps_
 
 
 def test_an_mfu_above_1_is_a_calibration_error_not_a_figure():
-    from framework.rank.callbacks.step_metrics import StepMetrics
     from framework.base.metrics.emit import MetricEmitter
+    from framework.rank.callbacks.step_metrics import StepMetrics
 
-    sm = StepMetrics(clock=None, tokens_per_step=256, flops_per_token=100, peak_flops=1000.0, num_devices=2,
-                     log_every_n_steps=1, warmup_steps_excluded=0, emit=MetricEmitter())
+    sm = StepMetrics(
+        clock=None,
+        tokens_per_step=256,
+        flops_per_token=100,
+        peak_flops=1000.0,
+        num_devices=2,
+        log_every_n_steps=1,
+        warmup_steps_excluded=0,
+        emit=MetricEmitter(),
+    )
     assert sm._utilization(10.0, "perf/") == {"perf/mfu": 0.5, "perf/hfu": 0.5}
     assert sm.calibration_error is None
     assert sm._utilization(40.0, "perf/", "_mean") == {}  # MFU 2.0: not logged

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from framework.driver.validate import load_run_config, validate
 from framework.driver.faults.accounting import GOODPUT_PARTS, attempt_parts, goodput_figures, recovery_figures
+from framework.driver.validate import load_run_config, validate
 
 
 def _rec(ev, t, **kw):
@@ -14,8 +14,18 @@ def _rec(ev, t, **kw):
 
 def _start(t, step, *, proc, restart=0, loaded=True):
     """A timeline start record: process at ``proc``, main +1, fit +2, rendezvous +0.5, checkpoint +0.25, restore +0.25."""
-    return _rec("start", t, launch=0, restart=restart, step=step, t_proc=proc, t_main=proc + 1, t_fit=proc + 3,
-                t_rdzv=proc + 3.5, t_loaded=proc + 3.75 if loaded else None)
+    return _rec(
+        "start",
+        t,
+        launch=0,
+        restart=restart,
+        step=step,
+        t_proc=proc,
+        t_main=proc + 1,
+        t_fit=proc + 3,
+        t_rdzv=proc + 3.5,
+        t_loaded=proc + 3.75 if loaded else None,
+    )
 
 
 def _crash_then_rerun():
@@ -73,7 +83,8 @@ def test_goodput_parts_of_a_crash_and_rerun_sum_to_the_wall_time():
 def test_attempt_parts_follow_the_marks_and_tolerate_missing_ones():
     start = _start(10.0, 3, proc=4.0)  # marks 4, 5, 7, 7.5, 7.75; training starts at 10
     assert attempt_parts(start, begin=4.0) == pytest.approx(
-        {"process_start": 1.0, "setup": 2.0, "rendezvous": 0.5, "ckpt_load": 0.25, "restore": 2.25})
+        {"process_start": 1.0, "setup": 2.0, "rendezvous": 0.5, "ckpt_load": 0.25, "restore": 2.25}
+    )
     fresh = _start(10.0, 0, proc=4.0, loaded=False)  # no checkpoint: its time goes into restore
     assert attempt_parts(fresh, begin=4.0)["ckpt_load"] == 0.0
     assert sum(attempt_parts(fresh, begin=4.0).values()) == pytest.approx(6.0)
@@ -105,8 +116,8 @@ def test_supervise_logs_goodput_and_recovery_for_a_run_without_fault_config(comp
     logs ``recovery/*`` and ``goodput``, at the last step reached, not at step 0."""
     import framework.driver.launcher
     from framework.base.faults.events import FaultLog
-    from framework.driver.faults.supervisor import supervise
     from framework.base.launch import LaunchSpec
+    from framework.driver.faults.supervisor import supervise
 
     resolved = validate(load_run_config(compose("trainer.max_restarts=1", "parallelism=single")))
     assert not resolved.run.fault.events and resolved.run.resilience.policy == "none"
@@ -123,8 +134,12 @@ def test_supervise_logs_goodput_and_recovery_for_a_run_without_fault_config(comp
 
     monkeypatch.setattr(framework.driver.launcher, "launch_ranks", fake_launch)
     tracker = _Tracker()
-    supervise(LaunchSpec(resolved=resolved, run_dir=tmp_path, mlflow_run_id=None, resume_from=None,
-                         token_cache_dir=str(tmp_path)), tracker)
+    supervise(
+        LaunchSpec(
+            resolved=resolved, run_dir=tmp_path, mlflow_run_id=None, resume_from=None, token_cache_dir=str(tmp_path)
+        ),
+        tracker,
+    )
     totals = [(m, step) for m, step in tracker.logged if "recovery/restarts" in m]
     assert len(totals) == 1
     m, step = totals[0]
@@ -143,8 +158,13 @@ def test_recovery_table_rows_only_for_runs_with_faults_policy_or_recovery():
         return NS(info=NS(run_id=rid * 8, status="FINISHED"), data=NS(metrics=metrics, tags=tags or {}, params={}))
 
     zero = {"fault/injected": 0.0, "recovery/restarts": 0.0, "goodput": 0.8}
-    rows = recovery_rows([run("a", zero), run("b", {**zero, "recovery/restarts": 1.0}),
-                          run("c", zero, {"resilience.policy": "skip_step"})])
+    rows = recovery_rows(
+        [
+            run("a", zero),
+            run("b", {**zero, "recovery/restarts": 1.0}),
+            run("c", zero, {"resilience.policy": "skip_step"}),
+        ]
+    )
     assert [r["run"] for r in rows] == ["bbbbbbbb", "cccccccc"]  # every run logs the figures; a plain one has no row
 
 
@@ -153,14 +173,16 @@ def test_run_timeline_records_steps_saves_and_a_rollback(tmp_path):
     save taken out of its time, a rolled-back step marked, and nothing on another rank."""
     from types import SimpleNamespace
 
+    from framework.base.faults.events import FaultLog
     from framework.rank.callbacks.clock import StepClock
     from framework.rank.callbacks.goodput import RunTimeline
-    from framework.base.faults.events import FaultLog
 
     log = FaultLog(tmp_path)
     clock = StepClock()
     trainer = SimpleNamespace(global_step=2, world_size=2, accumulate_grad_batches=2)
-    tl = RunTimeline(log=log, clock=clock, segment="0.1", launch_index=0, marks={"t_proc": 1.0, "t_main": 2.0, "t_fit": 3.0})
+    tl = RunTimeline(
+        log=log, clock=clock, segment="0.1", launch_index=0, marks={"t_proc": 1.0, "t_main": 2.0, "t_fit": 3.0}
+    )
     other = RunTimeline(log=log, clock=clock, segment="0.1", launch_index=0, marks={}, enabled=False)
     tl.setup(trainer, None, "fit")
     tl.on_load_checkpoint(trainer, None, {})
@@ -185,7 +207,9 @@ def test_run_timeline_records_steps_saves_and_a_rollback(tmp_path):
     recs = log.read()
     assert [r["ev"] for r in recs] == ["start", "step", "step", "step", "end"]
     start = recs[0]
-    assert start["step"] == 2 and start["t_proc"] == 1.0 and start["t_fit"] == 3.0 and start["t_rdzv"] <= start["t_loaded"]
+    assert (
+        start["step"] == 2 and start["t_proc"] == 1.0 and start["t_fit"] == 3.0 and start["t_rdzv"] <= start["t_loaded"]
+    )
     assert (start["restart"], start["world_size"], start["grad_accum_steps"], start["seg"]) == (0, 2, 2, "0.1")
     assert [(r["step"], r.get("rolled_back", False)) for r in recs[1:4]] == [(3, False), (4, True), (4, False)]
     assert recs[1]["c"] == 0.5 and all(r["d"] >= 0 for r in recs[1:])

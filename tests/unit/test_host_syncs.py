@@ -76,7 +76,9 @@ def test_adamw_is_fused_where_torch_has_the_kernel_unless_the_plugin_needs_the_l
     assert adamw_implementation(None, "cpu") == {"fused": True}
     assert adamw_implementation(False, "cuda") == {"foreach": False}  # TP: DTensor shards mixed with plain tensors
     assert adamw_implementation(None, "mps") == {"foreach": None}
-    assert adamw_implementation(None, "cuda", "16-mixed") == {"foreach": None}  # fp16: Lightning must unscale before clipping
+    assert adamw_implementation(None, "cuda", "16-mixed") == {
+        "foreach": None
+    }  # fp16: Lightning must unscale before clipping
 
 
 def test_a_loaded_state_keeps_this_runs_implementation():

@@ -20,7 +20,8 @@ def test_import_contracts_hold(capsys, monkeypatch):
     import framework
 
     assert Path(framework.__file__).resolve().parents[1] == REPO, (
-        f"framework is imported from {framework.__file__}, not from this checkout: run with PYTHONPATH={REPO}")
+        f"framework is imported from {framework.__file__}, not from this checkout: run with PYTHONPATH={REPO}"
+    )
     monkeypatch.chdir(REPO)
     code = lint_imports(config_filename=str(REPO / ".importlinter"), no_cache=True, no_logo=True)
     out = capsys.readouterr().out

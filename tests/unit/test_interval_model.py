@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from framework.driver.validate import load_run_config
 from framework.base.cost.failure_sim import Policy, goodput_over_seeds, simulate
 from framework.base.cost.interval import (
     TwoTier,
@@ -19,6 +18,7 @@ from framework.base.cost.interval import (
     young_waste,
 )
 from framework.base.faults.schedule import build_schedule
+from framework.driver.validate import load_run_config
 from tests.conftest import REPO
 
 
@@ -52,8 +52,9 @@ def test_no_failures_waste_is_delta_over_tau():
 
 def test_simulated_sync_goodput_matches_daly_closed_form():
     step_s, every, delta, restart, mtbf = 1.0, 200, 10.0, 30.0, 2000.0
-    spread = goodput_over_seeds(range(8), steps=200_000, step_s=step_s, policy=Policy("sync", every, delta),
-                                restart_s=restart, mtbf_s=mtbf)
+    spread = goodput_over_seeds(
+        range(8), steps=200_000, step_s=step_s, policy=Policy("sync", every, delta), restart_s=restart, mtbf_s=mtbf
+    )
     want = daly_goodput(every * step_s, delta, restart, mtbf)
     assert spread.mean == pytest.approx(want, rel=0.01)
     r = spread.results[0]
@@ -67,16 +68,20 @@ def test_failure_trace_and_async_in_flight_loss():
     assert sync.wall_s == pytest.approx(300 + 3 * 5 + 45 + 20)
     # async: blocking 1 s, write 60 s; the save at step 100 (durable at 161) is in flight at 150:
     # back to step 0, losing the 100 steps before it too
-    asy = simulate(steps=300, step_s=1.0, policy=Policy("async", 100, 1.0, write_s=60.0), restart_s=20.0,
-                   failure_times=[150.0])
+    asy = simulate(
+        steps=300, step_s=1.0, policy=Policy("async", 100, 1.0, write_s=60.0), restart_s=20.0, failure_times=[150.0]
+    )
     assert asy.lost_s == pytest.approx((150 - 101) + 100)
-    late = simulate(steps=300, step_s=1.0, policy=Policy("async", 100, 1.0, write_s=20.0), restart_s=20.0,
-                    failure_times=[150.0])  # durable at 121: only the interval in progress is lost
+    late = simulate(
+        steps=300, step_s=1.0, policy=Policy("async", 100, 1.0, write_s=20.0), restart_s=20.0, failure_times=[150.0]
+    )  # durable at 121: only the interval in progress is lost
     assert late.lost_s == pytest.approx(150 - 101)
 
 
 def test_two_tier_memory_recovery_and_model():
-    pol = Policy("two_tier", every=10, delta_s=0.1, disk_every=100, disk_delta_s=10.0, mem_fraction=1.0, mem_restart_s=1.0)
+    pol = Policy(
+        "two_tier", every=10, delta_s=0.1, disk_every=100, disk_delta_s=10.0, mem_fraction=1.0, mem_restart_s=1.0
+    )
     r = simulate(steps=300, step_s=1.0, policy=pol, restart_s=50.0, failure_times=[155.0])
     # saves: 20 snapshots + 3 persistent by 155? at step 150 (t = 150 + 14*0.1 + 10 = 161.4) the fault lies in
     # the interval 140..150 (started at 140 + 13*0.1 + 10 = 151.3): back to snapshot 140, restart 1 s
@@ -84,7 +89,9 @@ def test_two_tier_memory_recovery_and_model():
     tt = TwoTier(delta_mem=0.1, restart_mem=1.0, delta_disk=10.0, restart_disk=50.0, mem_fraction=0.5)
     tm, td = tt.optimum(3600.0)
     assert tm == pytest.approx(math.sqrt(2 * 0.1 * 3600 / 0.5)) and td == pytest.approx(math.sqrt(2 * 10 * 3600 / 0.5))
-    assert tt.waste(tm, td, 3600.0) < tt.waste(tm * 2, td, 3600.0) and tt.waste(tm, td, 3600.0) < tt.waste(tm, td / 2, 3600.0)
+    assert tt.waste(tm, td, 3600.0) < tt.waste(tm * 2, td, 3600.0) and tt.waste(tm, td, 3600.0) < tt.waste(
+        tm, td / 2, 3600.0
+    )
 
 
 def test_incremental_costs():
@@ -116,8 +123,15 @@ def test_validation_replays_trainlabs_fault_schedule(compose):
     # the script's copy of the schedule must give the failure steps the runs draw (2 ranks, rank crashes only)
     v = _validate_script()
     for seed in (0, 1, 2, 3, 11):
-        run = load_run_config(compose("fault=random", "fault.mtbf_steps=18", f"fault.random_seed={seed}",
-                                      "trainer.max_steps=120", "fault.random_kinds=[rank_crash]"))
+        run = load_run_config(
+            compose(
+                "fault=random",
+                "fault.mtbf_steps=18",
+                f"fault.random_seed={seed}",
+                "trainer.max_steps=120",
+                "fault.random_kinds=[rank_crash]",
+            )
+        )
         steps = [e["step"] for e in build_schedule(run, world_size=2)]
         assert v.schedule_steps(18, 120, seed) == steps and len(steps) > 2
 
@@ -129,9 +143,22 @@ def test_progress_tied_failures_have_youngs_optimum_and_the_fit_finds_it():
     s, delta, r, mtbf, n = 0.2, 0.15, 2.5, 18, 1200
     k_young = young_interval(delta, mtbf * s) / s  # 5.2 steps
     grid = [1, 2, 3, 5, 8, 12, 20]
-    waste = [sum(1 / simulate(steps=n, step_s=s, policy=Policy("sync", k, delta), restart_s=r,
-                              failure_steps=v.schedule_steps(mtbf, n, seed)).goodput - 1 for seed in range(100)) / 100
-             for k in grid]
+    waste = [
+        sum(
+            1
+            / simulate(
+                steps=n,
+                step_s=s,
+                policy=Policy("sync", k, delta),
+                restart_s=r,
+                failure_steps=v.schedule_steps(mtbf, n, seed),
+            ).goodput
+            - 1
+            for seed in range(100)
+        )
+        / 100
+        for k in grid
+    ]
     fit = v.fit_optimum(grid, waste, n)
     assert fit["optimum"] == pytest.approx(k_young, rel=0.05)
     assert fit["optimum"] > 1.1 * daly_interval(delta, mtbf * s) / s  # Daly's -delta term does not apply here

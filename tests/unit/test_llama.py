@@ -111,7 +111,9 @@ def test_longer_than_max_seq_len_is_an_error():
         build()(torch.zeros(1, 40, dtype=torch.long))
 
 
-@pytest.mark.parametrize("name,vocab", [("llama_tiny", 4096), ("llama_1b", 4096), ("llama3_70b", 128256), ("llama3_405b", 128256)])
+@pytest.mark.parametrize(
+    "name,vocab", [("llama_tiny", 4096), ("llama_1b", 4096), ("llama3_70b", 128256), ("llama3_405b", 128256)]
+)
 def test_parameter_counts_equal_the_cost_model(name, vocab):
     cfg = preset(name)
     with torch.device("meta"):

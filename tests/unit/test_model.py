@@ -117,9 +117,9 @@ def test_heads_follow_qkv_width():
         shard.qkv = torch.nn.Linear(h, half)
         shard.proj = torch.nn.Linear(h // 2, h, bias=False)
         with torch.no_grad():
-            shard.qkv.weight.copy_(attn.qkv.weight[r * half:(r + 1) * half])
-            shard.qkv.bias.copy_(attn.qkv.bias[r * half:(r + 1) * half])
-            shard.proj.weight.copy_(attn.proj.weight[:, r * h // 2:(r + 1) * h // 2])
+            shard.qkv.weight.copy_(attn.qkv.weight[r * half : (r + 1) * half])
+            shard.qkv.bias.copy_(attn.qkv.bias[r * half : (r + 1) * half])
+            shard.proj.weight.copy_(attn.proj.weight[:, r * h // 2 : (r + 1) * h // 2])
         part += shard(x)
     torch.testing.assert_close(part + attn.proj.bias, full, rtol=1e-5, atol=1e-6)
 

@@ -26,8 +26,9 @@ SHAPE = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=256, seq_len=32)
 
 
 def _stats(bytes_per_param: int) -> ModelStats:
-    return ModelStats(num_params=SHAPE.num_params(), num_param_tensors=7, param_bytes=bytes_per_param,
-                      grad_bytes=bytes_per_param)
+    return ModelStats(
+        num_params=SHAPE.num_params(), num_param_tensors=7, param_bytes=bytes_per_param, grad_bytes=bytes_per_param
+    )
 
 
 def test_the_planner_holds_every_parameter_at_tp1_pp1():
@@ -40,11 +41,22 @@ def test_the_planner_holds_every_parameter_at_tp1_pp1():
 def test_deepspeed_plugin_equals_the_planner(bytes_per_param, precision, stage, accum):
     """The DeepSpeed plugin's figure == the planner's memory for the same layout in DeepSpeed's accounting."""
     dp = 4
-    lay = PlanLayout(dp=dp, tp=1, pp=1, micro_batch_size=1, global_batch_size=dp * accum, zero_stage=stage,
-                     precision=precision, state_accounting="master_copy")
+    lay = PlanLayout(
+        dp=dp,
+        tp=1,
+        pp=1,
+        micro_batch_size=1,
+        global_batch_size=dp * accum,
+        zero_stage=stage,
+        precision=precision,
+        state_accounting="master_copy",
+    )
     planner, _ = memory_per_rank(SHAPE, lay)
-    plugin = zero_model_states_bytes(_stats(bytes_per_param), DeepSpeedConfig(zero_stage=stage),
-                                     SimpleNamespace(layout=SimpleNamespace(dp=dp), grad_accum_steps=accum))
+    plugin = zero_model_states_bytes(
+        _stats(bytes_per_param),
+        DeepSpeedConfig(zero_stage=stage),
+        SimpleNamespace(layout=SimpleNamespace(dp=dp), grad_accum_steps=accum),
+    )
     assert plugin == int(planner.total)
 
 
@@ -52,14 +64,25 @@ def test_deepspeed_plugin_equals_the_planner(bytes_per_param, precision, stage, 
 def test_ddp_and_fsdp_plugins_equal_the_planner(bytes_per_param, precision):
     shapes = ((64, 32), (32,), (128, 32))  # every dim 0 divides by 4: no FSDP padding
     psi = sum(math.prod(s) for s in shapes)
-    stats = ModelStats(num_params=psi, num_param_tensors=3, param_bytes=bytes_per_param, grad_bytes=bytes_per_param,
-                       param_shapes=shapes)
-    assert replicated_adamw_model_states_bytes(stats) == model_states_per_rank(
-        psi, dp=4, zero_stage=0, precision=precision).total + 4 * 3
-    assert fsdp_model_states_bytes(stats, dp_degree=4) == model_states_per_rank(
-        psi, dp=4, zero_stage=3, precision=precision).total + 4 * 3
-    assert adamw_fp32_local_states_bytes(list(shapes)) == model_states_per_rank(
-        psi, dp=1, zero_stage=0, precision="fp32").total + 4 * 3
+    stats = ModelStats(
+        num_params=psi,
+        num_param_tensors=3,
+        param_bytes=bytes_per_param,
+        grad_bytes=bytes_per_param,
+        param_shapes=shapes,
+    )
+    assert (
+        replicated_adamw_model_states_bytes(stats)
+        == model_states_per_rank(psi, dp=4, zero_stage=0, precision=precision).total + 4 * 3
+    )
+    assert (
+        fsdp_model_states_bytes(stats, dp_degree=4)
+        == model_states_per_rank(psi, dp=4, zero_stage=3, precision=precision).total + 4 * 3
+    )
+    assert (
+        adamw_fp32_local_states_bytes(list(shapes))
+        == model_states_per_rank(psi, dp=1, zero_stage=0, precision="fp32").total + 4 * 3
+    )
 
 
 def test_the_issue_figures_by_accounting():
@@ -67,8 +90,12 @@ def test_the_issue_figures_by_accounting():
     (an fp32 master copy even of fp32 weights); ZeRO-1 with accumulation keeps full gradients in DeepSpeed."""
     psi, n = 1e9, 8
     paper = {z: model_states_per_rank(psi, dp=n, zero_stage=z, precision="fp32").total for z in (1, 2, 3)}
-    ds = {z: model_states_per_rank(psi, dp=n, zero_stage=z, precision="fp32", accounting="master_copy",
-                                   grad_accum_steps=4).total for z in (1, 2, 3)}
+    ds = {
+        z: model_states_per_rank(
+            psi, dp=n, zero_stage=z, precision="fp32", accounting="master_copy", grad_accum_steps=4
+        ).total
+        for z in (1, 2, 3)
+    }
     assert paper == pytest.approx({1: 9.0e9, 2: 5.5e9, 3: 2.0e9})
     assert ds == pytest.approx({1: 9.5e9, 2: 6.0e9, 3: 2.5e9})
 

@@ -11,21 +11,37 @@ from pathlib import Path
 import pytest
 
 from framework.base.config.schema import ConfigError
-from framework.driver.validate import load_run_config, validate
 from framework.base.faults.events import FaultLog
 from framework.base.faults.preemption import preemption_outcome
 from framework.base.launch import LaunchSpec
-from framework.driver.nodes import MARKER, hydra_run_dir, hydra_sweep_subdir, mark_shared_folder, resolve_nodes, wait_for_shared_folder
+from framework.driver.nodes import (
+    MARKER,
+    hydra_run_dir,
+    hydra_sweep_subdir,
+    mark_shared_folder,
+    resolve_nodes,
+    wait_for_shared_folder,
+)
+from framework.driver.validate import load_run_config, validate
 
-TWO_NODES = ["parallelism=ddp", "parallelism.world_size=4", "parallelism.nnodes=2", "trainer.global_batch_size=8",
-             "trainer.micro_batch_size=2", "tracking=none", "checkpoint=none"]
+TWO_NODES = [
+    "parallelism=ddp",
+    "parallelism.world_size=4",
+    "parallelism.nnodes=2",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=2",
+    "tracking=none",
+    "checkpoint=none",
+]
 
 
 def test_nodes_come_from_the_config_or_from_slurm(compose):
     run = load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=10.0.0.1:29400", "rendezvous.node_rank=1"))
     nodes = resolve_nodes(run, env={})
     assert (nodes.node_rank, nodes.endpoint, nodes.host, nodes.port) == (1, "10.0.0.1:29400", "10.0.0.1", 29400)
-    assert nodes.rdzv_id == f"{run.experiment_name}.{run.run_name}".replace("/", "_")  # the same on every node of the same command
+    assert nodes.rdzv_id == f"{run.experiment_name}.{run.run_name}".replace(
+        "/", "_"
+    )  # the same on every node of the same command
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NODEID": "1", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}
     nodes = resolve_nodes(load_run_config(compose(*TWO_NODES)), env=slurm)
     assert (nodes.node_rank, nodes.endpoint, nodes.rdzv_id) == (1, "10.0.0.9:29500", "4242")
@@ -35,29 +51,46 @@ def test_nodes_come_from_the_config_or_from_slurm(compose):
 def test_multinode_refusals_are_one_line_naming_the_key(compose):
     with pytest.raises(ConfigError, match=r"^rendezvous.endpoint is required with parallelism.nnodes=2"):
         resolve_nodes(load_run_config(compose(*TWO_NODES)), env={})
-    with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1: the elastic agent cannot restart ranks across nodes"):
+    with pytest.raises(
+        ConfigError, match=r"^trainer.max_restarts=1: the elastic agent cannot restart ranks across nodes"
+    ):
         resolve_nodes(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", "trainer.max_restarts=1")), env={})
     with pytest.raises(ConfigError, match=r"fault injection and the in-process policies run on one node only yet"):
-        validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", "fault=rank_crash", "resilience=restart")))
+        validate(
+            load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", "fault=rank_crash", "resilience=restart"))
+        )
     with pytest.raises(ConfigError, match=r"allowed: fault=none resilience=none\|restart\|shrink"):
         validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", "resilience=rollback")))
     for policy in ("restart", "shrink"):  # a lost node: the drivers restart every node, or node 0 goes on alone
-        assert resolve_nodes(validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1",
-                                                              f"resilience={policy}"))).run, env={}).nnodes == 2
+        assert (
+            resolve_nodes(
+                validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=h:1", f"resilience={policy}"))).run,
+                env={},
+            ).nnodes
+            == 2
+        )
 
 
 def test_the_launch_file_carries_the_node_and_node_k_writes_into_the_shared_folder(compose, tmp_path):
     resolved = validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=127.0.0.1:29400")))
     nodes = resolve_nodes(resolved.run, env={})
-    launch = LaunchSpec(resolved=resolved, run_dir=tmp_path, mlflow_run_id=None, resume_from=None,
-                        token_cache_dir=str(tmp_path), nodes=nodes)
+    launch = LaunchSpec(
+        resolved=resolved,
+        run_dir=tmp_path,
+        mlflow_run_id=None,
+        resume_from=None,
+        token_cache_dir=str(tmp_path),
+        nodes=nodes,
+    )
     assert LaunchSpec.read(launch.write(tmp_path / "launch.json")) == launch
     assert hydra_run_dir("e", "r", None, 0) == "outputs/e/r"
     assert hydra_run_dir("e", "r", "/shared/ck", 1) == "/shared/ck/nodes/node1"
     # a sweep job (under outputs/<experiment>): the run name on node 0, node k's folder (absolute) elsewhere
     assert hydra_sweep_subdir("e", "s/j", None, 0) == "s/j"
     assert hydra_sweep_subdir("e", "s/j", "/shared/ck", 1) == "/shared/ck/nodes/node1"
-    assert os.path.join("outputs/e", hydra_sweep_subdir("e", "s/j", None, 2)) == str(Path("checkpoints/e/s/j/nodes/node2").absolute())
+    assert os.path.join("outputs/e", hydra_sweep_subdir("e", "s/j", None, 2)) == str(
+        Path("checkpoints/e/s/j/nodes/node2").absolute()
+    )
     mark_shared_folder(tmp_path, nodes)
     wait_for_shared_folder(tmp_path, nodes)  # node 0's marker of this rendezvous: seen at once
     (tmp_path / MARKER).write_text(json.dumps({"id": "another job", "t": 0}))
@@ -85,11 +118,14 @@ def test_the_driver_reads_a_preemption_from_the_event_log(tmp_path):
 
 
 def test_a_signal_before_the_ranks_start_is_its_own_preemption(tmp_path):
-    out = preemption_outcome(tmp_path, str(tmp_path / "ck"), since=0.0, signal_name="SIGTERM", before_ranks=True,
-                             t_signal=100.0)
+    out = preemption_outcome(
+        tmp_path, str(tmp_path / "ck"), since=0.0, signal_name="SIGTERM", before_ranks=True, t_signal=100.0
+    )
     assert (out.saved, out.saved_step, out.steps_lost) == (False, 0, 0)
-    assert out.describe(now=101.5) == ("SIGTERM before the ranks started: nothing ran in this attempt; the newest"
-                                       " checkpoint is step 0 (0 finished steps lost); 1.5 s from the signal to exit")
+    assert out.describe(now=101.5) == (
+        "SIGTERM before the ranks started: nothing ran in this attempt; the newest"
+        " checkpoint is step 0 (0 finished steps lost); 1.5 s from the signal to exit"
+    )
 
 
 def test_the_early_signal_guard_raises_in_the_main_thread_and_leaves_the_handlers_as_they_were():

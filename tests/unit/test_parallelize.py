@@ -43,8 +43,9 @@ def test_plan_is_applied_split_tp_checkpointing_compile_dp_assemble():
         seen.append("assemble")
         return pieces[0]
 
-    out = parallelize_gpt(model, ParallelPlan(split=split, tp=tp, dp=dp, assemble=assemble),
-                          activation_checkpointing=True, compile=True)
+    out = parallelize_gpt(
+        model, ParallelPlan(split=split, tp=tp, dp=dp, assemble=assemble), activation_checkpointing=True, compile=True
+    )
     assert out is model
     assert seen == ["split", "tp", "dp block", "dp block", "dp root", "assemble"]
     assert [n for n, _ in model.named_parameters()] == names  # checkpoint keys unchanged

@@ -17,7 +17,15 @@ from framework.base.cost.comm import (
 )
 from framework.base.cost.memory import replicated_adamw_model_states_bytes
 from framework.base.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes, torch_held_state
-from framework.base.metrics.timing import WORLD, CommMeter, HostClock, call_group, comm_paused, group_spans_nodes, make_clock
+from framework.base.metrics.timing import (
+    WORLD,
+    CommMeter,
+    HostClock,
+    call_group,
+    comm_paused,
+    group_spans_nodes,
+    make_clock,
+)
 from framework.base.model import GPT
 from framework.base.registry import get_plugin_class
 
@@ -30,7 +38,9 @@ def test_ring_wire_bytes_follow_nccl_tests_bus_factors():
     assert ring_wire_bytes("allgather", S, 4) == pytest.approx(750.0)  # (n-1)/n
     assert ring_wire_bytes("reduce_scatter", S, 4) == pytest.approx(750.0)
     assert ring_wire_bytes("p2p", S, 4) == S
-    assert ring_wire_bytes("reduce", S, 4) == ring_wire_bytes("broadcast", S, 4) == pytest.approx(750.0)  # chain, mean per rank
+    assert (
+        ring_wire_bytes("reduce", S, 4) == ring_wire_bytes("broadcast", S, 4) == pytest.approx(750.0)
+    )  # chain, mean per rank
     with pytest.raises(ValueError, match="kind='gather'"):
         ring_wire_bytes("gather", S, 2)
     with pytest.raises(ValueError, match="n=0"):
@@ -47,8 +57,11 @@ def test_ddp_model_is_one_gradient_allreduce_per_step():
 
 def test_wire_bytes_use_each_kinds_own_group():
     # HSDP-like: all-reduce on a 2-rank replicate group, all-gather / reduce-scatter on a 4-rank shard group.
-    est = CommEstimate(payload_bytes={"allreduce": 1000, "allgather": 800, "reduce_scatter": 800}, group_size=4,
-                       group_sizes={"allreduce": 2})
+    est = CommEstimate(
+        payload_bytes={"allreduce": 1000, "allgather": 800, "reduce_scatter": 800},
+        group_size=4,
+        group_sizes={"allreduce": 2},
+    )
     assert est.group_size_of("allreduce") == 2 and est.group_size_of("allgather") == 4
     assert est.total_wire_bytes == 1000 * 1.0 + 800 * 0.75 + 800 * 0.75
     assert est.wire_bytes({"allreduce": 500}) == 500.0  # measured payload, the same factors
@@ -78,8 +91,10 @@ def test_fsdp_model_follows_fsdp2_padding():
     plugin = FSDPPlugin(FSDPConfig())
     at = lambda dp: SimpleNamespace(layout=SimpleNamespace(dp=dp), grad_accum_steps=1)  # noqa: E731
     # dp 2 divides every dim 0: Psi exactly (ZeRO §7.2, 3 Psi with resharding)
-    assert plugin.comm_volume(stats, at(2)).payload_bytes == {"allgather": 2 * 4 * stats.num_params,
-                                                               "reduce_scatter": 4 * stats.num_params}
+    assert plugin.comm_volume(stats, at(2)).payload_bytes == {
+        "allgather": 2 * 4 * stats.num_params,
+        "reduce_scatter": 4 * stats.num_params,
+    }
     padded = 3 * (342 * 128 + 43)  # dp 3: every rank moves ceil(d0/3) rows of each tensor
     est = plugin.comm_volume(stats, at(3))
     assert est.payload_bytes == {"allgather": 2 * 4 * padded, "reduce_scatter": 4 * padded} and est.group_size == 3
@@ -187,6 +202,7 @@ def test_activation_checkpointing_counts_the_recompute_in_hfu_not_mfu():
     assert ref.hardware_flops_per_token(16) == ref.flops_per_token(16) == ckpt.flops_per_token(16)
     assert ckpt.hardware_flops_per_token(16) == ckpt.flops_per_token(16) + 2 * n_blocks + 4 * 2 * 32 * 16
 
+
 def test_the_meter_splits_bytes_by_whether_the_group_spans_nodes():
     # 2 ranks per node: ranks [0, 1] are node 0's, [1, 2] span nodes 0 and 1; the world group is unknown without a
     # process group (then the step's bytes are not split)
@@ -196,7 +212,10 @@ def test_the_meter_splits_bytes_by_whether_the_group_spans_nodes():
     meter.report("allreduce", 100, [0, 1])
     meter.report("allgather", 40, [0, 2])
     recs = meter.take()
-    assert CommMeter.inter_node_bytes(recs) == 40 and CommMeter.bytes_by_kind(recs) == {"allreduce": 100, "allgather": 40}
+    assert CommMeter.inter_node_bytes(recs) == 40 and CommMeter.bytes_by_kind(recs) == {
+        "allreduce": 100,
+        "allgather": 40,
+    }
     meter.report("allreduce", 8)  # the default group, no process group here: unknown
     assert CommMeter.inter_node_bytes(meter.take()) is None
 

@@ -16,8 +16,17 @@ def test_help_prints_usage_and_the_plan_keys(capsys):
         assert key in out
 
 
-@pytest.mark.parametrize("module", ["framework.plan", "framework.train", "framework.compare", "framework.checkpoint",
-                                    "framework.base.cost.whatif", "framework.base.metrics.local_cpu"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "framework.plan",
+        "framework.train",
+        "framework.compare",
+        "framework.checkpoint",
+        "framework.base.cost.whatif",
+        "framework.base.metrics.local_cpu",
+    ],
+)
 @pytest.mark.slow  # starts Python processes (the fast tier leaves it out)
 def test_every_entry_point_prints_help(module):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
@@ -25,22 +34,28 @@ def test_every_entry_point_prints_help(module):
     assert "usage" in r.stdout.lower() or "powered by hydra" in r.stdout.lower()
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["plan.micro_batch_sizes=[0,1]"], "plan.micro_batch_sizes: 0 is not allowed; every entry must be an int >= 1"),
-    (["plan.micro_batch_sizes=[-2]"], "plan.micro_batch_sizes: -2 is not allowed"),
-    (["plan.virtual_stages=[0]"], "plan.virtual_stages: 0 is not allowed"),
-    (["plan.pp_degrees=[0]"], "plan.pp_degrees: 0 is not allowed"),
-    (["plan.precision=bf61"], "plan.precision='bf61' is not allowed; allowed: fp32, bf16, bf16_main_grad"),
-    (["plan.state_accounting=ds"], "plan.state_accounting='ds' is not allowed; allowed: paper, master_copy"),
-    (["plan.nodes=1", "plan.tp_degrees=[3]"], "plan.tp_degrees: 3 neither divides cluster.gpus_per_node=8 nor is a multiple of it"),
-    (["plan.nodes=1", "plan.pp_degrees=[5]"], "plan.pp_degrees: 5 does not divide the world size 8"),
-    (["plan.nodes=0"], "plan.nodes=0 is not allowed; must be an int >= 1"),
-    (["data.seq_len=0"], "data.seq_len=0 is not allowed"),
-    (["trainer.global_batch_size=0"], "trainer.global_batch_size=0 is not allowed"),
-    (["plan.top_k=0"], "plan.top_k=0 is not allowed"),
-    (["plan.zero3_prefetch=2"], "plan.zero3_prefetch=2 is not allowed; must be a number in [0, 1]"),
-    (["plan.allreduce_algorithm=star"], "plan.allreduce_algorithm='star' is not allowed; allowed: ring, tree"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["plan.micro_batch_sizes=[0,1]"], "plan.micro_batch_sizes: 0 is not allowed; every entry must be an int >= 1"),
+        (["plan.micro_batch_sizes=[-2]"], "plan.micro_batch_sizes: -2 is not allowed"),
+        (["plan.virtual_stages=[0]"], "plan.virtual_stages: 0 is not allowed"),
+        (["plan.pp_degrees=[0]"], "plan.pp_degrees: 0 is not allowed"),
+        (["plan.precision=bf61"], "plan.precision='bf61' is not allowed; allowed: fp32, bf16, bf16_main_grad"),
+        (["plan.state_accounting=ds"], "plan.state_accounting='ds' is not allowed; allowed: paper, master_copy"),
+        (
+            ["plan.nodes=1", "plan.tp_degrees=[3]"],
+            "plan.tp_degrees: 3 neither divides cluster.gpus_per_node=8 nor is a multiple of it",
+        ),
+        (["plan.nodes=1", "plan.pp_degrees=[5]"], "plan.pp_degrees: 5 does not divide the world size 8"),
+        (["plan.nodes=0"], "plan.nodes=0 is not allowed; must be an int >= 1"),
+        (["data.seq_len=0"], "data.seq_len=0 is not allowed"),
+        (["trainer.global_batch_size=0"], "trainer.global_batch_size=0 is not allowed"),
+        (["plan.top_k=0"], "plan.top_k=0 is not allowed"),
+        (["plan.zero3_prefetch=2"], "plan.zero3_prefetch=2 is not allowed; must be a number in [0, 1]"),
+        (["plan.allreduce_algorithm=star"], "plan.allreduce_algorithm='star' is not allowed; allowed: ring, tree"),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_key(overrides, fragment, capsys):
     with pytest.raises(SystemExit) as info:
         main([*overrides, "tracking.enabled=false"])
@@ -50,8 +65,22 @@ def test_bad_input_is_one_line_naming_the_key(overrides, fragment, capsys):
 
 
 def test_tp_across_nodes_is_warned_and_priced_on_the_nic(capsys):
-    assert main(["model=gpt_50m", "model.n_head=16", "data.seq_len=256", "plan.nodes=2", "plan.tp_degrees=[16]", "plan.pp_degrees=[1]",
-                 "trainer.global_batch_size=8", "plan.top_k=1", "tracking.enabled=false"]) == 0
+    assert (
+        main(
+            [
+                "model=gpt_50m",
+                "model.n_head=16",
+                "data.seq_len=256",
+                "plan.nodes=2",
+                "plan.tp_degrees=[16]",
+                "plan.pp_degrees=[1]",
+                "trainer.global_batch_size=8",
+                "plan.top_k=1",
+                "tracking.enabled=false",
+            ]
+        )
+        == 0
+    )
     cap = capsys.readouterr()
     assert "trainlab: warning: plan.tp_degrees: tp 16 spans 2 nodes of 8 GPUs" in cap.err
     from framework.base.cost.collectives import layout_collectives

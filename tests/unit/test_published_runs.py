@@ -99,9 +99,19 @@ SHAPE = ModelShape(n_layer=8, d_model=1024, n_head=16, vocab_size=1000, seq_len=
 
 
 def _cluster(**kw) -> Cluster:
-    base = dict(name="t", gpus_per_node=8, peak_flops=1e14, achievable_fraction=1.0, hbm_bytes=80 * 2**30,
-                usable_memory_fraction=1.0, hbm_bandwidth=1e12, nvlink=Link(0.0, 300e9), nic=Link(1e-5, 25e9),
-                power_w=400, price_per_gpu_hour=1.0)
+    base = dict(
+        name="t",
+        gpus_per_node=8,
+        peak_flops=1e14,
+        achievable_fraction=1.0,
+        hbm_bytes=80 * 2**30,
+        usable_memory_fraction=1.0,
+        hbm_bandwidth=1e12,
+        nvlink=Link(0.0, 300e9),
+        nic=Link(1e-5, 25e9),
+        power_w=400,
+        price_per_gpu_hour=1.0,
+    )
     base.update(kw)
     return Cluster(**base)
 
@@ -138,7 +148,9 @@ def test_elementwise_traffic_adds_its_bytes_at_hbm_bandwidth():
     expect = lay.n_microbatches * 100.0 * SHAPE.d_model * 2 * SHAPE.seq_len * SHAPE.n_layer / 2 / 1e12
     assert (ew.forward + ew.backward) - (base.forward + base.backward) == pytest.approx(expect)
     # None = the cluster file's figure
-    from_cluster = step_time(SHAPE, lay, _cluster(nvlink=Link(0.0, 1e30), elementwise_bytes_per_h=100.0), StepTimeParams())
+    from_cluster = step_time(
+        SHAPE, lay, _cluster(nvlink=Link(0.0, 1e30), elementwise_bytes_per_h=100.0), StepTimeParams()
+    )
     assert from_cluster.total == pytest.approx(ew.total)
     assert math.isclose(base.total, step_time(SHAPE, lay, c, StepTimeParams()).total)
 
@@ -161,15 +173,26 @@ def test_op_sac_keeps_the_block_input_and_every_other_mm_output():
     less than Table 2's selective set; the rank adds one rematerialised layer (the selective set)."""
     from framework.base.cost.activations import activation_bytes_per_layer, activation_bytes_per_rank
 
-    sh = ModelShape(n_layer=4, d_model=512, n_head=8, n_kv_head=2, d_ff=1408, mlp="swiglu", vocab_size=1000,
-                    seq_len=256, bias=False, dropout=False)
+    sh = ModelShape(
+        n_layer=4,
+        d_model=512,
+        n_head=8,
+        n_kv_head=2,
+        d_ff=1408,
+        mlp="swiglu",
+        vocab_size=1000,
+        seq_len=256,
+        bias=False,
+        dropout=False,
+    )
     kv, b = 2 * 512 // 8, 2
     got = activation_bytes_per_layer(sh, micro_batch_size=b, recompute="selective", op_sac=True)
     assert got == 256 * b * ((512 + 512 + kv + 1408 + 512 + 512) * 2 + 4 * 8)
     sel = activation_bytes_per_layer(sh, micro_batch_size=b, recompute="selective", dropout=False)
     assert got < sel
-    kw = dict(micro_batch_size=b, tp=1, pp=1, n_microbatches=1, sequence_parallel=False, recompute="selective",
-              dropout=False)
+    kw = dict(
+        micro_batch_size=b, tp=1, pp=1, n_microbatches=1, sequence_parallel=False, recompute="selective", dropout=False
+    )
     ranked = activation_bytes_per_rank(sh, op_sac=True, **kw)
     assert ranked["layers"] == 4 * got and ranked["recompute_working"] == sel
     assert activation_bytes_per_rank(sh, **kw)["recompute_working"] == 0.0
@@ -183,8 +206,9 @@ def test_op_sac_recomputes_every_second_matmul_of_a_block():
     wk, wo and w3; the backward of one micro-batch grows by those FLOPs at the achievable rate."""
     from framework.base.cost.flops import op_sac_recompute_flops_per_token
 
-    llama = ModelShape(n_layer=4, d_model=512, n_head=8, n_kv_head=2, d_ff=1408, mlp="swiglu", vocab_size=1000,
-                       seq_len=256, bias=False)
+    llama = ModelShape(
+        n_layer=4, d_model=512, n_head=8, n_kv_head=2, d_ff=1408, mlp="swiglu", vocab_size=1000, seq_len=256, bias=False
+    )
     kv = 2 * 512 // 8
     assert op_sac_recompute_flops_per_token(llama) == 2 * 4 * (512 * kv + 512 * 512 + 512 * 1408)
     gpt = SHAPE  # qkv, proj, fc1, fc2: proj and fc2
@@ -197,7 +221,10 @@ def test_op_sac_recomputes_every_second_matmul_of_a_block():
     assert sac.backward - base.backward == pytest.approx(expect) and sac.forward == base.forward
     # only under selective recompute (full recompute already reruns every matmul)
     full = replace(lay, recompute="full")
-    assert step_time(llama, full, c, StepTimeParams(op_sac=True)).total == step_time(llama, full, c, StepTimeParams()).total
+    assert (
+        step_time(llama, full, c, StepTimeParams(op_sac=True)).total
+        == step_time(llama, full, c, StepTimeParams()).total
+    )
 
 
 def test_h100_96gb_peak_is_derated_between_the_datasheet_points():
@@ -238,8 +265,9 @@ def test_torch_cross_entropy_holds_three_fp32_copies_of_the_logits():
     _, one = memory_per_rank(SHAPE, lay)
     _, three = memory_per_rank(SHAPE, lay, torch_cross_entropy=True)
     assert one["logits"] == 4 * 512 * 2 * 1000 and three["logits"] == 3 * one["logits"]
-    assert {k: v for k, v in three.items() if k not in ("logits", "total")} == \
-        {k: v for k, v in one.items() if k not in ("logits", "total")}
+    assert {k: v for k, v in three.items() if k not in ("logits", "total")} == {
+        k: v for k, v in one.items() if k not in ("logits", "total")
+    }
     c = _cluster()
     a, b = estimate(SHAPE, lay, c), estimate(SHAPE, lay, c, StepTimeParams(torch_cross_entropy=True))
     assert b.memory_bytes - a.memory_bytes == 2 * one["logits"] and b.time == a.time

@@ -24,8 +24,14 @@ def test_a_rank_started_with_sigint_ignored_still_stops_on_ctrl_c():
     """A shell's background job (and a rank forked from the preload server) starts with SIGINT ignored; the
     rank's handlers give it KeyboardInterrupt back (Lightning's graceful stop), and the preemption flag for
     SIGTERM/SIGUSR1. Without it, a Ctrl-C'd run's ranks trained on until the agent killed them."""
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, check=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    ).stdout.split()
     assert out == ["True", "_on_signal", "_on_signal"]
 
 
@@ -74,7 +80,9 @@ def test_rank_0_records_the_signal_time_and_step_when_only_another_rank_got_it()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(r), port], stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", AGREE, str(r), port], stdout=subprocess.PIPE, text=True) for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
-    assert outs == ['[12, 1700000000.25, 6]'] * 2
+    assert outs == ["[12, 1700000000.25, 6]"] * 2

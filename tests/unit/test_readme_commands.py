@@ -24,11 +24,20 @@ def _experiment_of(command: str) -> str:
 
 def test_every_sweep_in_the_readme_is_compared_after_it():
     lines = [ln.split("#")[0].strip() for ln in (ROOT / "README.md").read_text().splitlines()]
-    sweeps = [(i, _experiment_of(ln)) for i, ln in enumerate(lines)
-              if ln.startswith("python -m framework.train")
-              and (" -m " in ln.split("framework.train", 1)[1] or "experiment=" in ln)]
-    compared = [(i, m.group(1)) for i, ln in enumerate(lines) for m in [re.search(r"framework\.compare --experiment (\S+)", ln)] if m]
+    sweeps = [
+        (i, _experiment_of(ln))
+        for i, ln in enumerate(lines)
+        if ln.startswith("python -m framework.train")
+        and (" -m " in ln.split("framework.train", 1)[1] or "experiment=" in ln)
+    ]
+    compared = [
+        (i, m.group(1))
+        for i, ln in enumerate(lines)
+        for m in [re.search(r"framework\.compare --experiment (\S+)", ln)]
+        if m
+    ]
     assert sweeps and compared
     for i, experiment in sweeps:
         assert any(j > i and name == experiment for j, name in compared), (
-            f"README line {i + 1}: its sweep lands in experiment {experiment!r}, which no later compare command reads")
+            f"README line {i + 1}: its sweep lands in experiment {experiment!r}, which no later compare command reads"
+        )

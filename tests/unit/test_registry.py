@@ -57,7 +57,10 @@ def test_unknown_group_option_is_one_line_before_hydra(capsys):
         check_group_choices(["parallelism=single,zero9", "trainer.max_steps=3"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, fsdp, pp, single, tp, zero1, zero2, zero3"
+    assert (
+        err
+        == "trainlab: error: parallelism='zero9' is not an option of config group 'parallelism'; available: ddp, fsdp, pp, single, tp, zero1, zero2, zero3"
+    )
     check_group_choices(["parallelism=single,ddp", "model=gpt2_124m", "experiment=null", "data.paths=[a,b]"])  # fine
 
 
@@ -89,8 +92,10 @@ def test_the_driver_imports_plugins_without_lightning():
     import subprocess
     import sys
 
-    code = ("import sys; from framework.base.registry import available_plugins, get_plugin_class;"
-            "[get_plugin_class(n) for n in available_plugins()];"
-            "print(sorted(m for m in ('pytorch_lightning', 'lightning_fabric', 'deepspeed') if m in sys.modules))")
+    code = (
+        "import sys; from framework.base.registry import available_plugins, get_plugin_class;"
+        "[get_plugin_class(n) for n in available_plugins()];"
+        "print(sorted(m for m in ('pytorch_lightning', 'lightning_fabric', 'deepspeed') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "[]", proc.stdout

@@ -7,13 +7,18 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
+from framework.base.load_monitor import (
+    LoadMonitor,
+    contention_verdict,
+    other_cpu_share,
+    read_cpu_jiffies,
+    summarize_samples,
+    warning,
+)
 from framework.driver.compare import aggregate_rows, contention_note, render_table, table_columns
-from framework.base.load_monitor import (LoadMonitor, contention_verdict, other_cpu_share, read_cpu_jiffies, summarize_samples,
-                                    warning)
 from framework.driver.repeats import REPEAT_KEY, child_tags, config_label, install, summary_table
 from framework.driver.sweep import JobOutcome
 
@@ -39,7 +44,13 @@ def test_repeats_are_the_outer_loop_so_configurations_interleave():
     lines = [f"{k}={v}" for k, v in params.items()]
     (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(lines), None)  # what Hydra will run
     assert [(j[0].split("=")[1], j[1].split("=")[1]) for j in jobs] == [
-        ("0", "single"), ("0", "ddp"), ("1", "single"), ("1", "ddp"), ("2", "single"), ("2", "ddp")]  # A B A B A B
+        ("0", "single"),
+        ("0", "ddp"),
+        ("1", "single"),
+        ("1", "ddp"),
+        ("2", "single"),
+        ("2", "ddp"),
+    ]  # A B A B A B
     assert install(_compose("experiment=single_vs_ddp")) == 1  # no repeats: the sweep is untouched
 
 
@@ -71,38 +82,65 @@ def _outcomes(values: dict[str, list[float | None]]) -> list[JobOutcome]:
     for i in range(max(len(v) for v in values.values())):
         for label, vals in values.items():
             if i < len(vals):
-                out.append(JobOutcome(f"{label},repeat={i}", [label, f"{REPEAT_KEY}={i}"],
-                                      "FINISHED" if vals[i] is not None else "FAILED", objective=vals[i]))
+                out.append(
+                    JobOutcome(
+                        f"{label},repeat={i}",
+                        [label, f"{REPEAT_KEY}={i}"],
+                        "FINISHED" if vals[i] is not None else "FAILED",
+                        objective=vals[i],
+                    )
+                )
     return out
 
 
 def test_the_sweep_summary_ranks_configurations_by_verdicts():
     obj = "perf/tokens_per_sec_mean"
-    table, line, note = summary_table(_outcomes({"parallelism=single": [2000, 2050, 1980, 2020, 2010],
-                                                 "parallelism=ddp": [3000, 3100, 2950, 3050, 3020]}), obj)
+    table, line, note = summary_table(
+        _outcomes(
+            {"parallelism=single": [2000, 2050, 1980, 2020, 2010], "parallelism=ddp": [3000, 3100, 2950, 3050, 3020]}
+        ),
+        obj,
+    )
     assert "best configuration parallelism=ddp" in line and "faster by" in line and "than parallelism=single" in line
     assert note.startswith("Best (perf/tokens_per_sec_mean, median of 5): parallelism=ddp") and "Slower than it" in note
     single = next(ln for ln in table.splitlines() if ln.startswith("parallelism=single"))
     assert "slower by 33%" in single and "2,010.0" in single
     # an A/A pair: no established best
-    _, line, note = summary_table(_outcomes({"sweep.label=a": [1000, 1040, 980, 1010, 995],
-                                             "sweep.label=b": [1005, 990, 1030, 985, 1002]}), obj)
+    _, line, note = summary_table(
+        _outcomes({"sweep.label=a": [1000, 1040, 980, 1010, 995], "sweep.label=b": [1005, 990, 1030, 985, 1002]}), obj
+    )
     assert line.startswith("trainlab: no established best") and "indistinguishable from" in line
     assert note.startswith("No established best")
     # one run each: not ranked; a failed repeat is counted, not scored
-    table, line, _ = summary_table(_outcomes({"parallelism=single": [2000], "parallelism=ddp": [2500],
-                                                   "parallelism=tp": [None]}), obj)
+    table, line, _ = summary_table(
+        _outcomes({"parallelism=single": [2000], "parallelism=ddp": [2500], "parallelism=tp": [None]}), obj
+    )
     assert "not ranked: n=1: repeats needed to rank" in line and "no objective" in table
 
 
 def _row(plugin: str, repeat: int, tps: float, contended: str | None = None) -> dict:
-    return {"parallelism": plugin, "repeat": str(repeat), "status": "FINISHED", "plugin": plugin, "layout": "dp1",
-            "tokens_per_sec": tps, "mfu": tps / 1e5, "step_time_s": 1000 / tps, "run_id": f"{plugin}{repeat}".ljust(32, "0"),
-            "run": f"{plugin}{repeat}", "run_name": plugin, "contended": contended}
+    return {
+        "parallelism": plugin,
+        "repeat": str(repeat),
+        "status": "FINISHED",
+        "plugin": plugin,
+        "layout": "dp1",
+        "tokens_per_sec": tps,
+        "mfu": tps / 1e5,
+        "step_time_s": 1000 / tps,
+        "run_id": f"{plugin}{repeat}".ljust(32, "0"),
+        "run": f"{plugin}{repeat}",
+        "run_name": plugin,
+        "contended": contended,
+    }
 
 
 def test_the_compare_report_aggregates_repeats_with_intervals_and_verdicts():
-    rows = [_row(p, i, base + d) for i, d in enumerate([0, 40, -30, 20, -10]) for p, base in (("single", 2000), ("ddp", 3000))]
+    rows = [
+        _row(p, i, base + d)
+        for i, d in enumerate([0, 40, -30, 20, -10])
+        for p, base in (("single", 2000), ("ddp", 3000))
+    ]
     rows[0]["contended"] = "true"
     agg = aggregate_rows(None, rows, ["parallelism"], ["tokens_per_sec", "mfu"])
     by = {r["parallelism"]: r for r in agg}
@@ -115,8 +153,10 @@ def test_the_compare_report_aggregates_repeats_with_intervals_and_verdicts():
     assert header[:5] == ["parallelism", "status", "plugin", "layout", "verdict"] and "cv" in header
     note = contention_note(agg, ["parallelism"])
     assert note.startswith("warning: measured under contention") and "parallelism=single (1/5 runs)" in note
-    by_step = {r["parallelism"]: r for r in aggregate_rows(None, rows, ["parallelism"], ["step_time_s"], rank_by="step_time_s",
-                                                           maximize=False)}
+    by_step = {
+        r["parallelism"]: r
+        for r in aggregate_rows(None, rows, ["parallelism"], ["step_time_s"], rank_by="step_time_s", maximize=False)
+    }
     assert by_step["ddp"]["verdict"].startswith("best (faster by")  # lower step time is faster
     one = aggregate_rows(None, [_row("single", 0, 2000)], ["parallelism"], ["tokens_per_sec"])
     assert "repeats needed" not in (one[0]["verdict"] or "") and one[0]["n"] == 1  # a single config is just best
@@ -124,12 +164,14 @@ def test_the_compare_report_aggregates_repeats_with_intervals_and_verdicts():
 
 # --- the load monitor -----------------------------------------------------------------------------
 
+
 def test_other_cpu_share_and_the_contention_verdict():
     assert other_cpu_share(d_busy_s=3.0, d_tree_s=1.0, d_wall_s=1.0, cores=4) == 0.5
     assert other_cpu_share(1.0, 2.0, 1.0, 4) == 0.0 and other_cpu_share(9.0, 0.0, 1.0, 2) == 1.0
     assert contention_verdict({"load/other_cpu_share_mean": 0.05, "load/steal_frac_mean": 0.0}, 0.1) == ""
-    reason = contention_verdict({"load/other_cpu_share_mean": 0.45, "load/steal_frac_mean": 0.08,
-                                 "load/gpu_other_procs_max": 1.0}, 0.1)
+    reason = contention_verdict(
+        {"load/other_cpu_share_mean": 0.45, "load/steal_frac_mean": 0.08, "load/gpu_other_procs_max": 1.0}, 0.1
+    )
     assert "45% of the CPUs (threshold 10%)" in reason and "steal 8%" in reason and "1 other process" in reason
     rec = summarize_samples([{"t": 5, "load/other_cpu_share": 0.4}, {"t": 10, "load/other_cpu_share": 0.2}], 5, 0.1)
     assert rec.means["load/other_cpu_share_mean"] == pytest.approx(0.3) and rec.contended
@@ -147,8 +189,12 @@ def test_read_cpu_jiffies(tmp_path):
 def test_the_monitor_counts_a_process_outside_the_run_and_not_the_runs_own_work(tmp_path):
     """A busy loop in this process is the run's own work; a detached busy process (not a descendant) is another's."""
     spin = "import time\nt=time.time()\nwhile time.time()-t<30: pass\n"
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c '{spin}' >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c '{spin}' >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     pid = int(out.stdout.strip())  # its parent (sh) has exited: it is not in this process's tree
     try:
         import psutil

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-from framework.driver import sweep
 from framework.base.checkpoint.format import write_checkpoint
 from framework.base.checkpoint.resume import check_resume_config, resume_config
 from framework.base.config.schema import ConfigError, RunConfig
+from framework.driver import sweep
 
 
 def _run(**changes) -> RunConfig:
@@ -28,7 +28,12 @@ def _checkpoint(tmp_path, run: RunConfig, step: int = 10):
 def test_the_stored_config_holds_what_decides_the_training_not_how():
     cfg = resume_config(RunConfig())
     assert {"model.n_layer", "optim.lr", "data.seq_len", "data.seed", "trainer.global_batch_size"} <= set(cfg)
-    assert not {"data.num_workers", "data.cache_dir", "model.activation_checkpointing", "trainer.micro_batch_size"} & set(cfg)
+    assert not {
+        "data.num_workers",
+        "data.cache_dir",
+        "model.activation_checkpointing",
+        "trainer.micro_batch_size",
+    } & set(cfg)
 
 
 def test_a_resume_with_another_model_shape_is_refused_in_one_line(tmp_path):
@@ -39,15 +44,20 @@ def test_a_resume_with_another_model_shape_is_refused_in_one_line(tmp_path):
     assert str(err.value) == (
         f"resume from {path}: this run's configuration differs from the checkpoint's: model.n_layer 4 -> 6,"
         " optim.lr 0.003 -> 0.001; resume it unchanged, start elsewhere (another checkpoint.dir, or resume=never in an"
-        " empty one), or allow the change: resume_allow_changed=[model.n_layer,optim.lr]")
+        " empty one), or allow the change: resume_allow_changed=[model.n_layer,optim.lr]"
+    )
     with pytest.raises(ConfigError, match="model.n_layer 4 -> 6"):  # the named folder is compared too
         check_resume_config(str(path), tmp_path / "elsewhere", _run(model_n_layer=6))
 
 
 def test_allowed_changes_are_returned_for_the_record_and_unknown_keys_refused(tmp_path):
     _checkpoint(tmp_path, _run())
-    assert check_resume_config("auto", tmp_path, _run(optim_lr=1e-3, allow=["optim.lr"])) == {"optim.lr": (0.003, 0.001)}
-    with pytest.raises(ConfigError, match=r"resume_allow_changed names optim.learning_rate, not a key a resume compares"):
+    assert check_resume_config("auto", tmp_path, _run(optim_lr=1e-3, allow=["optim.lr"])) == {
+        "optim.lr": (0.003, 0.001)
+    }
+    with pytest.raises(
+        ConfigError, match=r"resume_allow_changed names optim.learning_rate, not a key a resume compares"
+    ):
         check_resume_config("auto", tmp_path, _run(allow=["optim.learning_rate"]))
     # a checkpoint written before manifests stored the config: nothing to compare
     write_checkpoint(tmp_path, 20, {"w": 1}, {"kind": "full", "base": None})

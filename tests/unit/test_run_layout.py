@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from framework.driver.cli import CONF_DIR
-from framework.base.load import load_run_config
 from framework.base.config.schema import ModelConfig
-from framework.driver.validate import validate
 from framework.base.cost.layout import PlanLayout
 from framework.base.cost.shape import ModelShape
+from framework.base.load import load_run_config
+from framework.base.registry import get_plugin_class
+from framework.driver.cli import CONF_DIR
 from framework.driver.plan.runs import default_run_with, plan_layout_of, trainlab_overrides
 from framework.driver.plan.search import SearchSpace, enumerate_layouts
-from framework.base.registry import get_plugin_class
+from framework.driver.validate import validate
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "parallelism").glob("*.yaml"))
 PER_PRESET = 3  # layouts round-tripped per preset (spread over the enumeration; each composes a config)
@@ -27,7 +27,9 @@ def _round_trip(compose, lay: PlanLayout, run_with: dict) -> tuple[PlanLayout, o
     assert notes == [], notes
     resolved = validate(load_run_config(compose(*over.split(), "checkpoint=none")))
     plugin = _plugin(resolved.run)
-    return plan_layout_of(resolved, plugin.zero_stage, run_with=run_with, state_accounting=lay.state_accounting), resolved
+    return plan_layout_of(
+        resolved, plugin.zero_stage, run_with=run_with, state_accounting=lay.state_accounting
+    ), resolved
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -40,7 +42,9 @@ def test_layout_overrides_run_layout_round_trip(compose, preset):
     if "tp" in axes or "pp" in axes:
         run_with["model_parallel"] = f"parallelism={preset}"
         worlds = (2, 4)
-    elif not axes:  # one rank: the planner runs a 1-rank layout with its stage-0 preset (the single plugin has no nnodes)
+    elif (
+        not axes
+    ):  # one rank: the planner runs a 1-rank layout with its stage-0 preset (the single plugin has no nnodes)
         run = validate(load_run_config(compose(f"parallelism={preset}", "checkpoint=none")))
         lay = plan_layout_of(run, plugin.zero_stage, run_with=run_with)
         back, _ = _round_trip(compose, lay, run_with)
@@ -49,7 +53,9 @@ def test_layout_overrides_run_layout_round_trip(compose, preset):
     else:
         run_with["data_parallel"][plugin.zero_stage] = f"parallelism={preset}"
         worlds = (2, 4)
-    shape = ModelShape.from_model_config(ModelConfig(**dict(compose("model=gpt_tiny").model)), seq_len=128, vocab_size=512)
+    shape = ModelShape.from_model_config(
+        ModelConfig(**dict(compose("model=gpt_tiny").model)), seq_len=128, vocab_size=512
+    )
     candidates = []
     for world in worlds:
         for precision in ("fp32", "bf16"):
@@ -71,7 +77,9 @@ def test_a_run_gives_its_plugins_declared_zero_stage(compose):
     run_with = default_run_with()
     got = {}
     for preset in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
-        resolved = validate(load_run_config(compose(f"parallelism={preset}", "parallelism.world_size=2", "checkpoint=none")))
+        resolved = validate(
+            load_run_config(compose(f"parallelism={preset}", "parallelism.world_size=2", "checkpoint=none"))
+        )
         got[preset] = plan_layout_of(resolved, _plugin(resolved.run).zero_stage, run_with=run_with).zero_stage
     assert got == {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
     one_rank = validate(load_run_config(compose("parallelism=fsdp", "parallelism.world_size=1", "checkpoint=none")))
@@ -91,7 +99,9 @@ def test_the_declared_zero_stage_is_a_derived_mlflow_param(compose):
             return 1
 
     for preset, stage in (("zero2", 2), ("fsdp", 3), ("ddp", 0)):
-        resolved = validate(load_run_config(compose(f"parallelism={preset}", "parallelism.world_size=2", "checkpoint=none")))
+        resolved = validate(
+            load_run_config(compose(f"parallelism={preset}", "parallelism.world_size=2", "checkpoint=none"))
+        )
         assert derived_params(resolved, Model())["derived.zero_stage"] == stage
 
 
@@ -109,7 +119,8 @@ def test_the_planners_node_placement_is_the_runs():
                     run = ParallelLayout(dp=dp, tp=tp, pp=pp, nnodes=world // gpn)
                     plan = PlanLayout(dp=dp, tp=tp, pp=pp, micro_batch_size=1, global_batch_size=dp)
                     for axis in ("tp", "dp", "pp"):
-                        assert plan.group_inter_node(axis, gpn) == (run.degree(axis) > 1 and run.nodes_per_group(axis) > 1), \
-                            (run.describe(), gpn, axis)
+                        assert plan.group_inter_node(axis, gpn) == (
+                            run.degree(axis) > 1 and run.nodes_per_group(axis) > 1
+                        ), (run.describe(), gpn, axis)
                         checked += 1
     assert checked > 50

@@ -34,12 +34,17 @@ class FakeLauncher:
             out.mkdir()
             result = self.job(self.calls, params)
             self.calls += 1
-            ret = JobReturn(overrides=list(line), hydra_cfg=OmegaConf.create({"hydra": {"runtime": {"output_dir": str(out)}}}))
+            ret = JobReturn(
+                overrides=list(line), hydra_cfg=OmegaConf.create({"hydra": {"runtime": {"output_dir": str(out)}}})
+            )
             if isinstance(result, Exception):
                 ret.status, ret._return_value = JobStatus.FAILED, result
             elif isinstance(result, tuple):  # (None, reason): the job recorded why it scored nothing
-                (out / sweep.OUTCOME_FILE).write_text(json.dumps({"name": "j", "overrides": [], "status": "FINISHED",
-                                                                  "reason": result[1], "objective": None}))
+                (out / sweep.OUTCOME_FILE).write_text(
+                    json.dumps(
+                        {"name": "j", "overrides": [], "status": "FINISHED", "reason": result[1], "objective": None}
+                    )
+                )
                 ret.status, ret._return_value = JobStatus.COMPLETED, None
             else:
                 ret.status, ret._return_value = JobStatus.COMPLETED, result
@@ -75,8 +80,11 @@ def test_failed_trials_are_fail_with_their_reason_and_the_search_completes_withi
     trials = sorted(study.trials, key=lambda t: t.number)
     assert launcher.calls == 4 and [t.state.name for t in trials] == ["COMPLETE", "FAIL", "FAIL", "FAIL"]
     assert [t.user_attrs.get(FAIL_REASON_ATTR) for t in trials] == [
-        None, "the objective is nan (not finite)", "training went non-finite: train/loss = nan at step 4",
-        "the job raised RuntimeError: rank 1 died"]
+        None,
+        "the objective is nan (not finite)",
+        "training went non-finite: train/loss = nan at step 4",
+        "the job raised RuntimeError: rank 1 died",
+    ]
     assert sorted(t.params["x"] for t in trials) == [1, 2, 3, 4]  # every grid point ran, the last one failed
     assert sweep.SEARCH["failed"] == 3 and "error" not in sweep.SEARCH
     results = OmegaConf.load(tmp_path / "sweep" / "optimization_results.yaml")
@@ -88,7 +96,9 @@ def test_over_the_failure_budget_the_search_stops_and_fails(tmp_path):
     search, launcher = _search(tmp_path, lambda call, p: (None, "no objective"), n_trials=8, rate=0.25, grid=False)
     search.sweep(["x=interval(0,1)"])
     assert launcher.calls == 3
-    assert sweep.SEARCH["error"] == ("3 of 3 trials FAILED, over max_failure_rate 0.25 x n_trials 8 = 2; the search stopped")
+    assert sweep.SEARCH["error"] == (
+        "3 of 3 trials FAILED, over max_failure_rate 0.25 x n_trials 8 = 2; the search stopped"
+    )
     assert not (tmp_path / "sweep" / "optimization_results.yaml").exists()
 
 

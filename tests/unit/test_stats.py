@@ -5,8 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from framework.base.stats import (MIN_REPEATS, Verdict, batch_means_ci, bootstrap_median_ci, compare_to, cv, established,
-                             summarize, t_quantile_975, verdicts)
+from framework.base.stats import (
+    MIN_REPEATS,
+    Verdict,
+    batch_means_ci,
+    bootstrap_median_ci,
+    compare_to,
+    cv,
+    established,
+    summarize,
+    t_quantile_975,
+    verdicts,
+)
 
 
 def _pair(seed: int, shift: float, cv_: float, n: int = 5) -> tuple[np.ndarray, np.ndarray]:

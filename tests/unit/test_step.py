@@ -36,9 +36,15 @@ def test_parts_run_in_phase_order_whatever_order_they_are_given_in():
     calls: list = []
     state = StepState()
     module = type("M", (), {"step_state": state})()
-    given = [("send", _Part("flush", calls)), ("checkpoint", _Part("save", calls)), ("boundary", _Part("clock", calls)),
-             ("faults", _Part("guard", calls)), ("metrics", _Part("loss", calls)), ("metrics", _EndOnly(calls)),
-             ("accounting", None)]
+    given = [
+        ("send", _Part("flush", calls)),
+        ("checkpoint", _Part("save", calls)),
+        ("boundary", _Part("clock", calls)),
+        ("faults", _Part("guard", calls)),
+        ("metrics", _Part("loss", calls)),
+        ("metrics", _EndOnly(calls)),
+        ("accounting", None),
+    ]
     step = TrainStep(state, given)
     assert [p for p, _ in step.parts] == sorted((p for p, cb in given if cb is not None), key=PHASES.index)
     step.on_train_batch_start(None, module, None, 0)
@@ -113,19 +119,35 @@ def test_the_worker_puts_every_part_of_a_run_in_its_documented_phase(compose, tm
     in-memory snapshots, a buffering sink): the table of docs/training_step.md."""
     from types import SimpleNamespace
 
-    from framework.driver.validate import load_run_config, validate
     from framework.base.faults.events import FaultLog
-    from framework.rank.faults.guard import FaultGuard
     from framework.base.faults.schedule import build_schedule
     from framework.base.launch import LaunchSpec
     from framework.base.registry import get_plugin_class
+    from framework.driver.validate import load_run_config, validate
+    from framework.rank.faults.guard import FaultGuard
     from framework.rank.worker import _build_step
 
-    resolved = validate(load_run_config(compose(
-        "tracking=none", "fault=nan_grad", "resilience=rollback", "checkpoint.memory_every_n_steps=5",
-        "trainer.count_host_syncs=true", "trainer.profile_steps=[2,3]", f"checkpoint.dir={tmp_path}/ckpt")))
-    launch = LaunchSpec(resolved=resolved, run_dir=tmp_path, mlflow_run_id=None, resume_from=None,
-                        token_cache_dir=str(tmp_path), fault_schedule=build_schedule(resolved.run, resolved.world_size))
+    resolved = validate(
+        load_run_config(
+            compose(
+                "tracking=none",
+                "fault=nan_grad",
+                "resilience=rollback",
+                "checkpoint.memory_every_n_steps=5",
+                "trainer.count_host_syncs=true",
+                "trainer.profile_steps=[2,3]",
+                f"checkpoint.dir={tmp_path}/ckpt",
+            )
+        )
+    )
+    launch = LaunchSpec(
+        resolved=resolved,
+        run_dir=tmp_path,
+        mlflow_run_id=None,
+        resume_from=None,
+        token_cache_dir=str(tmp_path),
+        fault_schedule=build_schedule(resolved.run, resolved.world_size),
+    )
     plugin = get_plugin_class(resolved.run.parallelism.name)(resolved.run.parallelism)
     buffered = _Buffered()
     flops = SimpleNamespace(per_token=1, hardware_per_token=1, peak=1.0)
@@ -133,10 +155,20 @@ def test_the_worker_puts_every_part_of_a_run_in_its_documented_phase(compose, tm
     _, step, _ = _build_step(launch, plugin, 0, state, MetricEmitter([buffered]), flops, {}, FaultLog(tmp_path), "0.0")
     assert step.state is state
     assert [(phase, type(cb).__name__) for phase, cb in step.parts] == [
-        ("probe", "HostSyncs"), ("probe", "StepProfiler"), ("boundary", "StepClock"),
-        ("metrics", "StepMetrics"), ("metrics", "ValidationLoss"), ("metrics", "ActivationMemory"),
-        ("faults", "FaultInjector"), ("faults", "FaultGuard"),
-        ("checkpoint", "MemorySnapshot"), ("checkpoint", "PeriodicCheckpoint"), ("checkpoint", "Preemption"),
-        ("accounting", "StepBreakdown"), ("accounting", "RunTimeline"), ("send", "FlushMetrics")]
+        ("probe", "HostSyncs"),
+        ("probe", "StepProfiler"),
+        ("boundary", "StepClock"),
+        ("metrics", "StepMetrics"),
+        ("metrics", "ValidationLoss"),
+        ("metrics", "ActivationMemory"),
+        ("faults", "FaultInjector"),
+        ("faults", "FaultGuard"),
+        ("checkpoint", "MemorySnapshot"),
+        ("checkpoint", "PeriodicCheckpoint"),
+        ("checkpoint", "Preemption"),
+        ("accounting", "StepBreakdown"),
+        ("accounting", "RunTimeline"),
+        ("send", "FlushMetrics"),
+    ]
     guard = step.part(FaultGuard)
     assert guard.snapshot is step.parts[8][1] and guard.clock is step.parts[2][1]

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from framework.base.config.schema import ModelConfig
-from framework.rank.data.step_tokens import StepTokenCounts, valid_targets
 from framework.base.model import GPT
 from framework.base.model.gpt import IGNORE_INDEX, lm_loss
+from framework.rank.data.step_tokens import StepTokenCounts, valid_targets
 from framework.rank.module import LMModule
 
 V, S = 64, 16
@@ -78,7 +78,9 @@ def test_split_step_equals_one_pass_with_uneven_valid_targets(grad_accum_steps, 
     ref_loss, ref_grads = _one_pass()
     loss, grads = _split_step(True, grad_accum_steps, dp)
     old_loss, old_grads = _split_step(False, grad_accum_steps, dp)  # the mean of micro-batch means
-    print(f"\ndp {dp} x grad_accum_steps {grad_accum_steps}: one pass {ref_loss:.7f}  token-weighted {loss:.7f}  mean of means {old_loss:.7f}")
+    print(
+        f"\ndp {dp} x grad_accum_steps {grad_accum_steps}: one pass {ref_loss:.7f}  token-weighted {loss:.7f}  mean of means {old_loss:.7f}"
+    )
     assert loss == pytest.approx(ref_loss, rel=FP32_RTOL)
     for g, ref in zip(grads, ref_grads):
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)

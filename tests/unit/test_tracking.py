@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from framework.rank.callbacks.clock import StepClock
 from framework.base.metrics.emit import MetricEmitter
-from framework.rank.callbacks.metric_flush import FlushMetrics
 from framework.base.tracking import MLflowMetricSink
+from framework.rank.callbacks.clock import StepClock
+from framework.rank.callbacks.metric_flush import FlushMetrics
 
 
 class CountingClient:
@@ -87,9 +87,12 @@ def test_a_rolled_back_step_is_discarded_and_its_replay_sent_once():
             trainer.global_step = 1  # the guard's rollback, in the same on_train_batch_end
             clock.on_rollback(1)
         flush.on_train_batch_end(trainer, None, None, None, 0)
-    assert [r for r in client.requests] == [[("train/loss", 1, 1.0)], [("train/loss", 2, 2.0)], [("train/loss", 3, 3.0)],
-                                            [("train/loss", 4, 4.0)]]
-
+    assert [r for r in client.requests] == [
+        [("train/loss", 1, 1.0)],
+        [("train/loss", 2, 2.0)],
+        [("train/loss", 3, 3.0)],
+        [("train/loss", 4, 4.0)],
+    ]
 
 
 def test_only_the_end_of_step_flush_is_carried_into_the_next_step():

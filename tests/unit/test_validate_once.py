@@ -9,9 +9,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 import framework.driver.cli  # noqa: F401  (registers the run-name resolver)
 import framework.driver.validate as validate_module
-from framework.driver import runs
 from framework.base.config import CONF_DIR
 from framework.base.config.schema import ConfigError
+from framework.driver import runs
 
 
 @pytest.fixture()
@@ -40,7 +40,9 @@ def test_a_single_run_is_validated_once(validations, monkeypatch):
     """Precheck, then the job's own resolution in the driver (:func:`framework.driver.train._resolve`): one validation."""
     from framework.driver import train
 
-    monkeypatch.setattr("framework.driver.launcher.start_rank_server", lambda resolved: None)  # no rank server in a unit test
+    monkeypatch.setattr(
+        "framework.driver.launcher.start_rank_server", lambda resolved: None
+    )  # no rank server in a unit test
     argv = ["parallelism=single", "trainer.max_steps=2"]
     pre = framework.driver.cli.precheck(argv)
     resolved, _, _ = train._resolve(_job_cfg(*argv))
@@ -48,8 +50,11 @@ def test_a_single_run_is_validated_once(validations, monkeypatch):
     assert validations == ["precheck"]
     # the job's own name and folder, the precheck's validation
     assert resolved.run.run_name == "the_job" and resolved.checkpoint_dir.endswith("/the_job")
-    assert (resolved.layout, resolved.global_batch_size, resolved.threads_per_rank) == \
-        (pre.layout, pre.global_batch_size, pre.threads_per_rank)
+    assert (resolved.layout, resolved.global_batch_size, resolved.threads_per_rank) == (
+        pre.layout,
+        pre.global_batch_size,
+        pre.threads_per_rank,
+    )
 
 
 def test_another_configuration_is_validated_again(validations):

@@ -40,7 +40,7 @@ def _load_dcp_shards(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     return load_shards(path, tensors)
 
 
-def _save_dcp(dirpath: Path, step: int, checkpoint: dict[str, Any], manifest: dict[str, Any]) -> Optional[Path]:
+def _save_dcp(dirpath: Path, step: int, checkpoint: dict[str, Any], manifest: dict[str, Any]) -> Path | None:
     from framework.base.checkpoint.dcp import save_sharded
 
     return save_sharded(dirpath, step, checkpoint, manifest)
@@ -48,6 +48,12 @@ def _save_dcp(dirpath: Path, step: int, checkpoint: dict[str, Any], manifest: di
 
 register_checkpoint_kind(CheckpointKind("full", "full checkpoints", load_full_state=_load_full))
 register_checkpoint_kind(CheckpointKind("delta", "delta checkpoints", load_full_state=_load_delta))
-register_checkpoint_kind(CheckpointKind("dcp", "sharded (DCP) checkpoints",  # framework.base.checkpoint.dcp.KIND
-                                        load_full_state=_load_dcp_full, load_into_shards=_load_dcp_shards,
-                                        save_shards=_save_dcp))
+register_checkpoint_kind(
+    CheckpointKind(
+        "dcp",
+        "sharded (DCP) checkpoints",  # framework.base.checkpoint.dcp.KIND
+        load_full_state=_load_dcp_full,
+        load_into_shards=_load_dcp_shards,
+        save_shards=_save_dcp,
+    )
+)

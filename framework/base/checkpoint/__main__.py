@@ -48,7 +48,9 @@ def cmd_ls(path: Path) -> int:
     if not rows:
         print(f"no checkpoints in {path}", file=sys.stderr)
         return 1
-    print(f"{'checkpoint':<14} {'step':>8} {'kind':<6} {'base':<14} {'layout':<12} {'MB':>9} {'tokens_seen':>12}  time (UTC)")
+    print(
+        f"{'checkpoint':<14} {'step':>8} {'kind':<6} {'base':<14} {'layout':<12} {'MB':>9} {'tokens_seen':>12}  time (UTC)"
+    )
     for step, p in rows:
         try:
             m = read_manifest(p)
@@ -58,8 +60,10 @@ def cmd_ls(path: Path) -> int:
         when = dt.datetime.fromtimestamp(m["created_unix"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         lay = m.get("layout") or {}
         layout = f"{lay.get('plugin', '?')} x{lay.get('world_size', '?')}"
-        print(f"{p.name:<14} {step:>8} {m['kind']:<6} {m['base'] or '-':<14} {layout:<12} {m['bytes'] / 1e6:>9.2f}"
-              f" {m['tokens_seen']:>12,}  {when}")
+        print(
+            f"{p.name:<14} {step:>8} {m['kind']:<6} {m['base'] or '-':<14} {layout:<12} {m['bytes'] / 1e6:>9.2f}"
+            f" {m['tokens_seen']:>12,}  {when}"
+        )
     for p in sorted(path.glob(".step*.tmp-*")):
         print(f"{p.name}: unfinished save (never loaded; removed when training restarts)")
     return 0
@@ -84,7 +88,7 @@ def cmd_verify(path: Path) -> int:
 
 def model_weights(state: dict) -> dict[str, torch.Tensor]:
     """The GPT's ``{name: tensor}`` from a loaded training state (Lightning's ``state_dict``, prefix removed)."""
-    return {k[len(MODEL_PREFIX):]: v for k, v in state["state_dict"].items() if k.startswith(MODEL_PREFIX)}
+    return {k[len(MODEL_PREFIX) :]: v for k, v in state["state_dict"].items() if k.startswith(MODEL_PREFIX)}
 
 
 def cmd_convert(path: Path, out: Path | None, full_dir: Path | None = None) -> int:
@@ -94,7 +98,11 @@ def cmd_convert(path: Path, out: Path | None, full_dir: Path | None = None) -> i
     checkpoint folder in ``full_dir`` (a sharded DCP checkpoint gathered), which ``single`` and
     ``ddp`` resume like their own.
     """
-    ckpt = path if (path / MANIFEST).is_file() else find_latest_valid(path, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    ckpt = (
+        path
+        if (path / MANIFEST).is_file()
+        else find_latest_valid(path, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    )
     if ckpt is None:
         print(f"no intact checkpoint in {path}", file=sys.stderr)
         return 1
@@ -102,8 +110,9 @@ def cmd_convert(path: Path, out: Path | None, full_dir: Path | None = None) -> i
     if full_dir is not None:
         manifest = read_manifest(ckpt)
         fields = {k: v for k, v in manifest.items() if k in ("layout", "config_hash", "versions", "tokens_seen")}
-        final = write_checkpoint(full_dir, manifest["step"], state, {**fields, "kind": "full", "base": None,
-                                                                      "converted_from": str(ckpt)})
+        final = write_checkpoint(
+            full_dir, manifest["step"], state, {**fields, "kind": "full", "base": None, "converted_from": str(ckpt)}
+        )
         print(f"wrote {final}: full checkpoint of step {manifest['step']} (from {ckpt}, kind {manifest['kind']})")
         return 0
     weights = model_weights(state)
@@ -123,8 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     conv = sub.add_parser("convert", help="write the model weights as one torch.save file")
     conv.add_argument("dir", type=Path, help="a checkpoint folder, or a folder of them (the newest intact one)")
     conv.add_argument("--out", type=Path, default=None, help="output file (default: ./model_<checkpoint>.pt)")
-    conv.add_argument("--full", type=Path, default=None, metavar="DIR",
-                      help="write the whole training state as a one-file checkpoint folder in DIR instead")
+    conv.add_argument(
+        "--full",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the whole training state as a one-file checkpoint folder in DIR instead",
+    )
     args = parser.parse_args(argv)
     try:
         if args.cmd == "ls":

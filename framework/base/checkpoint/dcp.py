@@ -49,7 +49,7 @@ from __future__ import annotations
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -104,14 +104,14 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor
 def join_checkpoint(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> dict[str, Any]:
     """Inverse of :func:`split_checkpoint` (optimizer states keyed by parameter name)."""
     out = dict(rest)
-    out[MODEL_KEY] = {k[len(MODEL_KEY) + 1:]: v for k, v in tensors.items() if k.startswith(MODEL_KEY + "/")}
+    out[MODEL_KEY] = {k[len(MODEL_KEY) + 1 :]: v for k, v in tensors.items() if k.startswith(MODEL_KEY + "/")}
     optims = []
     for i, saved in enumerate(rest.get(OPTIM_KEY, [])):
         state: dict[str, dict[str, Any]] = {name: dict(v) for name, v in saved.get("state", {}).items()}
         prefix = _optim_prefix(i)
         for k, v in tensors.items():
             if k.startswith(prefix):
-                name, key = k[len(prefix):].rsplit("/", 1)
+                name, key = k[len(prefix) :].rsplit("/", 1)
                 state.setdefault(name, {})[key] = v
         optims.append({"state": state, "param_groups": saved["param_groups"]})
     out[OPTIM_KEY] = optims
@@ -135,7 +135,9 @@ def optim_state_by_position(named: dict[str, Any]) -> dict[str, Any]:
     return {"state": {index[n]: s for n, s in named["state"].items()}, "param_groups": groups}
 
 
-def optim_state_by_name(positional: dict[str, Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optim_state_by_name(
+    positional: dict[str, Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """Inverse of :func:`optim_state_by_position` for the live ``optimizer`` of ``module``.
 
     Raises:
@@ -163,7 +165,12 @@ _SAFE_MODULES = {
     "pathlib",
     "collections",
 }
-_SAFE_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("builtins", "set"), ("builtins", "frozenset")}
+_SAFE_NAMES = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -203,7 +210,9 @@ def safe_reader(path: Path):
                     raise UnsafeCheckpointError(f"{self.path}/.metadata: refused to load: {err}") from None
             bad = [k for k, m in metadata.state_dict_metadata.items() if not isinstance(m, TensorStorageMetadata)]
             if bad:
-                raise UnsafeCheckpointError(f"{self.path}: refused to load: non-tensor entries {bad[:3]} (pickled objects)")
+                raise UnsafeCheckpointError(
+                    f"{self.path}: refused to load: non-tensor entries {bad[:3]} (pickled objects)"
+                )
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -229,7 +238,7 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def save_sharded(dirpath: str | Path, step: int, checkpoint: dict[str, Any], manifest: dict[str, Any]) -> Optional[Path]:
+def save_sharded(dirpath: str | Path, step: int, checkpoint: dict[str, Any], manifest: dict[str, Any]) -> Path | None:
     """Write ``checkpoint`` (optimizer states keyed by parameter name) as sharded checkpoint ``step%08d``.
 
     Collective: every rank calls it with its own shards. Returns the final folder on rank 0,
@@ -320,8 +329,9 @@ def live_named_state(module: torch.nn.Module, optimizers: list[torch.optim.Optim
     }
 
 
-def load_into_sharded(path: str | Path, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                      verified: bool = False) -> dict[str, Any]:
+def load_into_sharded(
+    path: str | Path, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], verified: bool = False
+) -> dict[str, Any]:
     """Load checkpoint ``path`` (sharded at any world size, or any kind that gathers into a full state) into a sharded ``module``.
 
     The checkpoint's kind decides (:mod:`framework.base.checkpoint.kinds`): one that loads into live

@@ -54,7 +54,12 @@ def encode_delta(base: Any, state: Any) -> Any:
     Both are nested dicts/lists/tuples of tensors and plain values, on CPU.
     """
     if isinstance(state, torch.Tensor):
-        if isinstance(base, torch.Tensor) and base.dtype == state.dtype and base.shape == state.shape and state.numel() > 0:
+        if (
+            isinstance(base, torch.Tensor)
+            and base.dtype == state.dtype
+            and base.shape == state.shape
+            and state.numel() > 0
+        ):
             x = torch.bitwise_xor(_bytes_of(state), _bytes_of(base))
             planes = x.view(-1, state.element_size()).t().contiguous()  # [bytes per element, elements]
             packed = [_pack_plane(plane) for plane in planes]
@@ -76,8 +81,10 @@ def apply_delta(base: Any, delta: Any) -> Any:
     if isinstance(delta, dict) and set(delta) == {_KEY, "zlib"}:
         if not isinstance(base, torch.Tensor) or len(delta[_KEY]) != base.element_size():
             raise ValueError("delta checkpoint refers to a tensor its base does not have (wrong base?)")
-        planes = [torch.frombuffer(bytearray(zlib.decompress(p.numpy())), dtype=torch.uint8) if z else p
-                  for p, z in zip(delta[_KEY], delta["zlib"])]
+        planes = [
+            torch.frombuffer(bytearray(zlib.decompress(p.numpy())), dtype=torch.uint8) if z else p
+            for p, z in zip(delta[_KEY], delta["zlib"])
+        ]
         if any(p.numel() != base.numel() for p in planes):
             raise ValueError("delta checkpoint tensor size does not match its base (wrong base?)")
         x = torch.stack(planes).t().contiguous().reshape(-1)

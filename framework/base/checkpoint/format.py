@@ -36,8 +36,9 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -180,8 +181,10 @@ def load_state(path: str | Path) -> dict[str, Any]:
         raise CheckpointError("; ".join(problems))
     kind = kind_of(path)
     if kind.load_full_state is None:
-        raise CheckpointError(f"{path}: {kind.description} ({kind.name!r}) do not gather into one full state;"
-                              f" only a plugin that writes {kind.name!r} checkpoints loads them")
+        raise CheckpointError(
+            f"{path}: {kind.description} ({kind.name!r}) do not gather into one full state;"
+            f" only a plugin that writes {kind.name!r} checkpoints loads them"
+        )
     return kind.load_full_state(path)
 
 
@@ -200,12 +203,12 @@ def find_latest_valid(dirpath: str | Path, warn: Callable[[str], None] | None = 
     return None
 
 
-
 def latest_valid_step(dirpath: str | Path, warn: Callable[[str], None] | None = None) -> tuple[Path | None, int]:
     """``(path, step)`` of the newest checkpoint in ``dirpath`` that passes :func:`verify`
     (:func:`find_latest_valid`, ``warn`` as there); ``(None, 0)`` when there is none."""
     latest = find_latest_valid(dirpath, warn=warn)
     return latest, (read_manifest(latest)["step"] if latest else 0)
+
 
 def fsync_dir(path: Path) -> None:
     """fsync folder ``path`` itself, so that its entries (new files, renames) survive a crash.
@@ -267,8 +270,14 @@ def hash_files(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> 
     return files
 
 
-def commit_folder(tmp: Path, step: int, manifest: dict[str, Any], known: dict[str, dict[str, Any]] | None = None,
-                  *, fsync_files: bool = False) -> Path:
+def commit_folder(
+    tmp: Path,
+    step: int,
+    manifest: dict[str, Any],
+    known: dict[str, dict[str, Any]] | None = None,
+    *,
+    fsync_files: bool = False,
+) -> Path:
     """Turn temporary folder ``tmp`` into checkpoint ``step%08d`` next to it; return the final path.
 
     Lists every file under ``tmp`` (sub-folders included) with its sha256 and size (``known``:
@@ -289,8 +298,14 @@ def commit_folder(tmp: Path, step: int, manifest: dict[str, Any], known: dict[st
                     os.fsync(fh.fileno())
         files = hash_files(tmp, known)
         _test_pause(step)
-        full = {**manifest, "format": FORMAT, "step": step, "created_unix": time.time(), "files": files,
-                "bytes": sum(m["bytes"] for m in files.values())}
+        full = {
+            **manifest,
+            "format": FORMAT,
+            "step": step,
+            "created_unix": time.time(),
+            "files": files,
+            "bytes": sum(m["bytes"] for m in files.values()),
+        }
         with open(tmp / MANIFEST, "w") as f:
             json.dump(full, f, indent=2, sort_keys=True)
             f.flush()

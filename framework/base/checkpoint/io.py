@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -48,9 +48,9 @@ class SaveResult:
     kind: str  # full | delta | a sharded kind (dcp)
     save_s: float
     bytes: int = 0  # bytes on disk of the checkpoint folder's files
-    path: Optional[Path] = None  # None when the save failed
-    delta_ratio: Optional[float] = None  # delta bytes / bytes of its full base
-    error: Optional[str] = None
+    path: Path | None = None  # None when the save failed
+    delta_ratio: float | None = None  # delta bytes / bytes of its full base
+    error: str | None = None
 
 
 def cpu_copy(obj: Any, buffers: Any = None) -> Any:
@@ -107,15 +107,15 @@ class FolderCheckpointIO(CheckpointIO):
         self.full_every = full_every_n_saves
         self.manifest_fields = manifest_fields
         self.tokens_per_step = tokens_per_step
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._results: list[SaveResult] = []
         self._lock = threading.Lock()
-        self._base: Optional[tuple[str, Any, int]] = None  # (folder name, CPU state, bytes) of the newest full save
+        self._base: tuple[str, Any, int] | None = None  # (folder name, CPU state, bytes) of the newest full save
         self._buffers: Any = None  # CPU copy of the previous save, reused for the next one
         self._saves_since_base = 0
 
     # -- saving ----------------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Save ``checkpoint`` as folder ``path`` (``<dir>/step%08d``); returns once it is safe to train on.
 
         Raises:
@@ -133,8 +133,9 @@ class FolderCheckpointIO(CheckpointIO):
         else:
             state = checkpoint
         if self.asynchronous:
-            self._thread = threading.Thread(target=self._write, args=(path.parent, step, state, t0), daemon=True,
-                                            name=f"trainlab-ckpt-{step}")
+            self._thread = threading.Thread(
+                target=self._write, args=(path.parent, step, state, t0), daemon=True, name=f"trainlab-ckpt-{step}"
+            )
             self._thread.start()
             return
         result = self._write(path.parent, step, state, t0)
@@ -144,8 +145,12 @@ class FolderCheckpointIO(CheckpointIO):
     def _write(self, dirpath: Path, step: int, state: Any, t0: float) -> SaveResult:
         is_full = self.full_every == 1 or self._base is None or self._saves_since_base >= self.full_every - 1
         result = SaveResult(step=step, kind="full" if is_full else "delta", save_s=0.0)
-        manifest = {**self.manifest_fields, "kind": result.kind, "base": None,
-                    "tokens_seen": step * self.tokens_per_step}
+        manifest = {
+            **self.manifest_fields,
+            "kind": result.kind,
+            "base": None,
+            "tokens_seen": step * self.tokens_per_step,
+        }
         try:
             if is_full:
                 payload = state
@@ -177,8 +182,9 @@ class FolderCheckpointIO(CheckpointIO):
         rank 0 prunes and reports."""
         result = SaveResult(step=step, kind=self.kind.name, save_s=0.0)
         try:
-            final = self.kind.save_shards(dirpath, step, checkpoint,
-                                          {**self.manifest_fields, "tokens_seen": step * self.tokens_per_step})
+            final = self.kind.save_shards(
+                dirpath, step, checkpoint, {**self.manifest_fields, "tokens_seen": step * self.tokens_per_step}
+            )
         except Exception as err:
             raise OSError(f"checkpoint save of step {step} failed: {type(err).__name__}: {err}") from err
         if final is None:  # not rank 0: rank 0 commits the folder and reports
@@ -208,7 +214,9 @@ class FolderCheckpointIO(CheckpointIO):
         return done
 
     # -- loading and the rest of Lightning's CheckpointIO interface --------------------------
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Verify and load checkpoint folder ``path`` (always weights-only; tensors on CPU).
 
         Raises:

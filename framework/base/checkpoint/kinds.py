@@ -21,9 +21,10 @@ they need when they are called.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from framework.base.checkpoint.errors import CheckpointError
 
@@ -55,9 +56,9 @@ class CheckpointKind:
 
     name: str
     description: str
-    load_full_state: Optional[Callable[[Path], dict[str, Any]]] = None
-    load_into_shards: Optional[Callable[[Path, dict[str, Any]], dict[str, Any]]] = None
-    save_shards: Optional[Callable[[Path, int, dict[str, Any], dict[str, Any]], Optional[Path]]] = None
+    load_full_state: Callable[[Path], dict[str, Any]] | None = None
+    load_into_shards: Callable[[Path, dict[str, Any]], dict[str, Any]] | None = None
+    save_shards: Callable[[Path, int, dict[str, Any], dict[str, Any]], Path | None] | None = None
 
 
 _KINDS: dict[str, CheckpointKind] = {}
@@ -89,8 +90,10 @@ def get_checkpoint_kind(name: str) -> CheckpointKind:
     """
     kind = _KINDS.get(name)
     if kind is None:
-        raise CheckpointError(f"unknown checkpoint kind {name!r}; known: {', '.join(known_kinds())}"
-                              " (a plugin's own kind is known once that plugin is loaded)")
+        raise CheckpointError(
+            f"unknown checkpoint kind {name!r}; known: {', '.join(known_kinds())}"
+            " (a plugin's own kind is known once that plugin is loaded)"
+        )
     return kind
 
 

@@ -13,9 +13,10 @@ nothing here names a plugin. No torch or Lightning is imported here.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 from framework.base.checkpoint.format import find_latest_valid, list_checkpoints, read_manifest, verify
 from framework.base.checkpoint.kinds import can_load, gathers_into_full_state
@@ -29,12 +30,19 @@ NEVER = "never"
 class ResumeChoice:
     """The checkpoint a run resumes from: ``path`` (None: a fresh start) and its ``step`` (0 when fresh)."""
 
-    path: Optional[str]
+    path: str | None
     step: int
 
 
-def check_resume_request(resume: str, checkpoint_dir: str | Path, plugin_name: str, *, writes: str,
-                         loads_full_state: bool, writers: Optional[Callable[[str], Sequence[str]]] = None) -> None:
+def check_resume_request(
+    resume: str,
+    checkpoint_dir: str | Path,
+    plugin_name: str,
+    *,
+    writes: str,
+    loads_full_state: bool,
+    writers: Callable[[str], Sequence[str]] | None = None,
+) -> None:
     """Refuse a ``resume`` value this run cannot honour (before any rank starts).
 
     Args:
@@ -55,8 +63,10 @@ def check_resume_request(resume: str, checkpoint_dir: str | Path, plugin_name: s
     if resume not in (AUTO, NEVER):
         problems = verify(resume)
         if problems:
-            raise ConfigError(f"resume={resume!r}: not a usable checkpoint folder ({problems[0]}); allowed: auto, never,"
-                              " or an intact checkpoint folder")
+            raise ConfigError(
+                f"resume={resume!r}: not a usable checkpoint folder ({problems[0]}); allowed: auto, never,"
+                " or an intact checkpoint folder"
+            )
         kind = read_manifest(resume)["kind"]
         if not can_load(kind, writes=writes, loads_full_state=loads_full_state):
             names = list(writers(writes if gathers_into_full_state(kind) else kind) or []) if writers else []
@@ -64,12 +74,16 @@ def check_resume_request(resume: str, checkpoint_dir: str | Path, plugin_name: s
                 allowed = f"a checkpoint written by {'|'.join(names)}" if names else f"a {writes!r} checkpoint"
             else:  # a kind that only its own plugin loads: another plugin is needed
                 allowed = f"parallelism={'|'.join(names)}" if names else f"a plugin that writes {kind!r} checkpoints"
-            raise ConfigError(f"resume={resume!r}: a {kind!r} checkpoint cannot be loaded by plugin {plugin_name!r};"
-                              f" allowed: {allowed}")
+            raise ConfigError(
+                f"resume={resume!r}: a {kind!r} checkpoint cannot be loaded by plugin {plugin_name!r};"
+                f" allowed: {allowed}"
+            )
     existing = list_checkpoints(checkpoint_dir)
     if resume == NEVER and existing:
-        raise ConfigError(f"resume=never but checkpoint.dir={checkpoint_dir} already holds checkpoints"
-                          f" (up to step {existing[-1][0]}); remove it or choose another checkpoint.dir")
+        raise ConfigError(
+            f"resume=never but checkpoint.dir={checkpoint_dir} already holds checkpoints"
+            f" (up to step {existing[-1][0]}); remove it or choose another checkpoint.dir"
+        )
 
 
 def select_resume(resume: str, checkpoint_dir: str | Path, warn: Callable[[str], None]) -> ResumeChoice:
@@ -95,8 +109,15 @@ def select_resume(resume: str, checkpoint_dir: str | Path, warn: Callable[[str],
 
 RESUME_CONFIG_SECTIONS = ("model", "optim", "data")
 RESUME_CONFIG_KEYS = ("trainer.global_batch_size", "trainer.seed")
-RESUME_CONFIG_IGNORED = ("model.name", "model.activation_checkpointing", "data.cache_dir", "data.num_workers",
-                         "data.prefetch_factor", "data.pin_memory", "data.mode")
+RESUME_CONFIG_IGNORED = (
+    "model.name",
+    "model.activation_checkpointing",
+    "data.cache_dir",
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.pin_memory",
+    "data.mode",
+)
 """What a checkpoint's stored configuration holds (manifest ``config``): the keys that decide what is
 trained -- model shape, optimizer and schedule, data and tokenizer, the global batch and seed -- less
 those that change how, not what (loader workers, caches, activation checkpointing, the preset's name).
@@ -134,8 +155,10 @@ def check_resume_config(resume: str, checkpoint_dir: str | Path, run: Any) -> di
     current = resume_config(run)
     unknown = [k for k in run.resume_allow_changed if k not in current]
     if unknown:
-        raise ConfigError(f"resume_allow_changed names {', '.join(unknown)}, not a key a resume compares;"
-                          f" allowed: keys of {', '.join(RESUME_CONFIG_SECTIONS)} and {', '.join(RESUME_CONFIG_KEYS)}")
+        raise ConfigError(
+            f"resume_allow_changed names {', '.join(unknown)}, not a key a resume compares;"
+            f" allowed: keys of {', '.join(RESUME_CONFIG_SECTIONS)} and {', '.join(RESUME_CONFIG_KEYS)}"
+        )
     if resume == NEVER:
         return {}
     path = resume if resume != AUTO else None
@@ -156,8 +179,9 @@ def check_resume_config(resume: str, checkpoint_dir: str | Path, run: Any) -> di
     refused = {k: c for k, c in changes.items() if k not in run.resume_allow_changed}
     if refused:
         listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
-        raise ConfigError(f"resume from {path}: this run's configuration differs from the checkpoint's: {listed};"
-                          f" resume it unchanged, start elsewhere (another checkpoint.dir, or resume=never in an empty one),"
-                          f" or allow the change: resume_allow_changed=[{','.join(refused)}]")
+        raise ConfigError(
+            f"resume from {path}: this run's configuration differs from the checkpoint's: {listed};"
+            f" resume it unchanged, start elsewhere (another checkpoint.dir, or resume=never in an empty one),"
+            f" or allow the change: resume_allow_changed=[{','.join(refused)}]"
+        )
     return changes
-

@@ -10,7 +10,7 @@ hooks; the file I/O is :mod:`framework.base.checkpoint.dcp`'s.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -50,16 +50,18 @@ class ShardedCheckpointing:
 
         return get_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))  # keyed by parameter name
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # every rank writes its part (DTensors or not): the IO saves the plugin's declared sharded kind
         self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(filepath))
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         problems = self.broadcast(verify(path) if self.global_rank == 0 else None)  # one rank reads every byte
         if problems:
             raise CheckpointError("; ".join(problems))
-        return load_into_sharded(path, self.lightning_module, [unwrap_optimizer(o) for o in self.optimizers], verified=True)
+        return load_into_sharded(
+            path, self.lightning_module, [unwrap_optimizer(o) for o in self.optimizers], verified=True
+        )
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Done by :meth:`load_checkpoint`."""

@@ -58,9 +58,17 @@ from framework.base.cost.bubble import microbatches_in_flight
 RECOMPUTE = ("none", "selective", "full")
 
 
-def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none", act_bytes: int = 2, dropout: bool = True,
-                               op_sac: bool = False) -> float:
+def activation_bytes_per_layer(
+    shape,
+    *,
+    micro_batch_size: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    act_bytes: int = 2,
+    dropout: bool = True,
+    op_sac: bool = False,
+) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank (module table;
     with ``op_sac`` and ``recompute = "selective"``, torchtitan's op-level saved set, module docstring).
 
@@ -98,10 +106,22 @@ def activation_bytes_per_layer(shape, *, micro_batch_size: int, tp: int = 1, seq
     return s * b * per_token + scores
 
 
-def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int, n_microbatches: int,
-                              sequence_parallel: bool, recompute: str, schedule: str = "1F1B",
-                              virtual_stages: int = 1, act_bytes: int = 2, dropout: bool = True,
-                              op_sac: bool = False, fp32_logit_copies: int = 1) -> dict[str, float]:
+def activation_bytes_per_rank(
+    shape,
+    *,
+    micro_batch_size: int,
+    tp: int,
+    pp: int,
+    n_microbatches: int,
+    sequence_parallel: bool,
+    recompute: str,
+    schedule: str = "1F1B",
+    virtual_stages: int = 1,
+    act_bytes: int = 2,
+    dropout: bool = True,
+    op_sac: bool = False,
+    fp32_logit_copies: int = 1,
+) -> dict[str, float]:
     """Peak activation bytes of the busiest rank, by part (module docstring).
 
     The first stage holds ``L/p`` layers' activations for :func:`~framework.base.cost.bubble.microbatches_in_flight`
@@ -114,19 +134,35 @@ def activation_bytes_per_rank(shape, *, micro_batch_size: int, tp: int, pp: int,
     """
     s, b, h = shape.seq_len, micro_batch_size, shape.d_model
     kw = dict(act_bytes=act_bytes, dropout=dropout)
-    per_layer = activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel,
-                                           recompute=recompute, op_sac=op_sac, **kw)
-    inflight = microbatches_in_flight(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
+    per_layer = activation_bytes_per_layer(
+        shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute, op_sac=op_sac, **kw
+    )
+    inflight = microbatches_in_flight(
+        schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual_stages=virtual_stages
+    )
     layers_per_stage = -(-shape.n_layer // pp)  # the busiest stage: ceil(L/p)
     rematerialised = recompute == "full" or (recompute == "selective" and op_sac)
-    working = (activation_bytes_per_layer(shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel,
-                                          recompute="selective", **kw)
-               if rematerialised else 0.0)  # the recomputed layer, its attention core fused (no s x s scores)
+    working = (
+        activation_bytes_per_layer(
+            shape, micro_batch_size=b, tp=tp, sequence_parallel=sequence_parallel, recompute="selective", **kw
+        )
+        if rematerialised
+        else 0.0
+    )  # the recomputed layer, its attention core fused (no s x s scores)
     sp_div = tp if sequence_parallel else 1
     embedding = (act_bytes + (1 if dropout else 0)) * s * b * h / sp_div
     logits = 4.0 * s * b * shape.vocab_size / tp * fp32_logit_copies
-    first = {"layers": per_layer * layers_per_stage * inflight, "recompute_working": working,
-             "embedding": embedding * inflight, "logits": logits if pp == 1 else 0.0}
-    last = {"layers": per_layer * layers_per_stage * 1.0, "recompute_working": working, "embedding": 0.0, "logits": logits}
+    first = {
+        "layers": per_layer * layers_per_stage * inflight,
+        "recompute_working": working,
+        "embedding": embedding * inflight,
+        "logits": logits if pp == 1 else 0.0,
+    }
+    last = {
+        "layers": per_layer * layers_per_stage * 1.0,
+        "recompute_working": working,
+        "embedding": 0.0,
+        "logits": logits,
+    }
     worst = max((first, last), key=lambda d: sum(d.values())) if pp > 1 else first
     return {**worst, "total": sum(worst.values())}

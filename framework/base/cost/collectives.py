@@ -112,14 +112,17 @@ def layout_collectives(shape, lay, gpus_per_node: int) -> list[Collective]:
             if lay.zero_stage == 3:  # FSDP's unit is one transformer block: every layer pays the collective's latency
                 out.append(Collective(c.name, c.kind, "dp", d, dpi, size / layers, m * layers, True, k))
             else:
-                out.append(Collective(c.name, c.kind, "dp", d, dpi, size, m if c.per_microbatch else 1, c.per_microbatch, k))
+                out.append(
+                    Collective(c.name, c.kind, "dp", d, dpi, size, m if c.per_microbatch else 1, c.per_microbatch, k)
+                )
     if p > 1:
         ppi = lay.group_inter_node("pp", gpus_per_node)
         act = b * s * h * act_bytes / (t if lay.sequence_parallel else 1)
         out.append(Collective("pp_fwd", "p2p", "pp", 2, ppi, act, m * lay.v, True))
         out.append(Collective("pp_bwd", "p2p", "pp", 2, ppi, act, m * lay.v, True))
-        out.append(Collective("embed_grad", "allreduce", "pp", 2, ppi,
-                              shape.vocab_size * h / t * prec.grad_bytes, 1, False))
+        out.append(
+            Collective("embed_grad", "allreduce", "pp", 2, ppi, shape.vocab_size * h / t * prec.grad_bytes, 1, False)
+        )
     return out
 
 

@@ -162,7 +162,9 @@ class DPCollective:
     per_microbatch: bool
 
 
-def dp_collectives(zero_stage: int, *, grad_reduce: str = "reduce_scatter", keeps_gathered: bool = False) -> tuple[DPCollective, ...]:
+def dp_collectives(
+    zero_stage: int, *, grad_reduce: str = "reduce_scatter", keeps_gathered: bool = False
+) -> tuple[DPCollective, ...]:
     """The collectives a rank's dp group runs per optimizer step for ZeRO stage ``zero_stage`` (ZeRO §7; each
     moves all Ψ elements of ``tensor``; payload convention as :func:`ring_wire_bytes`).
 
@@ -182,14 +184,20 @@ def dp_collectives(zero_stage: int, *, grad_reduce: str = "reduce_scatter", keep
     if zero_stage == 0:
         return (DPCollective("dp_grad", "allreduce", "grads", False),)
     if zero_stage in (1, 2):
-        return (DPCollective("dp_grad", grad_reduce, "grads", zero_stage == 2),
-                DPCollective("dp_param", "allgather", "params", False))
+        return (
+            DPCollective("dp_grad", grad_reduce, "grads", zero_stage == 2),
+            DPCollective("dp_param", "allgather", "params", False),
+        )
     fwd, bwd, grad = ZERO3_COLLECTIVES
-    gathers = (DPCollective(fwd, "allgather", "params", True),) + (() if keeps_gathered else (DPCollective(bwd, "allgather", "params", True),))
+    gathers = (DPCollective(fwd, "allgather", "params", True),) + (
+        () if keeps_gathered else (DPCollective(bwd, "allgather", "params", True),)
+    )
     return gathers + (DPCollective(grad, "reduce_scatter", "grads", True),)
 
 
-def dp_payload_bytes(calls: tuple[DPCollective, ...], *, params_bytes: int, grads_bytes: int, grad_accum_steps: int) -> dict[str, int]:
+def dp_payload_bytes(
+    calls: tuple[DPCollective, ...], *, params_bytes: int, grads_bytes: int, grad_accum_steps: int
+) -> dict[str, int]:
     """Payload bytes per optimizer step by kind of the dp collectives ``calls``: each moves ``params_bytes`` or
     ``grads_bytes`` (all Ψ elements), ``grad_accum_steps`` times when it runs per micro-batch."""
     out: dict[str, int] = {}
@@ -203,8 +211,12 @@ def ddp_comm_volume(stats: ModelStats, dp_degree: int) -> CommEstimate:
     """DDP: one all-reduce of every gradient per optimizer step; nothing when ``dp_degree == 1``."""
     if dp_degree <= 1:
         return CommEstimate(group_size=1)
-    payload = dp_payload_bytes(dp_collectives(0), params_bytes=stats.num_params * stats.param_bytes,
-                               grads_bytes=stats.num_params * stats.grad_bytes, grad_accum_steps=1)
+    payload = dp_payload_bytes(
+        dp_collectives(0),
+        params_bytes=stats.num_params * stats.param_bytes,
+        grads_bytes=stats.num_params * stats.grad_bytes,
+        grad_accum_steps=1,
+    )
     return CommEstimate(payload_bytes=payload, group_size=dp_degree)
 
 
@@ -214,7 +226,9 @@ def fsdp_padded_numel(stats: ModelStats, n: int) -> int:
     return n * dim0_sharded_numel(stats.param_shapes or ((stats.num_params,),), n)
 
 
-def fsdp_comm_volume(stats: ModelStats, *, dp_degree: int, grad_accum_steps: int, reshard_after_forward: bool) -> CommEstimate:
+def fsdp_comm_volume(
+    stats: ModelStats, *, dp_degree: int, grad_accum_steps: int, reshard_after_forward: bool
+) -> CommEstimate:
     """FSDP2 / ZeRO-3 payload bytes per rank per optimizer step on the dp group (ZeRO §7.2; :func:`dp_collectives` stage 3).
 
     Every micro-batch all-gathers the full parameters for forward (Ψ) and, with
@@ -227,8 +241,12 @@ def fsdp_comm_volume(stats: ModelStats, *, dp_degree: int, grad_accum_steps: int
     if n <= 1:
         return CommEstimate(group_size=1)
     psi = fsdp_padded_numel(stats, n)
-    payload = dp_payload_bytes(dp_collectives(3, keeps_gathered=not reshard_after_forward), params_bytes=psi * stats.param_bytes,
-                               grads_bytes=psi * stats.grad_bytes, grad_accum_steps=grad_accum_steps)
+    payload = dp_payload_bytes(
+        dp_collectives(3, keeps_gathered=not reshard_after_forward),
+        params_bytes=psi * stats.param_bytes,
+        grads_bytes=psi * stats.grad_bytes,
+        grad_accum_steps=grad_accum_steps,
+    )
     return CommEstimate(payload_bytes=payload, group_size=n)
 
 
@@ -248,11 +266,17 @@ def zero_comm_volume(
     Raises:
         ValueError: ``zero_stage`` not in 0-3.
     """
-    calls = dp_collectives(zero_stage, grad_reduce="allreduce", keeps_gathered=stage3_keeps_gathered)  # ValueError first
+    calls = dp_collectives(
+        zero_stage, grad_reduce="allreduce", keeps_gathered=stage3_keeps_gathered
+    )  # ValueError first
     if dp_degree <= 1:
         return CommEstimate(group_size=1)
-    payload = dp_payload_bytes(calls, params_bytes=stats.num_params * stats.param_bytes,
-                               grads_bytes=stats.num_params * stats.grad_bytes, grad_accum_steps=grad_accum_steps)
+    payload = dp_payload_bytes(
+        calls,
+        params_bytes=stats.num_params * stats.param_bytes,
+        grads_bytes=stats.num_params * stats.grad_bytes,
+        grad_accum_steps=grad_accum_steps,
+    )
     return CommEstimate(payload_bytes=payload, group_size=dp_degree)
 
 
@@ -270,7 +294,14 @@ def tp_calls_per_microbatch(*, n_layer: int, recompute: str = "none") -> tuple[i
 
 
 def tp_payload_bytes_per_microbatch(
-    *, micro_batch_size: int, seq_len: int, d_model: int, n_layer: int, tp: int, sequence_parallel: bool, elem_bytes: int = 4
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    d_model: int,
+    n_layer: int,
+    tp: int,
+    sequence_parallel: bool,
+    elem_bytes: int = 4,
 ) -> dict[str, int]:
     """Tensor-parallel payload bytes one rank hands to collectives for one micro-batch (forward + backward).
 
@@ -293,8 +324,15 @@ def tp_payload_bytes_per_microbatch(
 
 
 def pp_p2p_bytes_per_step(
-    *, stage_ids: list[int], num_stages: int, n_microbatches: int, micro_batch_size: int, seq_len: int, d_model: int,
-    tp: int = 1, elem_bytes: int = 4,
+    *,
+    stage_ids: list[int],
+    num_stages: int,
+    n_microbatches: int,
+    micro_batch_size: int,
+    seq_len: int,
+    d_model: int,
+    tp: int = 1,
+    elem_bytes: int = 4,
 ) -> int:
     """Point-to-point bytes one pipeline rank *sends* per optimizer step.
 

@@ -61,8 +61,12 @@ class Estimate:
         (GPU board power only; price and power from the cluster file)."""
         seconds = tokens / self.tokens_per_sec
         gpu_hours = seconds / 3600 * self.layout.world_size
-        return {"days": seconds / 86400, "gpu_hours": gpu_hours, "money": gpu_hours * cluster.price_per_gpu_hour,
-                "energy_mwh": gpu_hours * cluster.power_w / 1e6}
+        return {
+            "days": seconds / 86400,
+            "gpu_hours": gpu_hours,
+            "money": gpu_hours * cluster.price_per_gpu_hour,
+            "energy_mwh": gpu_hours * cluster.power_w / 1e6,
+        }
 
 
 def memory_per_rank(shape, lay, op_sac: bool = False, torch_cross_entropy: bool = False) -> tuple[StateBytes, dict]:
@@ -71,14 +75,32 @@ def memory_per_rank(shape, lay, op_sac: bool = False, torch_cross_entropy: bool 
     op-level checkpointing, :attr:`~framework.base.cost.steptime.StepTimeParams.op_sac`;
     ``torch_cross_entropy``: the loss holds three fp32 copies of the logits,
     :attr:`~framework.base.cost.steptime.StepTimeParams.torch_cross_entropy`)."""
-    psi = max(stage_params(shape, tp=lay.tp, pp=lay.pp, stage=0), stage_params(shape, tp=lay.tp, pp=lay.pp, stage=lay.pp - 1))
-    states = model_states_per_rank(psi, dp=lay.dp, zero_stage=lay.zero_stage, precision=lay.precision,
-                                   accounting=lay.state_accounting, grad_accum_steps=lay.n_microbatches)
-    acts = activation_bytes_per_rank(shape, micro_batch_size=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
-                                     n_microbatches=lay.n_microbatches, sequence_parallel=lay.sequence_parallel,
-                                     recompute=lay.recompute, schedule=lay.schedule, virtual_stages=lay.v,
-                                     act_bytes=4 if lay.precision == "fp32" else 2, dropout=shape.dropout,
-                                     op_sac=op_sac, fp32_logit_copies=3 if torch_cross_entropy else 1)
+    psi = max(
+        stage_params(shape, tp=lay.tp, pp=lay.pp, stage=0), stage_params(shape, tp=lay.tp, pp=lay.pp, stage=lay.pp - 1)
+    )
+    states = model_states_per_rank(
+        psi,
+        dp=lay.dp,
+        zero_stage=lay.zero_stage,
+        precision=lay.precision,
+        accounting=lay.state_accounting,
+        grad_accum_steps=lay.n_microbatches,
+    )
+    acts = activation_bytes_per_rank(
+        shape,
+        micro_batch_size=lay.micro_batch_size,
+        tp=lay.tp,
+        pp=lay.pp,
+        n_microbatches=lay.n_microbatches,
+        sequence_parallel=lay.sequence_parallel,
+        recompute=lay.recompute,
+        schedule=lay.schedule,
+        virtual_stages=lay.v,
+        act_bytes=4 if lay.precision == "fp32" else 2,
+        dropout=shape.dropout,
+        op_sac=op_sac,
+        fp32_logit_copies=3 if torch_cross_entropy else 1,
+    )
     return states, acts
 
 
@@ -88,11 +110,19 @@ def estimate(shape, lay, cluster, params: StepTimeParams = StepTimeParams()) -> 
     colls = layout_collectives(shape, lay, cluster.gpus_per_node)
     st = step_time(shape, lay, cluster, params, colls)
     tokens = lay.global_batch_size * shape.seq_len / st.total
-    fpt = flops_per_token(n_params=shape.num_flops_params(), n_layer=shape.n_layer, d_model=shape.d_model, seq_len=shape.seq_len)
+    fpt = flops_per_token(
+        n_params=shape.num_flops_params(), n_layer=shape.n_layer, d_model=shape.d_model, seq_len=shape.seq_len
+    )
     mfu = tokens * fpt / (lay.world_size * cluster.peak_flops)
     return Estimate(
-        layout=lay, states=states, activations=acts, memory_bytes=states.total + acts["total"],
-        memory_limit=cluster.usable_memory_bytes, collectives=colls,
+        layout=lay,
+        states=states,
+        activations=acts,
+        memory_bytes=states.total + acts["total"],
+        memory_limit=cluster.usable_memory_bytes,
+        collectives=colls,
         bubble=pp_bubble_fraction(pp=lay.pp, n_microbatches=lay.n_microbatches, virtual_stages=lay.v),
-        time=st, tokens_per_sec=tokens, mfu=mfu,
+        time=st,
+        tokens_per_sec=tokens,
+        mfu=mfu,
     )

@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
 
 POLICIES = ("sync", "async", "two_tier")
 
@@ -99,9 +99,17 @@ def _trace(times: Sequence[float]) -> Iterator[float]:
         yield math.inf
 
 
-def simulate(*, steps: int, step_s: float, policy: Policy, restart_s: float, mtbf_s: float = math.inf,
-             seed: int = 0, failure_times: Optional[Sequence[float]] = None,
-             failure_steps: Optional[Sequence[int]] = None) -> SimResult:
+def simulate(
+    *,
+    steps: int,
+    step_s: float,
+    policy: Policy,
+    restart_s: float,
+    mtbf_s: float = math.inf,
+    seed: int = 0,
+    failure_times: Sequence[float] | None = None,
+    failure_steps: Sequence[int] | None = None,
+) -> SimResult:
     """Simulate ``steps`` optimizer steps of ``step_s`` seconds under ``policy`` and failures.
 
     Failures: ``failure_times`` (a trace, seconds of wall clock from the start) if given, else
@@ -117,8 +125,11 @@ def simulate(*, steps: int, step_s: float, policy: Policy, restart_s: float, mtb
     if restart_s < 0 or policy.delta_s < 0 or policy.write_s < 0:
         raise ValueError("restart_s, delta_s and write_s must be >= 0 seconds")
     rng = random.Random(seed)
-    fails = _trace(failure_times) if failure_times is not None else (
-        _exponential(mtbf_s, rng) if math.isfinite(mtbf_s) else _trace([]))
+    fails = (
+        _trace(failure_times)
+        if failure_times is not None
+        else (_exponential(mtbf_s, rng) if math.isfinite(mtbf_s) else _trace([]))
+    )
     next_fail = next(fails)
     step_faults = sorted(set(failure_steps or []))  # progress-tied failures not fired yet
     res = SimResult()
@@ -126,7 +137,7 @@ def simulate(*, steps: int, step_s: float, policy: Policy, restart_s: float, mtb
     pos = 0  # steps done since the newest checkpoint we would restart from (tracked as absolute positions)
     durable = 0  # step of the newest durable (persistent) checkpoint
     mem = 0  # two_tier: step of the newest in-memory snapshot
-    pending: Optional[tuple[int, float]] = None  # async: (step, time it becomes durable)
+    pending: tuple[int, float] | None = None  # async: (step, time it becomes durable)
     kind, every = policy.kind, policy.every
 
     def restart(t_fail: float, r: float) -> float:

@@ -71,15 +71,22 @@ def op_sac_recompute_flops_per_token(shape) -> int:
 
 def flops_per_step(shape, *, global_batch_size: int) -> int:
     """Model FLOPs of one optimizer step: ``flops_per_token · global_batch_size · seq_len``."""
-    return flops_per_token(n_params=shape.num_flops_params(), n_layer=shape.n_layer, d_model=shape.d_model,
-                           seq_len=shape.seq_len) * global_batch_size * shape.seq_len
+    return (
+        flops_per_token(
+            n_params=shape.num_flops_params(), n_layer=shape.n_layer, d_model=shape.d_model, seq_len=shape.seq_len
+        )
+        * global_batch_size
+        * shape.seq_len
+    )
 
 
-def megatron_flops_per_step(*, batch: int, seq_len: int, n_layer: int, d_model: int, vocab: int, recompute: bool) -> float:
+def megatron_flops_per_step(
+    *, batch: int, seq_len: int, n_layer: int, d_model: int, vocab: int, recompute: bool
+) -> float:
     """Narayanan et al. 2021 eq. 3: ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))`` with full recompute
     (4 passes: hardware FLOPs, what their Table 1 reports); without recompute the model FLOPs
     ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`` (Korthikanti et al. 2022 App. A)."""
-    B, s, l, h, V = batch, seq_len, n_layer, d_model, vocab
+    B, s, l, h, V = batch, seq_len, n_layer, d_model, vocab  # noqa: E741 (the paper's symbols)
     if recompute:
         return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     return 72.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))

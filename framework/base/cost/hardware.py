@@ -14,12 +14,25 @@ per collective kind, gloo's alpha and bus bandwidth), passed to :func:`cluster_f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
-REQUIRED = ("name", "gpus_per_node", "peak_flops", "achievable_fraction", "hbm_gib", "usable_memory_fraction",
-            "hbm_bandwidth", "nvlink_bandwidth", "nvlink_alpha_s", "nic_bandwidth", "nic_alpha_s", "power_w",
-            "price_per_gpu_hour")
+REQUIRED = (
+    "name",
+    "gpus_per_node",
+    "peak_flops",
+    "achievable_fraction",
+    "hbm_gib",
+    "usable_memory_fraction",
+    "hbm_bandwidth",
+    "nvlink_bandwidth",
+    "nvlink_alpha_s",
+    "nic_bandwidth",
+    "nic_alpha_s",
+    "power_w",
+    "price_per_gpu_hour",
+)
 """Fields every ``conf/cluster/*.yaml`` must set (``measured`` allowed for the local CPU's)."""
 
 KINDS = ("allreduce", "allgather", "reduce_scatter", "p2p")
@@ -96,7 +109,9 @@ def needs_measurement(raw: Mapping[str, Any]) -> bool:
     return any(raw.get(k) == "measured" for k in REQUIRED)
 
 
-def cluster_from_dict(raw: Mapping[str, Any], *, where: str = "cluster", measured: Optional[Mapping[str, Any]] = None) -> Cluster:
+def cluster_from_dict(
+    raw: Mapping[str, Any], *, where: str = "cluster", measured: Mapping[str, Any] | None = None
+) -> Cluster:
     """A :class:`Cluster` from a ``conf/cluster`` mapping; fields that say ``measured`` come from the
     record ``measured`` (:func:`framework.base.metrics.local_cpu.load_or_measure_local_cpu`: ``gemm_flops``,
     ``memory_gib``, ``links`` ``{kind: [alpha_s, bus_bandwidth]}``).
@@ -107,13 +122,17 @@ def cluster_from_dict(raw: Mapping[str, Any], *, where: str = "cluster", measure
     """
     missing = [k for k in REQUIRED if k not in raw or raw[k] is None]
     if missing:
-        raise ClusterError(f"{where}: missing field(s) {', '.join('cluster.' + k for k in missing)}; required: {', '.join(REQUIRED)}")
+        raise ClusterError(
+            f"{where}: missing field(s) {', '.join('cluster.' + k for k in missing)}; required: {', '.join(REQUIRED)}"
+        )
     raw = dict(raw)
     kinds: dict[str, tuple[float, float]] = {}
     if needs_measurement(raw):
         if measured is None:
-            raise ClusterError(f"{where}: fields say 'measured' but no measurement was given; "
-                               "measure with python -m framework.base.metrics.local_cpu")
+            raise ClusterError(
+                f"{where}: fields say 'measured' but no measurement was given; "
+                "measure with python -m framework.base.metrics.local_cpu"
+            )
         m = measured
         for k, v in (("peak_flops", m["gemm_flops"]), ("hbm_gib", m["memory_gib"] / int(raw["gpus_per_node"]))):
             if raw[k] == "measured":
@@ -132,12 +151,19 @@ def cluster_from_dict(raw: Mapping[str, Any], *, where: str = "cluster", measure
     if not 0 < vals["usable_memory_fraction"] <= 1 or not 0 < vals["achievable_fraction"] <= 1:
         raise ClusterError(f"{where}: cluster.achievable_fraction and cluster.usable_memory_fraction must be in (0, 1]")
     return Cluster(
-        name=str(raw["name"]), gpu=str(raw.get("gpu", "")), gpus_per_node=int(vals["gpus_per_node"]),
-        peak_flops=vals["peak_flops"], achievable_fraction=vals["achievable_fraction"],
-        hbm_bytes=vals["hbm_gib"] * 2**30, usable_memory_fraction=vals["usable_memory_fraction"],
+        name=str(raw["name"]),
+        gpu=str(raw.get("gpu", "")),
+        gpus_per_node=int(vals["gpus_per_node"]),
+        peak_flops=vals["peak_flops"],
+        achievable_fraction=vals["achievable_fraction"],
+        hbm_bytes=vals["hbm_gib"] * 2**30,
+        usable_memory_fraction=vals["usable_memory_fraction"],
         hbm_bandwidth=vals["hbm_bandwidth"],
         nvlink=Link(vals["nvlink_alpha_s"], vals["nvlink_bandwidth"], kinds),
         nic=Link(vals["nic_alpha_s"], vals["nic_bandwidth"], kinds),
-        power_w=vals["power_w"], price_per_gpu_hour=vals["price_per_gpu_hour"],
-        elementwise_bytes_per_h=_num(raw, "elementwise_bytes_per_h", where) if raw.get("elementwise_bytes_per_h") is not None else 0.0,
+        power_w=vals["power_w"],
+        price_per_gpu_hour=vals["price_per_gpu_hour"],
+        elementwise_bytes_per_h=_num(raw, "elementwise_bytes_per_h", where)
+        if raw.get("elementwise_bytes_per_h") is not None
+        else 0.0,
     )

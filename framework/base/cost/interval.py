@@ -180,8 +180,16 @@ class TwoTier:
         return tm, td
 
 
-def incremental_costs(full_bytes: float, delta_ratio: float, full_every: int, write_bw: float, read_bw: float,
-                      *, delta_compute_s: float = 0.0, fixed_s: float = 0.0) -> tuple[float, float, float]:
+def incremental_costs(
+    full_bytes: float,
+    delta_ratio: float,
+    full_every: int,
+    write_bw: float,
+    read_bw: float,
+    *,
+    delta_compute_s: float = 0.0,
+    fixed_s: float = 0.0,
+) -> tuple[float, float, float]:
     """``(mean save seconds, mean load seconds, mean bytes written per save)`` of incremental checkpoints.
 
     A full save (``full_bytes`` bytes) every ``full_every`` saves and ``full_every - 1`` deltas

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from framework.base.cost.activations import RECOMPUTE
 from framework.base.cost.bubble import SCHEDULES
 from framework.base.cost.memory import ACCOUNTINGS, PRECISIONS, ZERO_STAGES, is_zero_stage, zero_label
-from framework.base.cost.activations import RECOMPUTE
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,22 @@ class PlanLayout:
             if getattr(self, k) < 1:
                 raise ValueError(f"{k}={getattr(self, k)} must be >= 1")
         if not is_zero_stage(self.zero_stage):
-            raise ValueError(f"zero_stage={self.zero_stage!r} is not allowed; allowed: {', '.join(map(str, ZERO_STAGES))}")
-        for k, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-                           ("precision", tuple(PRECISIONS)), ("state_accounting", ACCOUNTINGS)):
+            raise ValueError(
+                f"zero_stage={self.zero_stage!r} is not allowed; allowed: {', '.join(map(str, ZERO_STAGES))}"
+            )
+        for k, allowed in (
+            ("schedule", SCHEDULES),
+            ("recompute", RECOMPUTE),
+            ("precision", tuple(PRECISIONS)),
+            ("state_accounting", ACCOUNTINGS),
+        ):
             if getattr(self, k) not in allowed:
                 raise ValueError(f"{k}={getattr(self, k)!r} is not allowed; allowed: {', '.join(allowed)}")
         if self.global_batch_size % (self.micro_batch_size * self.dp):
-            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size "
-                             f"{self.micro_batch_size} x dp {self.dp}")
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size "
+                f"{self.micro_batch_size} x dp {self.dp}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -90,6 +98,12 @@ class PlanLayout:
 
     def describe(self) -> str:
         """Short label, e.g. ``tp8 pp8(v2 Interleaved1F1B) dp16 zero1 b1 rc=selective sp`` (ZeRO stage 0 reads ``none``)."""
-        pp = f"pp{self.pp}" + (f"(v{self.v} {self.schedule})" if self.pp > 1 and self.v > 1 else (f"({self.schedule})" if self.pp > 1 else ""))
-        return (f"tp{self.tp} {pp} dp{self.dp} {zero_label(self.zero_stage)} b{self.micro_batch_size} "
-                f"rc={self.recompute}" + (" sp" if self.sequence_parallel else ""))
+        pp = f"pp{self.pp}" + (
+            f"(v{self.v} {self.schedule})"
+            if self.pp > 1 and self.v > 1
+            else (f"({self.schedule})" if self.pp > 1 else "")
+        )
+        return (
+            f"tp{self.tp} {pp} dp{self.dp} {zero_label(self.zero_stage)} b{self.micro_batch_size} "
+            f"rc={self.recompute}" + (" sp" if self.sequence_parallel else "")
+        )

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from framework.base.cost.comm import ModelStats, fsdp_padded_numel
 
-
 # --- the plugins' figures (each one the planner's breakdown, :func:`model_states_per_rank`) ---
 
 
@@ -60,8 +59,14 @@ def zero_model_states_bytes(stats: ModelStats, *, zero_stage: int, dp_degree: in
     Raises:
         ValueError: ``zero_stage`` not in 0-3, or parameters neither 4 nor 2 bytes.
     """
-    st = model_states_per_rank(stats.num_params, dp=dp_degree, zero_stage=zero_stage, precision=precision_of(stats),
-                               accounting="master_copy", grad_accum_steps=grad_accum_steps)
+    st = model_states_per_rank(
+        stats.num_params,
+        dp=dp_degree,
+        zero_stage=zero_stage,
+        precision=precision_of(stats),
+        accounting="master_copy",
+        grad_accum_steps=grad_accum_steps,
+    )
     return int(st.total)
 
 
@@ -165,8 +170,9 @@ ACCOUNTINGS = ("paper", "master_copy")
 (Rajbhandari et al. 2020); ``master_copy`` what DeepSpeed 0.19's ZeRO optimizers allocate."""
 
 
-def model_states_per_rank(psi_local: float, *, dp: int, zero_stage: int, precision: str, accounting: str = "paper",
-                          grad_accum_steps: int = 1) -> StateBytes:
+def model_states_per_rank(
+    psi_local: float, *, dp: int, zero_stage: int, precision: str, accounting: str = "paper", grad_accum_steps: int = 1
+) -> StateBytes:
     """Bytes of weights, gradients and optimizer state of one rank holding ``psi_local`` parameters
     replicated over ``dp`` ranks, with ZeRO stage ``zero_stage`` (:data:`ZERO_STAGES`) and ``precision``
     (:data:`PRECISIONS`: weight bytes w, gradient bytes g, optimizer bytes K). Ψ = ``psi_local``, N = ``dp``.

@@ -10,7 +10,7 @@ against ``GPT.num_params`` in ``tests/unit/test_cost_model.py`` and ``Llama.num_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,13 @@ class ModelShape:
     n_head: int
     vocab_size: int
     seq_len: int
-    d_ff: Optional[int] = None
-    n_kv_head: Optional[int] = None
+    d_ff: int | None = None
+    n_kv_head: int | None = None
     mlp: str = "gelu"
     bias: bool = True
     tied_embeddings: bool = True
     learned_positions: bool = True
-    max_seq_len: Optional[int] = None
+    max_seq_len: int | None = None
     dropout: bool = True
 
     def __post_init__(self) -> None:
@@ -110,15 +110,23 @@ class ModelShape:
         return self.num_params() - pos - untied_input
 
     @classmethod
-    def from_model_config(cls, cfg: Any, *, seq_len: int, vocab_size: Optional[int] = None) -> "ModelShape":
+    def from_model_config(cls, cfg: Any, *, seq_len: int, vocab_size: int | None = None) -> ModelShape:
         """From a :class:`~framework.base.config.schema.ModelConfig` (``vocab_size``: the tokenizer's, when the model's is null)."""
         vocab = cfg.vocab_size or vocab_size
         if vocab is None:
             raise ValueError("model.vocab_size is null and no tokenizer vocabulary size was given")
         return cls(
-            n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=cfg.n_head, vocab_size=vocab, seq_len=seq_len,
-            d_ff=cfg.d_ff, n_kv_head=getattr(cfg, "n_kv_head", None), mlp=getattr(cfg, "mlp", "gelu"), bias=cfg.bias,
+            n_layer=cfg.n_layer,
+            d_model=cfg.d_model,
+            n_head=cfg.n_head,
+            vocab_size=vocab,
+            seq_len=seq_len,
+            d_ff=cfg.d_ff,
+            n_kv_head=getattr(cfg, "n_kv_head", None),
+            mlp=getattr(cfg, "mlp", "gelu"),
+            bias=cfg.bias,
             tied_embeddings=getattr(cfg, "tied_embeddings", True),
-            learned_positions=getattr(cfg, "learned_positions", True), max_seq_len=cfg.max_seq_len,
+            learned_positions=getattr(cfg, "learned_positions", True),
+            max_seq_len=cfg.max_seq_len,
             dropout=cfg.dropout > 0,
         )

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from framework.base.cost.collectives import Collective, layout_collectives
 from framework.base.cost.comm import ZERO3_COLLECTIVES
@@ -98,7 +97,7 @@ class StepTimeParams:
     microbatch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     replicated_head: bool = False
-    elementwise_bytes_per_h: Optional[float] = None
+    elementwise_bytes_per_h: float | None = None
     op_sac: bool = False
     torch_cross_entropy: bool = False
 
@@ -129,7 +128,7 @@ def collective_link(c: Collective, cluster):
     return Link(alpha_s=link.alpha_s, bandwidth=min(k * link.bandwidth, cluster.nvlink.bandwidth))
 
 
-def collective_time(c: Collective, link, *, algorithm: str = "ring", payload_bytes: Optional[float] = None) -> float:
+def collective_time(c: Collective, link, *, algorithm: str = "ring", payload_bytes: float | None = None) -> float:
     """Seconds of one call of ``c`` (or of ``payload_bytes`` of the same kind and group) on ``link``
     (a :class:`~framework.base.cost.hardware.Link`): ``alpha·steps + wire_bytes / bandwidth``."""
     from framework.base.cost.comm import ring_wire_bytes
@@ -165,18 +164,36 @@ class StepTime:
     @property
     def total(self) -> float:
         """Step time (s)."""
-        return (self.forward + self.backward + self.bubble + self.tp_exposed + self.pp_handoff + self.zero3_exposed
-                + self.dp_exposed + self.optimizer + self.overhead)
+        return (
+            self.forward
+            + self.backward
+            + self.bubble
+            + self.tp_exposed
+            + self.pp_handoff
+            + self.zero3_exposed
+            + self.dp_exposed
+            + self.optimizer
+            + self.overhead
+        )
 
     def parts(self) -> dict[str, float]:
         """The exposed components, by name (sum = :attr:`total`)."""
-        return {"forward": self.forward, "backward": self.backward, "bubble": self.bubble, "tp_exposed": self.tp_exposed,
-                "pp_handoff": self.pp_handoff, "zero3_exposed": self.zero3_exposed, "dp_exposed": self.dp_exposed,
-                "optimizer": self.optimizer, "overhead": self.overhead}
+        return {
+            "forward": self.forward,
+            "backward": self.backward,
+            "bubble": self.bubble,
+            "tp_exposed": self.tp_exposed,
+            "pp_handoff": self.pp_handoff,
+            "zero3_exposed": self.zero3_exposed,
+            "dp_exposed": self.dp_exposed,
+            "optimizer": self.optimizer,
+            "overhead": self.overhead,
+        }
 
 
-def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
-              colls: Optional[list[Collective]] = None) -> StepTime:
+def step_time(
+    shape, lay, cluster, params: StepTimeParams = StepTimeParams(), colls: list[Collective] | None = None
+) -> StepTime:
     """Modelled step time of ``lay`` (:class:`~framework.base.cost.layout.PlanLayout`) for ``shape`` on ``cluster``."""
     colls = layout_collectives(shape, lay, cluster.gpus_per_node) if colls is None else colls
     m, p, v = lay.n_microbatches, lay.pp, lay.v
@@ -193,11 +210,12 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     ew = getattr(cluster, "elementwise_bytes_per_h", 0.0) if ew is None else ew
     if ew:  # memory-bound work per layer (StepTimeParams.elementwise_bytes_per_h)
         passes = 4 / 3 if lay.recompute == "full" else 1.0  # full recompute runs the forward third twice
-        t_ew = (ew * shape.d_model * tokens_mb * stage_layers(shape.n_layer, p) / lay.tp
-                / cluster.hbm_bandwidth)
+        t_ew = ew * shape.d_model * tokens_mb * stage_layers(shape.n_layer, p) / lay.tp / cluster.hbm_bandwidth
         t_f += t_ew / 3
         t_b += t_ew * (2 / 3 + passes - 1)
-    if params.replicated_head and lay.tp > 1:  # the head's 2hV (forward) and 4hV (backward) FLOPs per token, not divided by t
+    if (
+        params.replicated_head and lay.tp > 1
+    ):  # the head's 2hV (forward) and 4hV (backward) FLOPs per token, not divided by t
         head = 2 * shape.d_model * shape.vocab_size * tokens_mb * (1 - 1 / lay.tp) / rate
         t_f += head
         t_b += 2 * head
@@ -227,10 +245,14 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     dp_exposed = 0.0
     if t_grad > 0:
         last = min(params.bucket_bytes, max(c.payload_bytes for c in dp_grad))
-        tail = max(collective_time(c, collective_link(c, cluster), algorithm=params.allreduce_algorithm, payload_bytes=last)
-                   for c in dp_grad)
+        tail = max(
+            collective_time(c, collective_link(c, cluster), algorithm=params.allreduce_algorithm, payload_bytes=last)
+            for c in dp_grad
+        )
         dp_exposed = max(t_grad - params.dp_overlap * t_b, tail)
-    z2 = [c for c in colls if c.name == "dp_grad" and c.per_microbatch]  # ZeRO-2: per micro-batch, overlapped with its backward
+    z2 = [
+        c for c in colls if c.name == "dp_grad" and c.per_microbatch
+    ]  # ZeRO-2: per micro-batch, overlapped with its backward
     if z2:
         t_z2 = sum(t(c) for c in z2)
         dp_exposed += m * max(t_z2 - params.dp_overlap * t_b, 0.0) + t_z2 / stage_layers(shape.n_layer, p)
@@ -245,9 +267,16 @@ def step_time(shape, lay, cluster, params: StepTimeParams = StepTimeParams(),
     hop = hop if p > 1 else 0.0
     full_slot = slot + tp_exposed_mb + z3_exposed_mb + hop  # a micro-batch slot on the critical path
     return StepTime(
-        forward=m * t_f, backward=m * t_b, bubble=bubble_slots * full_slot, tp_exposed=m * tp_exposed_mb,
-        pp_handoff=m * hop, zero3_exposed=m * z3_exposed_mb, dp_exposed=dp_exposed,
-        optimizer=optimizer, overhead=params.step_overhead_s, comm_total=comm_total,
+        forward=m * t_f,
+        backward=m * t_b,
+        bubble=bubble_slots * full_slot,
+        tp_exposed=m * tp_exposed_mb,
+        pp_handoff=m * hop,
+        zero3_exposed=m * z3_exposed_mb,
+        dp_exposed=dp_exposed,
+        optimizer=optimizer,
+        overhead=params.step_overhead_s,
+        comm_total=comm_total,
     )
 
 
@@ -261,7 +290,7 @@ class MeasuredCollective:
 
     name: str
     time_s: float
-    overlaps: Optional[str] = None
+    overlaps: str | None = None
     tail_s: float = 0.0
 
 
@@ -301,7 +330,7 @@ def whatif(b: MeasuredBreakdown, delta_s: float = 1e-3) -> dict[str, float]:
         out[k] = base - replace(b, **{k: max(getattr(b, k) - delta_s, 0.0)}).step_time()
     for i, c in enumerate(b.collectives):
         shorter = replace(c, time_s=max(c.time_s - delta_s, 0.0), tail_s=min(c.tail_s, max(c.time_s - delta_s, 0.0)))
-        colls = b.collectives[:i] + (shorter,) + b.collectives[i + 1:]
+        colls = b.collectives[:i] + (shorter,) + b.collectives[i + 1 :]
         out[c.name] = base - replace(b, collectives=colls).step_time()
     return out
 
@@ -315,6 +344,7 @@ def breakdown_from_metrics(m: dict, *, forward_share: float = 1 / 3) -> Measured
     exposed ``perf/comm_s`` as its tail (the part from the last bucket's launch). Missing keys count 0;
     the ``_mean`` variants are used when the plain keys are absent.
     """
+
     def get(k: str) -> float:
         v = m.get(k, m.get(k.replace("_s", "_s_mean"), 0.0))
         return float(v or 0.0)
@@ -322,6 +352,12 @@ def breakdown_from_metrics(m: dict, *, forward_share: float = 1 / 3) -> Measured
     compute, exposed = get("perf/compute_s"), get("perf/comm_s")
     inflight = max(get("perf/comm_inflight_s"), exposed)
     colls = (MeasuredCollective("dp_grad_reduction", inflight, "backward", tail_s=exposed),) if inflight > 0 else ()
-    return MeasuredBreakdown(data_wait=get("perf/data_wait_s"), forward=forward_share * compute,
-                             backward=(1 - forward_share) * compute, optimizer=get("perf/optimizer_s"),
-                             checkpoint_blocking=get("perf/ckpt_blocking_s"), other=get("perf/other_s"), collectives=colls)
+    return MeasuredBreakdown(
+        data_wait=get("perf/data_wait_s"),
+        forward=forward_share * compute,
+        backward=(1 - forward_share) * compute,
+        optimizer=get("perf/optimizer_s"),
+        checkpoint_blocking=get("perf/ckpt_blocking_s"),
+        other=get("perf/other_s"),
+        collectives=colls,
+    )

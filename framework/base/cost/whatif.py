@@ -24,13 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         metrics = client.get_run(args.run_id).data.metrics
     except Exception as err:  # noqa: BLE001 - one line for any lookup failure
-        print(f"trainlab: error: run_id={args.run_id!r} not found at {args.tracking_uri}: {str(err).splitlines()[0]}", file=sys.stderr)
+        print(
+            f"trainlab: error: run_id={args.run_id!r} not found at {args.tracking_uri}: {str(err).splitlines()[0]}",
+            file=sys.stderr,
+        )
         return 2
     b = breakdown_from_metrics(metrics)
-    print(f"measured step {b.step_time() * 1e3:.2f} ms: data_wait {b.data_wait * 1e3:.2f}, forward {b.forward * 1e3:.2f}, "
-          f"backward {b.backward * 1e3:.2f}, optimizer {b.optimizer * 1e3:.2f}, ckpt {b.checkpoint_blocking * 1e3:.2f}, "
-          f"other {b.other * 1e3:.2f}" + "".join(f", {c.name} {c.time_s * 1e3:.2f} (exposed tail {c.tail_s * 1e3:.2f})"
-                                                  for c in b.collectives))
+    print(
+        f"measured step {b.step_time() * 1e3:.2f} ms: data_wait {b.data_wait * 1e3:.2f}, forward {b.forward * 1e3:.2f}, "
+        f"backward {b.backward * 1e3:.2f}, optimizer {b.optimizer * 1e3:.2f}, ckpt {b.checkpoint_blocking * 1e3:.2f}, "
+        f"other {b.other * 1e3:.2f}"
+        + "".join(f", {c.name} {c.time_s * 1e3:.2f} (exposed tail {c.tail_s * 1e3:.2f})" for c in b.collectives)
+    )
     for k, g in sorted(whatif(b, args.delta_ms / 1e3).items(), key=lambda kv: -kv[1]):
         print(f"  {k:<22} -{args.delta_ms:g} ms -> step -{g * 1e3:.3f} ms")
     return 0

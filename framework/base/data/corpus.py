@@ -37,7 +37,6 @@ import json
 import os
 import sysconfig
 from dataclasses import dataclass, field
-from typing import Optional
 
 from framework.base.config.schema import ConfigError, DataConfig
 
@@ -168,7 +167,7 @@ def _cap_files(files: list[SourceFile], max_bytes: int) -> list[SourceFile]:
 # ---------------------------------------------------------------------------------- reading
 
 
-def read_corpus(cfg: DataConfig, listing: Optional[SourceListing] = None) -> Corpus:
+def read_corpus(cfg: DataConfig, listing: SourceListing | None = None) -> Corpus:
     """Read and split the documents of ``listing`` (default: ``list_sources(cfg)``).
 
     Raises:
@@ -210,7 +209,7 @@ def read_corpus(cfg: DataConfig, listing: Optional[SourceListing] = None) -> Cor
 
 def _read_jsonl(path: str, text_field: str):
     """Yield ``(line number, text)`` for each non-blank line of a JSONL file (empty texts skipped)."""
-    with open(path, "r", encoding="utf-8") as fh:
+    with open(path, encoding="utf-8") as fh:
         try:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():

@@ -126,7 +126,9 @@ class OnTheFlyWindowDataset(Dataset):
     is realistic for random access: a whole document is encoded to serve one window of it.
     """
 
-    def __init__(self, cache_dir: str | Path, split: str, seq_len: int, eot_id: int, mask_document_boundaries: bool = False) -> None:
+    def __init__(
+        self, cache_dir: str | Path, split: str, seq_len: int, eot_id: int, mask_document_boundaries: bool = False
+    ) -> None:
         """
         Args:
             cache_dir: a token cache folder (``TokenCache.dir``).
@@ -159,7 +161,9 @@ class OnTheFlyWindowDataset(Dataset):
             from tokenizers import Tokenizer
 
             self._tok = Tokenizer.from_file(self.tokenizer_path)
-            self._text = np.memmap(self.text_path, dtype=np.uint8, mode="r") if self.docs[-1, 0] > 0 else np.zeros(0, np.uint8)
+            self._text = (
+                np.memmap(self.text_path, dtype=np.uint8, mode="r") if self.docs[-1, 0] > 0 else np.zeros(0, np.uint8)
+            )
         b0, b1 = int(self.docs[d, 0]), int(self.docs[d + 1, 0])
         text = bytes(self._text[b0:b1]).decode("utf-8")
         return self._tok.encode(text, add_special_tokens=False).ids + [self.eot_id]

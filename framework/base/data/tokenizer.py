@@ -17,7 +17,7 @@ literal text ``<|endoftext|>`` inside a document is encoded as ordinary text
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -33,7 +33,7 @@ def build_untrained() -> Tokenizer:
 
 
 def train_tokenizer(
-    texts: Iterable[str], *, vocab_size: int, length: Optional[int] = None, show_progress: bool = False
+    texts: Iterable[str], *, vocab_size: int, length: int | None = None, show_progress: bool = False
 ) -> Tokenizer:
     """Train a byte-level BPE on ``texts`` (the train split; never val).
 

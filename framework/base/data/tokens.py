@@ -41,9 +41,10 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import tokenizers
@@ -73,7 +74,7 @@ class TokenCache:
     built: bool = False  # True if the call that returned this object tokenized the corpus
 
     @classmethod
-    def open(cls, directory: str | os.PathLike) -> "TokenCache":
+    def open(cls, directory: str | os.PathLike) -> TokenCache:
         """Open and sanity-check the cache in ``directory``.
 
         Raises:
@@ -134,7 +135,7 @@ class TokenCache:
 # ------------------------------------------------------------------------------------- key
 
 
-def cache_key(cfg: DataConfig, listing: Optional[SourceListing] = None) -> str:
+def cache_key(cfg: DataConfig, listing: SourceListing | None = None) -> str:
     """``<name>-v<vocab_size>-<sha256[:16]>`` of everything that changes the cache's content.
 
     Raises:
@@ -258,7 +259,10 @@ def _build(cfg: DataConfig, listing: SourceListing, key: str, out: Path, *, prog
     train_bytes, val_bytes = corpus.train_bytes, corpus.val_bytes
     log.info(
         "data: %d train + %d val tokens (%.2f bytes/token) in %.1f s",
-        n_train, n_val, (train_bytes + val_bytes) / max(1, n_train + n_val), t_tok,
+        n_train,
+        n_val,
+        (train_bytes + val_bytes) / max(1, n_train + n_val),
+        t_tok,
     )
     meta = {
         "format_version": FORMAT_VERSION,
@@ -311,10 +315,20 @@ def _write_tokens(
     n = 0
     n_bytes = 0
     offsets = [(0, 0)]
-    with open(out / f"{split}.bin", "wb") as fh, open(out / f"{split}.txt", "wb") as fh_txt, tqdm(
-        total=sum(len(d) for d in docs), unit="char", unit_scale=True, desc=f"tokenize {split}", disable=not progress,
-        file=sys.stderr, mininterval=1.0, leave=False,
-    ) as bar:
+    with (
+        open(out / f"{split}.bin", "wb") as fh,
+        open(out / f"{split}.txt", "wb") as fh_txt,
+        tqdm(
+            total=sum(len(d) for d in docs),
+            unit="char",
+            unit_scale=True,
+            desc=f"tokenize {split}",
+            disable=not progress,
+            file=sys.stderr,
+            mininterval=1.0,
+            leave=False,
+        ) as bar,
+    ):
         for group in _chunks(docs, _CHUNK_CHARS):
             parts = []
             for doc, enc in zip(group, encode(group, add_special_tokens=False)):

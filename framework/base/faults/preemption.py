@@ -17,9 +17,10 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from framework.base.faults.events import FaultLog
 
@@ -59,29 +60,42 @@ class Preempted:
 
     signal: str
     saved: bool
-    step_at_signal: Optional[int]
+    step_at_signal: int | None
     saved_step: int
     steps_lost: int
-    t_signal: Optional[float]
+    t_signal: float | None
     before_ranks: bool = False
 
-    def describe(self, now: Optional[float] = None) -> str:
+    def describe(self, now: float | None = None) -> str:
         """One line: the signal, the steps, and the seconds from the signal to now (the driver's exit)."""
         now = time.time() if now is None else now
         took = f"; {now - self.t_signal:.1f} s from the signal to exit" if self.t_signal else ""
         if self.before_ranks:
-            return (f"{self.signal} before the ranks started: nothing ran in this attempt; the newest checkpoint is step"
-                    f" {self.saved_step} ({self.steps_lost} finished steps lost){took}")
+            return (
+                f"{self.signal} before the ranks started: nothing ran in this attempt; the newest checkpoint is step"
+                f" {self.saved_step} ({self.steps_lost} finished steps lost){took}"
+            )
         if self.saved:
             at = f" in step {self.step_at_signal}" if self.step_at_signal else ""
-            return (f"{self.signal}{at}: every rank finished the step and saved step {self.saved_step}"
-                    f" ({self.steps_lost} finished steps lost){took}")
-        return (f"{self.signal}: the ranks stopped before they could save (trainer.stop_grace_s too short?); the newest"
-                f" checkpoint is step {self.saved_step} ({self.steps_lost} finished steps lost){took}")
+            return (
+                f"{self.signal}{at}: every rank finished the step and saved step {self.saved_step}"
+                f" ({self.steps_lost} finished steps lost){took}"
+            )
+        return (
+            f"{self.signal}: the ranks stopped before they could save (trainer.stop_grace_s too short?); the newest"
+            f" checkpoint is step {self.saved_step} ({self.steps_lost} finished steps lost){took}"
+        )
 
 
-def preemption_outcome(run_dir: Path, checkpoint_dir: str, *, since: float, signal_name: Optional[str] = None,
-                       before_ranks: bool = False, t_signal: Optional[float] = None) -> Optional[Preempted]:
+def preemption_outcome(
+    run_dir: Path,
+    checkpoint_dir: str,
+    *,
+    since: float,
+    signal_name: str | None = None,
+    before_ranks: bool = False,
+    t_signal: float | None = None,
+) -> Preempted | None:
     """The preemption of the attempt that started at ``since`` (Unix seconds), or None when there was none.
 
     ``signal_name``: the preempting signal when the driver got it (then there is an outcome even
@@ -95,14 +109,26 @@ def preemption_outcome(run_dir: Path, checkpoint_dir: str, *, since: float, sign
     done = max((r["step"] for r in records if r.get("ev") == "step" and not r.get("rolled_back")), default=0)
     if marks:
         rec = marks[-1]
-        return Preempted(signal=rec["signal"], saved=True, step_at_signal=rec.get("step_at_signal"),
-                         saved_step=rec["saved_step"], steps_lost=max(0, done - rec["saved_step"]),
-                         t_signal=rec.get("t_signal"))
+        return Preempted(
+            signal=rec["signal"],
+            saved=True,
+            step_at_signal=rec.get("step_at_signal"),
+            saved_step=rec["saved_step"],
+            steps_lost=max(0, done - rec["saved_step"]),
+            t_signal=rec.get("t_signal"),
+        )
     from framework.base.checkpoint.format import latest_valid_step
 
     _, saved = latest_valid_step(checkpoint_dir, warn=lambda msg: None)
-    return Preempted(signal=signal_name or "?", saved=False, step_at_signal=None, saved_step=saved,
-                     steps_lost=max(0, done - saved), t_signal=t_signal, before_ranks=before_ranks)
+    return Preempted(
+        signal=signal_name or "?",
+        saved=False,
+        step_at_signal=None,
+        saved_step=saved,
+        steps_lost=max(0, done - saved),
+        t_signal=t_signal,
+        before_ranks=before_ranks,
+    )
 
 
 class EarlySignals:
@@ -126,8 +152,8 @@ class EarlySignals:
     def __init__(self, on_blocked: Callable[[signal.Signals], None], grace_s: float = 1.0) -> None:
         self.on_blocked = on_blocked
         self.grace_s = grace_s
-        self.fired: Optional[signal.Signals] = None
-        self.t_signal: Optional[float] = None
+        self.fired: signal.Signals | None = None
+        self.t_signal: float | None = None
         self._previous: dict[signal.Signals, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
@@ -158,7 +184,7 @@ class EarlySignals:
                 if self.fired is None and self.ours(sig):  # the main thread is blocked: it never ran the handler
                     self.on_blocked(sig)
 
-    def __enter__(self) -> "EarlySignals":
+    def __enter__(self) -> EarlySignals:
         import socket
         import threading
 
@@ -185,7 +211,7 @@ class EarlySignals:
         self._read.close()
 
 
-def record_preemption(tracker: Any, preempted: Optional[Preempted]) -> None:
+def record_preemption(tracker: Any, preempted: Preempted | None) -> None:
     """Tag the MLflow run preempted (and log ``preempt/steps_lost`` at the saved step), or remove an
     earlier attempt's tag when this one was not preempted; never raises."""
     try:

@@ -62,27 +62,37 @@ def check_fault_config(run: RunConfig, world_size: int, tp_degree: int = 1, pp_d
             errors.append(f"fault.events[{i}].step={e.step} is after trainer.max_steps={max_steps}")
         bad = [k for k in e.ranks if k >= world_size]
         if bad:
-            errors.append(f"fault.events[{i}].ranks={list(e.ranks)}: rank {bad[0]} does not exist (world_size={world_size};"
-                          f" allowed: 0..{world_size - 1})")
+            errors.append(
+                f"fault.events[{i}].ranks={list(e.ranks)}: rank {bad[0]} does not exist (world_size={world_size};"
+                f" allowed: 0..{world_size - 1})"
+            )
     kinds = {e.kind for e in run.fault.events} | (set(run.fault.random_kinds) if run.fault.mtbf_steps > 0 else set())
     for kind in sorted(kinds & registry.keys()):
         errors.extend(registry[kind].check(run))
     if r.policy == "rollback":
         ck = run.checkpoint
         if ck.memory_every_n_steps <= 0:
-            errors.append("resilience.policy=rollback needs in-memory snapshots: set checkpoint.memory_every_n_steps > 0"
-                          " (or checkpoint=memory)")
+            errors.append(
+                "resilience.policy=rollback needs in-memory snapshots: set checkpoint.memory_every_n_steps > 0"
+                " (or checkpoint=memory)"
+            )
         elif ck.every_n_steps > 0 and ck.every_n_steps % ck.memory_every_n_steps:
-            errors.append(f"resilience.policy=rollback: checkpoint.every_n_steps={ck.every_n_steps} must be a multiple of"
-                          f" checkpoint.memory_every_n_steps={ck.memory_every_n_steps} (the snapshot is then never older"
-                          " than the newest saved checkpoint)")
+            errors.append(
+                f"resilience.policy=rollback: checkpoint.every_n_steps={ck.every_n_steps} must be a multiple of"
+                f" checkpoint.memory_every_n_steps={ck.memory_every_n_steps} (the snapshot is then never older"
+                " than the newest saved checkpoint)"
+            )
     if r.policy == "shrink":
         if tp_degree != 1 or pp_degree != 1:
-            errors.append(f"resilience.policy=shrink drops data-parallel ranks; tp_degree={tp_degree}, pp_degree={pp_degree}"
-                          " must be 1")
+            errors.append(
+                f"resilience.policy=shrink drops data-parallel ranks; tp_degree={tp_degree}, pp_degree={pp_degree}"
+                " must be 1"
+            )
         if world_size < r.min_world_size:
-            errors.append(f"resilience.policy=shrink: world_size={world_size} < resilience.min_world_size={r.min_world_size}"
-                          f" (allowed: 1..{world_size})")
+            errors.append(
+                f"resilience.policy=shrink: world_size={world_size} < resilience.min_world_size={r.min_world_size}"
+                f" (allowed: 1..{world_size})"
+            )
     late = [s for s in r.skip_steps if s > max_steps]
     if late:
         errors.append(f"resilience.skip_steps has step {late[0]} after trainer.max_steps={max_steps}")
@@ -92,5 +102,10 @@ def check_fault_config(run: RunConfig, world_size: int, tp_degree: int = 1, pp_d
 
 def faults_enabled(run: RunConfig) -> bool:
     """Whether the fault machinery runs at all (a fault scheduled or a policy chosen)."""
-    return bool(run.fault.events) or run.fault.mtbf_steps > 0 or run.resilience.policy != "none" \
-        or bool(run.resilience.skip_steps) or run.resilience.hang_timeout_s > 0
+    return (
+        bool(run.fault.events)
+        or run.fault.mtbf_steps > 0
+        or run.resilience.policy != "none"
+        or bool(run.resilience.skip_steps)
+        or run.resilience.hang_timeout_s > 0
+    )

@@ -14,7 +14,8 @@ Sinks are callables ``sink(metrics, step)``; a sink that buffers (``flush()`` an
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 MetricSink = Callable[[Mapping[str, float], int], None]
 """A metric destination: called with ``(metrics, step)``; ``step`` is the optimizer step (1-based) they belong to."""

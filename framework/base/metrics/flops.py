@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 import platform
 import re
 import tempfile
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -58,14 +58,20 @@ _GPU_PATTERNS: list[tuple[str, str]] = [
 
 _CACHE_FILE = "peak_flops.json"
 _DTYPES = {
-    "fp32": torch.float32, "32-true": torch.float32, "32": torch.float32,
-    "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
-    "fp16": torch.float16, "16-mixed": torch.float16, "16-true": torch.float16,
+    "fp32": torch.float32,
+    "32-true": torch.float32,
+    "32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "fp16": torch.float16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
 }
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _gpu_key(device_name: str) -> Optional[str]:
+def _gpu_key(device_name: str) -> str | None:
     name = device_name.upper()
     for pattern, key in _GPU_PATTERNS:
         if re.search(pattern, name):
@@ -73,7 +79,7 @@ def _gpu_key(device_name: str) -> Optional[str]:
     return None
 
 
-def match_gpu_peak(device_name: str) -> Optional[float]:
+def match_gpu_peak(device_name: str) -> float | None:
     """Dense BF16 peak FLOP/s for a CUDA device name (``torch.cuda.get_device_name()``), e.g.
     ``"NVIDIA H100 80GB HBM3"`` -> 989.4e12; None when the GPU is not in the table."""
     key = _gpu_key(device_name)
@@ -92,7 +98,12 @@ def _cpu_model() -> str:
 
 
 def _measure_gemm_flops(
-    device: torch.device, dtype: torch.dtype, *, n: int, repeat_s: float = 0.2, repeats: int = 3,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    n: int,
+    repeat_s: float = 0.2,
+    repeats: int = 3,
     timer: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Best-of-``repeats`` FLOP/s of ``n x n`` matmuls (2 * n^3 FLOPs each), each repeat ~``repeat_s``."""
@@ -159,8 +170,8 @@ class PeakInfo:
 
     flops: float
     method: str
-    measured_at: Optional[float] = None
-    other_cpu_share: Optional[float] = None
+    measured_at: float | None = None
+    other_cpu_share: float | None = None
 
     @property
     def under_load(self) -> bool:
@@ -186,15 +197,13 @@ def _measure_under(device: torch.device, tdtype: torch.dtype, n: int) -> tuple[f
     return flops, load
 
 
-def peak_flops(
-    device: torch.device, *, dtype: str, threads: Optional[int] = None, cache_dir: str
-) -> tuple[float, str]:
+def peak_flops(device: torch.device, *, dtype: str, threads: int | None = None, cache_dir: str) -> tuple[float, str]:
     """``(flop_per_s, method)`` of :func:`peak_flops_info` (log the method as a param)."""
     info = peak_flops_info(device, dtype=dtype, threads=threads, cache_dir=cache_dir)
     return info.flops, info.method
 
 
-def _key(device: torch.device, dtype: str, threads: Optional[int]) -> tuple:
+def _key(device: torch.device, dtype: str, threads: int | None) -> tuple:
     """``(hardware, n, tag, method, cache key, threads, torch dtype)`` of a measured peak, or None for a GPU in the table."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not known; allowed: {', '.join(_DTYPES)}")
@@ -213,7 +222,7 @@ def _key(device: torch.device, dtype: str, threads: Optional[int]) -> tuple:
 
 
 def peak_flops_info(
-    device: torch.device, *, dtype: str, threads: Optional[int] = None, cache_dir: str, at_least: float = 0.0
+    device: torch.device, *, dtype: str, threads: int | None = None, cache_dir: str, at_least: float = 0.0
 ) -> PeakInfo:
     """Peak FLOP/s of one device and how it was obtained (:class:`PeakInfo`).
 
@@ -263,10 +272,18 @@ def peak_flops_info(
         if n_threads != prev_threads:
             torch.set_num_threads(prev_threads)
     now = time.time()
-    history = list(entry.get("history", []))[-9:] + [{"flops": flops, "date": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), **load}]
+    history = list(entry.get("history", []))[-9:] + [
+        {"flops": flops, "date": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), **load}
+    ]
     if flops >= cached:
-        entry = {"flops": flops, "method": method, "n": n, "measured_at": now,
-                 "date": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), **load}
+        entry = {
+            "flops": flops,
+            "method": method,
+            "n": n,
+            "measured_at": now,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+            **load,
+        }
     else:  # a lower reading (the machine is busier now): keep the best, but stop re-measuring it for a while
         entry = {**entry, "measured_at": now}
     entry["history"] = history
@@ -281,23 +298,22 @@ def check_mfu(value: float) -> bool:
     return 0.0 <= value <= 1.0
 
 
-def recalibrate(device: torch.device, *, dtype: str, threads: Optional[int] = None, cache_dir: str,
-                achieved: float) -> PeakInfo:
+def recalibrate(
+    device: torch.device, *, dtype: str, threads: int | None = None, cache_dir: str, achieved: float
+) -> PeakInfo:
     """Measure the peak again because a run achieved ``achieved`` FLOP/s per device, more than the
     cached peak; the cache keeps the highest. A table peak (a GPU in :data:`PEAK_FLOPS_BF16`) is not
     measured: exceeding it means the FLOPs count or the table is wrong, and is returned as it is."""
     return peak_flops_info(device, dtype=dtype, threads=threads, cache_dir=cache_dir, at_least=achieved)
 
 
-def _ratio(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:
+def _ratio(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:  # noqa: F811 (the keyword names the quantity; the function is the cost model's, re-exported)
     if num_devices <= 0 or peak_flops_per_device <= 0:
-        raise ValueError(
-            f"num_devices={num_devices} and peak_flops_per_device={peak_flops_per_device} must be > 0"
-        )
+        raise ValueError(f"num_devices={num_devices} and peak_flops_per_device={peak_flops_per_device} must be > 0")
     return tokens_per_sec * flops_per_token / (num_devices * peak_flops_per_device)
 
 
-def mfu(*, tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:
+def mfu(*, tokens_per_sec: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:  # noqa: F811 (as above)
     """Model FLOPs utilization, a fraction (PaLM section 4.1).
 
     ``tokens_per_sec * flops_per_token / (num_devices * peak_flops_per_device)``, with

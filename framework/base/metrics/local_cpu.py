@@ -17,12 +17,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from framework.base.cost.hardware import Cluster, ClusterError, cluster_from_dict, needs_measurement
 
 CACHE_FILE = "local_cpu.json"
-SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20)  # payload bytes per call (32 MiB: DDP's 25 MB buckets, ZeRO-3's layer gathers)
+SIZES = (
+    4 << 10,
+    64 << 10,
+    512 << 10,
+    4 << 20,
+    32 << 20,
+)  # payload bytes per call (32 MiB: DDP's 25 MB buckets, ZeRO-3's layer gathers)
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -51,6 +58,7 @@ def _bench_rank(rank: int, world: int, port: int, out: str) -> None:
         ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         for kind in res:
+
             def op():
                 if kind == "allreduce":
                     dist.all_reduce(x)
@@ -64,6 +72,7 @@ def _bench_rank(rank: int, world: int, port: int, out: str) -> None:
                 elif rank == 1:
                     dist.recv(x, 0)
                     dist.send(x, 0)
+
             for _ in range(3):
                 op()
             reps = 10 if size < (1 << 20) else 4
@@ -116,8 +125,14 @@ def measure_local_cpu(cache_dir: str, *, ranks: int = 2) -> dict:
         for line in f:
             if line.startswith("MemTotal:"):
                 mem_kib = int(line.split()[1])
-    rec = {"gemm_flops": flops, "memory_gib": mem_kib / 2**20, "ranks": ranks, "links": links, "raw": raw,
-           "measured_at": time.time()}
+    rec = {
+        "gemm_flops": flops,
+        "memory_gib": mem_kib / 2**20,
+        "ranks": ranks,
+        "links": links,
+        "raw": raw,
+        "measured_at": time.time(),
+    }
     os.makedirs(cache_dir, exist_ok=True)
     with open(os.path.join(cache_dir, CACHE_FILE), "w", encoding="utf-8") as f:
         json.dump(rec, f, indent=2)
@@ -135,11 +150,15 @@ def load_or_measure_local_cpu(cache_dir: str, *, ranks: int = 2, measure: bool =
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     if not measure:
-        raise ClusterError(f"cluster=local_cpu: no measurement cached at {path}; run python -m framework.base.metrics.local_cpu")
+        raise ClusterError(
+            f"cluster=local_cpu: no measurement cached at {path}; run python -m framework.base.metrics.local_cpu"
+        )
     return measure_local_cpu(cache_dir, ranks=ranks)
 
 
-def cluster_of(raw: Mapping[str, Any], *, where: str = "cluster", cache_dir: str = ".cache/cost", measure: bool = True) -> Cluster:
+def cluster_of(
+    raw: Mapping[str, Any], *, where: str = "cluster", cache_dir: str = ".cache/cost", measure: bool = True
+) -> Cluster:
     """The :class:`~framework.base.cost.hardware.Cluster` of the ``conf/cluster`` mapping ``raw``; a file that
     says ``measured`` (``local_cpu``) gets this machine's cached record (:func:`load_or_measure_local_cpu`,
     ``gpus_per_node`` ranks; measured first when absent and ``measure``).
@@ -157,9 +176,13 @@ def cluster_of(raw: Mapping[str, Any], *, where: str = "cluster", cache_dir: str
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m framework.base.metrics.local_cpu",
-                                 description="Measure this machine's GEMM rate and gloo collectives (2 ranks) for cluster=local_cpu "
-                                             "and cache them (wrap in flock: it starts 2 processes).")
-    ap.add_argument("cache_dir", nargs="?", default=".cache/cost", help="where local_cpu.json is written (default .cache/cost)")
+    ap = argparse.ArgumentParser(
+        prog="python -m framework.base.metrics.local_cpu",
+        description="Measure this machine's GEMM rate and gloo collectives (2 ranks) for cluster=local_cpu "
+        "and cache them (wrap in flock: it starts 2 processes).",
+    )
+    ap.add_argument(
+        "cache_dir", nargs="?", default=".cache/cost", help="where local_cpu.json is written (default .cache/cost)"
+    )
     rec = measure_local_cpu(ap.parse_args().cache_dir)
     print(json.dumps({k: v for k, v in rec.items() if k != "raw"}, indent=2))

@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 import resource
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -115,8 +116,9 @@ def model_states_bytes(held: HeldState) -> dict[str, int]:
     return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
 
 
-def model_stats(module: torch.nn.Module,
-                full_shape: Callable[[torch.nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape)) -> ModelStats:
+def model_stats(
+    module: torch.nn.Module, full_shape: Callable[[torch.nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape)
+) -> ModelStats:
     """:class:`ModelStats` of ``module``'s trainable parameters (a shared tensor counted once), with their full shapes.
 
     ``full_shape``: a parameter's unpartitioned shape (the plugin's
@@ -151,7 +153,7 @@ class _Saved:
 
     __slots__ = ("tensor", "key", "meter", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, key: Any, meter: "SavedTensorMeter") -> None:
+    def __init__(self, tensor: torch.Tensor, key: Any, meter: SavedTensorMeter) -> None:
         self.tensor, self.key, self.meter = tensor, key, meter
 
     def __del__(self) -> None:
@@ -227,7 +229,7 @@ class SavedTensorMeter:
             ctx, self._ctx = self._ctx, None
             ctx.__exit__(None, None, None)
 
-    def __enter__(self) -> "SavedTensorMeter":
+    def __enter__(self) -> SavedTensorMeter:
         self.start()
         return self
 

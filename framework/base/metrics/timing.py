@@ -25,8 +25,9 @@ import threading
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -241,7 +242,7 @@ class CommMeter:
         return dict(out)
 
 
-_METERS: "weakref.WeakSet[CommMeter]" = weakref.WeakSet()  # every live meter of this process
+_METERS: weakref.WeakSet[CommMeter] = weakref.WeakSet()  # every live meter of this process
 
 
 @contextmanager

@@ -23,5 +23,15 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     return ARCHS[cfg.arch](cfg, vocab_size)
 
 
-__all__ = ["ARCHS", "GPT", "Block", "CausalSelfAttention", "MLP", "Llama", "LlamaBlock", "GroupedQueryAttention", "SwiGLU",
-           "build_model"]
+__all__ = [
+    "ARCHS",
+    "GPT",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "Llama",
+    "LlamaBlock",
+    "GroupedQueryAttention",
+    "SwiGLU",
+    "build_model",
+]

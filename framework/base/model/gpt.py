@@ -25,7 +25,6 @@ outside, in that order, by :func:`framework.base.parallelize.parallelize_gpt`.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -128,10 +127,16 @@ class GPT(nn.Module):
         # On the meta device (a shape only: the driver's counts, the FLOPs of a configured model) there are no
         # values to initialise, and torch's meta normal_ imports torch._dynamo (~1 s of CPU in the driver).
         meta = torch.empty(()).is_meta
-        self.wte = nn.Embedding(self.vocab_size, cfg.d_model,  # [V, h]; also the output head
-                                _weight=torch.empty(self.vocab_size, cfg.d_model) if meta else None)
-        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model,  # [max_seq_len, h]
-                                _weight=torch.empty(cfg.max_seq_len, cfg.d_model) if meta else None)
+        self.wte = nn.Embedding(
+            self.vocab_size,
+            cfg.d_model,  # [V, h]; also the output head
+            _weight=torch.empty(self.vocab_size, cfg.d_model) if meta else None,
+        )
+        self.wpe = nn.Embedding(
+            cfg.max_seq_len,
+            cfg.d_model,  # [max_seq_len, h]
+            _weight=torch.empty(cfg.max_seq_len, cfg.d_model) if meta else None,
+        )
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
@@ -171,8 +176,8 @@ class GPT(nn.Module):
     def forward(
         self,
         idx: torch.Tensor,
-        targets: Optional[torch.Tensor] = None,
-        num_tokens: Optional[torch.Tensor] = None,
+        targets: torch.Tensor | None = None,
+        num_tokens: torch.Tensor | None = None,
         num_micro_batches: int = 1,
     ) -> torch.Tensor:
         """Run the decoder: :func:`embed_tokens`, the blocks in order, :func:`output_logits`.
@@ -246,7 +251,9 @@ class GPT(nn.Module):
 # hold some of these modules each and so cannot call GPT.forward.
 
 
-def embed_tokens(idx: torch.Tensor, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout, max_seq_len: int) -> torch.Tensor:
+def embed_tokens(
+    idx: torch.Tensor, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout, max_seq_len: int
+) -> torch.Tensor:
     """Token + learned position embeddings, then dropout: ids ``[b, s]`` -> ``[b, s, h]``.
 
     Raises:
@@ -279,7 +286,7 @@ def output_logits(x: torch.Tensor, ln_f: nn.Module, head_weight: torch.Tensor) -
 
 
 def lm_loss(
-    logits: torch.Tensor, targets: torch.Tensor, num_tokens: Optional[torch.Tensor] = None, num_micro_batches: int = 1
+    logits: torch.Tensor, targets: torch.Tensor, num_tokens: torch.Tensor | None = None, num_micro_batches: int = 1
 ) -> torch.Tensor:
     """Cross-entropy of ``logits [b, s, V]`` against next-token ids ``targets [b, s]``, summed over
     the valid targets (``!= IGNORE_INDEX``) and divided by ``num_tokens / num_micro_batches``;

@@ -39,7 +39,6 @@ Like the GPT, the model holds no parallelism and takes its parameter counts at c
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -95,8 +94,9 @@ class GroupedQueryAttention(nn.Module):
         cos, sin = rope_cos_sin(s, d, self.rope_theta, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Query head j*g + i attends with key/value head j (SDPA's enable_gqa repeats K/V by interleaving).
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
-                                           enable_gqa=g > 1)  # [b, H_local, s, d]
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True, enable_gqa=g > 1
+        )  # [b, H_local, s, d]
         y = y.transpose(1, 2).reshape(b, s, k_local * g * d)  # [b, s, H_local * d]
         return self.proj(y)
 
@@ -157,8 +157,11 @@ class Llama(nn.Module):
         self.n_layer = cfg.n_layer
         self.d_model = cfg.d_model
         meta = torch.empty(()).is_meta  # see GPT.__init__: no init on the meta device
-        self.wte = nn.Embedding(self.vocab_size, cfg.d_model,  # [V, h]
-                                _weight=torch.empty(self.vocab_size, cfg.d_model) if meta else None)
+        self.wte = nn.Embedding(
+            self.vocab_size,
+            cfg.d_model,  # [V, h]
+            _weight=torch.empty(self.vocab_size, cfg.d_model) if meta else None,
+        )
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -192,8 +195,8 @@ class Llama(nn.Module):
     def forward(
         self,
         idx: torch.Tensor,
-        targets: Optional[torch.Tensor] = None,
-        num_tokens: Optional[torch.Tensor] = None,
+        targets: torch.Tensor | None = None,
+        num_tokens: torch.Tensor | None = None,
         num_micro_batches: int = 1,
     ) -> torch.Tensor:
         """As :meth:`framework.base.model.GPT.forward`: ids ``[b, s]`` -> logits ``[b, s, V]`` or the loss.
@@ -224,8 +227,9 @@ class Llama(nn.Module):
         scores and the weighted sum still run over all H query heads, ``H * d = h``. RoPE, the
         norms and the SwiGLU product are elementwise and not counted (the convention counts matmuls).
         """
-        return _flops_per_token(n_params=self.num_flops_params(), n_layer=self.n_layer, d_model=self.d_model,
-                                seq_len=seq_len)
+        return _flops_per_token(
+            n_params=self.num_flops_params(), n_layer=self.n_layer, d_model=self.d_model, seq_len=seq_len
+        )
 
     def hardware_flops_per_token(self, seq_len: int) -> int:
         """:meth:`flops_per_token` plus, with ``activation_checkpointing``, the blocks' forward again (see the GPT's)."""

@@ -52,7 +52,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -65,8 +65,14 @@ VAL_EVERY = 3  # validation inside the run (steps 3 and 6), not only at its star
 # A small slice of the stdlib corpus, a small vocabulary, short windows: a run costs seconds.
 SMALL_DATA = ("data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64")
 BATCH = ("trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.grad_accum_steps=null")
-COMMON = ("tracking=none", "trainer.progress_bar=false", "trainer.log_every_n_steps=1",
-          "trainer.warmup_steps_excluded=1", "trainer.val_sequences=16", f"trainer.val_every_n_steps={VAL_EVERY}")
+COMMON = (
+    "tracking=none",
+    "trainer.progress_bar=false",
+    "trainer.log_every_n_steps=1",
+    "trainer.warmup_steps_excluded=1",
+    "trainer.val_sequences=16",
+    f"trainer.val_every_n_steps={VAL_EVERY}",
+)
 MODEL = "gpt_tiny"  # the model every check trains unless its PluginCase names another (model=llama_tiny)
 
 
@@ -133,9 +139,18 @@ class Conformance:
         self._runs: dict[str, RunResult] = {}
 
     # -- running the driver --------------------------------------------------------------------
-    def run(self, run_name: str, overrides: tuple[str, ...], *, env: Optional[dict[str, str]] = None,
-            max_steps: int = STEPS, save_every: int = SAVE_AT, resume: Optional[Path | str] = None,
-            ckpt_dir: Optional[Path] = None, model: str = MODEL) -> RunResult:
+    def run(
+        self,
+        run_name: str,
+        overrides: tuple[str, ...],
+        *,
+        env: dict[str, str] | None = None,
+        max_steps: int = STEPS,
+        save_every: int = SAVE_AT,
+        resume: Path | str | None = None,
+        ckpt_dir: Path | None = None,
+        model: str = MODEL,
+    ) -> RunResult:
         """Run the driver once (cached by ``run_name``); raises AssertionError with its output when it fails.
 
         ``resume``: a checkpoint folder, ``"auto"``, or None (= ``never``); ``ckpt_dir``: the
@@ -144,15 +159,31 @@ class Conformance:
         if run_name in self._runs:
             return self._runs[run_name]
         ckpt = ckpt_dir or self.workdir / "checkpoints" / run_name
-        args = [sys.executable, "-m", "framework.train", *SMALL_DATA, f"data.cache_dir={self.cache_dir}", *COMMON,
-                f"model={model}", *BATCH, *overrides, f"trainer.max_steps={max_steps}", f"checkpoint.every_n_steps={save_every}",
-                "checkpoint.keep_last_k=10", f"checkpoint.dir={ckpt}", f"run_name={run_name}",
-                f"resume={resume if resume is not None else 'never'}"]
-        proc = subprocess.run(args, cwd=self.workdir, capture_output=True, text=True, timeout=900,
-                              env={**os.environ, **(env or {})})
+        args = [
+            sys.executable,
+            "-m",
+            "framework.train",
+            *SMALL_DATA,
+            f"data.cache_dir={self.cache_dir}",
+            *COMMON,
+            f"model={model}",
+            *BATCH,
+            *overrides,
+            f"trainer.max_steps={max_steps}",
+            f"checkpoint.every_n_steps={save_every}",
+            "checkpoint.keep_last_k=10",
+            f"checkpoint.dir={ckpt}",
+            f"run_name={run_name}",
+            f"resume={resume if resume is not None else 'never'}",
+        ]
+        proc = subprocess.run(
+            args, cwd=self.workdir, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})}
+        )
         if proc.returncode != 0:
-            raise AssertionError(f"driver exited {proc.returncode}: {' '.join(args[2:])}\n"
-                                 f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
+            raise AssertionError(
+                f"driver exited {proc.returncode}: {' '.join(args[2:])}\n"
+                f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+            )
         from framework.base.tracking import read_jsonl_metrics
 
         records = read_jsonl_metrics(self.workdir / "outputs" / "default" / run_name / "metrics.jsonl")
@@ -167,8 +198,13 @@ class Conformance:
 
     def skip_reference(self, model: str = MODEL) -> RunResult:
         """``single`` with step ``SKIP_AT``'s update dropped (shared by every plugin's ``skipped_step`` check)."""
-        return self.run(_ref_name("ref-single-skip", model), ("parallelism=single", *SKIP), max_steps=SKIP_AT + 2,
-                        save_every=0, model=model)
+        return self.run(
+            _ref_name("ref-single-skip", model),
+            ("parallelism=single", *SKIP),
+            max_steps=SKIP_AT + 2,
+            save_every=0,
+            model=model,
+        )
 
     def plugin_run(self, case: PluginCase) -> RunResult:
         """The plugin's uninterrupted run, checkpointed at ``SAVE_AT`` and at the end."""
@@ -177,22 +213,42 @@ class Conformance:
     def round_trip_run(self, case: PluginCase) -> RunResult:
         """The plugin resumed from its own step-``SAVE_AT`` checkpoint at the same layout."""
         start = self.plugin_run(case).ckpt_dir / f"step{SAVE_AT:08d}"
-        return self.run(f"{case.name}-roundtrip", case.select, env=case.env, save_every=STEPS, resume=start, model=case.model)
+        return self.run(
+            f"{case.name}-roundtrip", case.select, env=case.env, save_every=STEPS, resume=start, model=case.model
+        )
 
     def resume_as_run(self, case: PluginCase, i: int) -> RunResult:
         """The plugin's step-``SAVE_AT`` checkpoint resumed under layout ``case.resume_as[i]``."""
-        return self.run(f"{case.name}-as{i}", case.resume_as[i], env=case.env, save_every=0,
-                        resume=self.plugin_run(case).ckpt_dir / f"step{SAVE_AT:08d}", model=case.model)
+        return self.run(
+            f"{case.name}-as{i}",
+            case.resume_as[i],
+            env=case.env,
+            save_every=0,
+            resume=self.plugin_run(case).ckpt_dir / f"step{SAVE_AT:08d}",
+            model=case.model,
+        )
 
     def from_single_run(self, case: PluginCase) -> RunResult:
         """``single``'s step-``SAVE_AT`` checkpoint resumed by the plugin."""
-        return self.run(f"{case.name}-from-single", case.select, env=case.env, save_every=0,
-                        resume=self.reference(case.model).ckpt_dir / f"step{SAVE_AT:08d}", model=case.model)
+        return self.run(
+            f"{case.name}-from-single",
+            case.select,
+            env=case.env,
+            save_every=0,
+            resume=self.reference(case.model).ckpt_dir / f"step{SAVE_AT:08d}",
+            model=case.model,
+        )
 
     def skip_run(self, case: PluginCase) -> RunResult:
         """The plugin with step ``SKIP_AT``'s update dropped (``resilience.audit_skips`` on)."""
-        return self.run(f"{case.name}-skip", (*case.select, *SKIP), env=case.env, max_steps=SKIP_AT + 2, save_every=0,
-                        model=case.model)
+        return self.run(
+            f"{case.name}-skip",
+            (*case.select, *SKIP),
+            env=case.env,
+            max_steps=SKIP_AT + 2,
+            save_every=0,
+            model=case.model,
+        )
 
     def prefetch(self, checks: list[tuple[PluginCase, str]], lanes: int = 2) -> None:
         """Run ahead, ``lanes`` at a time, the driver runs that ``checks`` (``(case, check)`` pairs) will ask for.
@@ -222,7 +278,10 @@ class Conformance:
             if check == "resume_other_world_size":
                 for i in range(len(case.resume_as)):
                     then[(f"as{i}", case.name)] = ((f"{case.name}-full",), lambda c=case, i=i: self.resume_as_run(c, i))
-                then[("from-single", case.name)] = ((_ref_name("ref-single", case.model),), lambda c=case: self.from_single_run(c))
+                then[("from-single", case.name)] = (
+                    (_ref_name("ref-single", case.model),),
+                    lambda c=case: self.from_single_run(c),
+                )
 
         def attempt(task) -> None:
             try:
@@ -232,7 +291,9 @@ class Conformance:
 
         with ThreadPoolExecutor(max_workers=max(1, lanes)) as pool:
             list(pool.map(attempt, first.values()))
-            ready = [task for needs, task in then.values() if all(n in self._runs for n in needs)]  # no re-runs of failures
+            ready = [
+                task for needs, task in then.values() if all(n in self._runs for n in needs)
+            ]  # no re-runs of failures
             list(pool.map(attempt, ready))
 
     # -- the checks ----------------------------------------------------------------------------
@@ -250,23 +311,34 @@ class Conformance:
     def check_loss_parity(self, case: PluginCase) -> None:
         ref, got = self.reference(case.model), self.plugin_run(case)
         assert sorted(ref.losses) == list(range(1, STEPS + 1)), ref.losses
-        assert min(ref.losses.values()) < ref.losses[1] - 0.1, "the reference must learn for the comparison to mean anything"
+        assert min(ref.losses.values()) < ref.losses[1] - 0.1, (
+            "the reference must learn for the comparison to mean anything"
+        )
         _assert_losses(got.losses, ref.losses, range(1, STEPS + 1), case.parity_rtol, f"{case.name} vs single")
         lrs = [{int(r["step"]): r["train/lr"] for r in run.records if "train/lr" in r} for run in (got, ref)]
         assert sorted(lrs[1]) == list(range(1, STEPS + 1)) and lrs[0] == lrs[1], f"{case.name}: train/lr per step {lrs}"
 
     def check_checkpoint_round_trip(self, case: PluginCase) -> None:
         full, again = self.plugin_run(case), self.round_trip_run(case)
-        _assert_losses(again.losses, full.losses, range(SAVE_AT + 1, STEPS + 1), case.round_trip_rtol,
-                       f"{case.name} resumed from its step {SAVE_AT}")
-        _assert_same_state(again.ckpt_dir / f"step{STEPS:08d}", full.ckpt_dir / f"step{STEPS:08d}", case.round_trip_rtol)
+        _assert_losses(
+            again.losses,
+            full.losses,
+            range(SAVE_AT + 1, STEPS + 1),
+            case.round_trip_rtol,
+            f"{case.name} resumed from its step {SAVE_AT}",
+        )
+        _assert_same_state(
+            again.ckpt_dir / f"step{STEPS:08d}", full.ckpt_dir / f"step{STEPS:08d}", case.round_trip_rtol
+        )
 
     def check_resume_other_world_size(self, case: PluginCase) -> None:
         ref = self.reference(case.model)
         steps = range(SAVE_AT + 1, STEPS + 1)
         for i, layout in enumerate(case.resume_as):
             got = self.resume_as_run(case, i)
-            _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"{case.name} checkpoint resumed as {layout}")
+            _assert_losses(
+                got.losses, ref.losses, steps, case.parity_rtol, f"{case.name} checkpoint resumed as {layout}"
+            )
         got = self.from_single_run(case)
         _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"single checkpoint resumed by {case.name}")
 
@@ -283,19 +355,21 @@ class Conformance:
             for k in kinds:
                 assert r[f"perf/comm_bytes_{k}"] == r[f"perf/comm_bytes_{k}_model"], (
                     f"step {r['step']}: measured {k} bytes {r[f'perf/comm_bytes_{k}']:.0f}"
-                    f" != modelled {r[f'perf/comm_bytes_{k}_model']:.0f}")
+                    f" != modelled {r[f'perf/comm_bytes_{k}_model']:.0f}"
+                )
             assert r["perf/comm_bytes"] == r["perf/comm_bytes_model"]
             assert r["perf/comm_bytes_wire"] == r["perf/comm_bytes_wire_model"], (
                 f"step {r['step']}: measured wire bytes {r['perf/comm_bytes_wire']:.0f}"
-                f" != modelled {r['perf/comm_bytes_wire_model']:.0f}")
+                f" != modelled {r['perf/comm_bytes_wire_model']:.0f}"
+            )
         validated = {int(r["step"]) for r in records if "val/loss" in r} & {int(r["step"]) for r in comm}
         assert validated, "no checked step ran a validation pass (trainer.val_every_n_steps)"
         mem = [r for r in records if "mem/model_states_bytes_model" in r]
         assert mem, "no step logged mem/model_states_bytes_model"
         for r in mem:
-            assert r["mem/model_states_bytes"] == pytest.approx(r["mem/model_states_bytes_model"], rel=case.model_states_rtol,
-                                                                abs=0), f"step {r['step']}: model-state bytes"
-
+            assert r["mem/model_states_bytes"] == pytest.approx(
+                r["mem/model_states_bytes_model"], rel=case.model_states_rtol, abs=0
+            ), f"step {r['step']}: model-state bytes"
 
     def check_skipped_step(self, case: PluginCase) -> None:
         from framework.base.faults.events import FaultLog
@@ -307,14 +381,22 @@ class Conformance:
         assert sorted(audits) == list(range(start["world_size"])), f"{case.name}: skip audits of ranks {sorted(audits)}"
         for rank, a in audits.items():
             assert a["step"] == SKIP_AT and a["tensors"] > 0, a
-            assert a["max_abs_diff"] == 0.0, (f"{case.name}: rank {rank}'s model/optimizer state moved by up to"
-                                              f" {a['max_abs_diff']!r} in the skipped step {SKIP_AT}")
+            assert a["max_abs_diff"] == 0.0, (
+                f"{case.name}: rank {rank}'s model/optimizer state moved by up to"
+                f" {a['max_abs_diff']!r} in the skipped step {SKIP_AT}"
+            )
         steps = range(1, SKIP_AT + 3)
         rec = {int(r["step"]): r for r in got.records if "train/lr" in r}
-        assert rec[SKIP_AT + 1]["train/lr"] == rec[SKIP_AT]["train/lr"], f"{case.name}: the LR schedule advanced in the skipped step"
+        assert rec[SKIP_AT + 1]["train/lr"] == rec[SKIP_AT]["train/lr"], (
+            f"{case.name}: the LR schedule advanced in the skipped step"
+        )
         updates = [(rec[s]["train/steps_attempted"], rec[s]["train/optimizer_updates"]) for s in steps]
-        assert updates == [(s, s - (s >= SKIP_AT)) for s in steps], f"{case.name}: (attempted, applied) per step {updates}"
-        _assert_losses(got.losses, ref.losses, steps, case.parity_rtol, f"{case.name} vs single, step {SKIP_AT} skipped")
+        assert updates == [(s, s - (s >= SKIP_AT)) for s in steps], (
+            f"{case.name}: (attempted, applied) per step {updates}"
+        )
+        _assert_losses(
+            got.losses, ref.losses, steps, case.parity_rtol, f"{case.name} vs single, step {SKIP_AT} skipped"
+        )
 
 
 def _ref_name(prefix: str, model: str) -> str:
@@ -326,7 +408,9 @@ def _assert_losses(got: dict[int, float], want: dict[int, float], steps: range, 
     missing = [s for s in steps if s not in got]
     assert not missing, f"{what}: no loss logged for steps {missing}"
     for s in steps:
-        assert got[s] == pytest.approx(want[s], rel=rtol, abs=0), f"{what}: step {s} loss {got[s]!r} != {want[s]!r} (rtol {rtol})"
+        assert got[s] == pytest.approx(want[s], rel=rtol, abs=0), (
+            f"{what}: step {s} loss {got[s]!r} != {want[s]!r} (rtol {rtol})"
+        )
 
 
 def _assert_same_state(a: Path, b: Path, rtol: float) -> None:
@@ -337,8 +421,9 @@ def _assert_same_state(a: Path, b: Path, rtol: float) -> None:
 
     sa, sb = load_state(a), load_state(b)
     torch.testing.assert_close(sa["state_dict"], sb["state_dict"], rtol=rtol, atol=0)
-    torch.testing.assert_close([o["state"] for o in sa["optimizer_states"]], [o["state"] for o in sb["optimizer_states"]],
-                               rtol=rtol, atol=0)
+    torch.testing.assert_close(
+        [o["state"] for o in sa["optimizer_states"]], [o["state"] for o in sb["optimizer_states"]], rtol=rtol, atol=0
+    )
 
 
 @pytest.fixture(scope="session")

@@ -43,38 +43,69 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 MAX_STEPS = 11
 NUMERIC = {"nan_grad": 7, "inf_loss": 8, "loss_spike": 9}  # step of each numeric fault, in every run that has them
 SKIPPED = tuple(NUMERIC.values())
-SMALL = ("data.max_bytes=1500000", "data.vocab_size=1024", "data.seq_len=64", "model=gpt_tiny", "parallelism=single",
-         "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.grad_accum_steps=null",
-         f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1", "trainer.val_sequences=16",
-         "trainer.val_every_n_steps=100", "trainer.warmup_steps_excluded=0", "trainer.progress_bar=false", "tracking=none",
-         "checkpoint.every_n_steps=2", "checkpoint.keep_last_k=3", "resume=never",
-         "resilience.stat_warmup_steps=2",  # spikes judged after 2 accepted steps (few steps in all)
-         "trainer.threads_per_rank=1")  # every run alike (bitwise comparisons), and 2 runs side by side fit 2 cores
+SMALL = (
+    "data.max_bytes=1500000",
+    "data.vocab_size=1024",
+    "data.seq_len=64",
+    "model=gpt_tiny",
+    "parallelism=single",
+    "trainer.global_batch_size=4",
+    "trainer.micro_batch_size=2",
+    "trainer.grad_accum_steps=null",
+    f"trainer.max_steps={MAX_STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_sequences=16",
+    "trainer.val_every_n_steps=100",
+    "trainer.warmup_steps_excluded=0",
+    "trainer.progress_bar=false",
+    "tracking=none",
+    "checkpoint.every_n_steps=2",
+    "checkpoint.keep_last_k=3",
+    "resume=never",
+    "resilience.stat_warmup_steps=2",  # spikes judged after 2 accepted steps (few steps in all)
+    "trainer.threads_per_rank=1",
+)  # every run alike (bitwise comparisons), and 2 runs side by side fit 2 cores
 
 
 def _events(*events: str) -> str:
     return "fault.events=[" + ",".join(events) + "]"
 
 
-NUMERIC_EVENTS = ("{kind:nan_grad,step:7,ranks:[0]}", "{kind:inf_loss,step:8,ranks:[0]}",
-                  "{kind:loss_spike,step:9,ranks:[0],factor:10}")
+NUMERIC_EVENTS = (
+    "{kind:nan_grad,step:7,ranks:[0]}",
+    "{kind:inf_loss,step:8,ranks:[0]}",
+    "{kind:loss_spike,step:9,ranks:[0],factor:10}",
+)
 RUNS: dict[str, tuple[str, ...]] = {
     "ref": ("resilience=none",),
     "ref_skip": ("resilience=skip_step", f"resilience.skip_steps=[{','.join(map(str, SKIPPED))}]"),
     "skip_step": ("resilience=skip_step", _events(*NUMERIC_EVENTS, "{kind:rank_crash,step:11,ranks:[0]}")),
-    "rollback": ("resilience=rollback", "checkpoint=memory", "checkpoint.every_n_steps=2", "checkpoint.memory_every_n_steps=2",
-                 "resilience.hang_timeout_s=5",
-                 _events(*NUMERIC_EVENTS, "{kind:hang,step:11,ranks:[0],delay_s:3600}")),
-    "restart": ("resilience=restart", "resilience.max_restarts=3", "resilience.hang_timeout_s=5",
-                _events("{kind:slow_rank,step:2,ranks:[0],delay_s:0.05,duration_steps:2}",
-                        "{kind:hang,step:3,ranks:[0],delay_s:3600}", "{kind:ckpt_write_error,step:4,ranks:[0]}",
-                        "{kind:ckpt_corrupt,step:5,ranks:[0]}", "{kind:rank_crash,step:6,ranks:[0]}",
-                        *NUMERIC_EVENTS, "{kind:bad_batch,step:11,ranks:[0]}")),
+    "rollback": (
+        "resilience=rollback",
+        "checkpoint=memory",
+        "checkpoint.every_n_steps=2",
+        "checkpoint.memory_every_n_steps=2",
+        "resilience.hang_timeout_s=5",
+        _events(*NUMERIC_EVENTS, "{kind:hang,step:11,ranks:[0],delay_s:3600}"),
+    ),
+    "restart": (
+        "resilience=restart",
+        "resilience.max_restarts=3",
+        "resilience.hang_timeout_s=5",
+        _events(
+            "{kind:slow_rank,step:2,ranks:[0],delay_s:0.05,duration_steps:2}",
+            "{kind:hang,step:3,ranks:[0],delay_s:3600}",
+            "{kind:ckpt_write_error,step:4,ranks:[0]}",
+            "{kind:ckpt_corrupt,step:5,ranks:[0]}",
+            "{kind:rank_crash,step:6,ranks:[0]}",
+            *NUMERIC_EVENTS,
+            "{kind:bad_batch,step:11,ranks:[0]}",
+        ),
+    ),
     "abort": ("resilience=abort", "resilience.max_faults=2", _events(*NUMERIC_EVENTS)),
 }
 
@@ -98,10 +129,22 @@ CELLS = [
     Cell("hang", "rollback", "rollback", 11, "refused", "watchdog exit, no restarts: FAILED"),
     Cell("slow_rank", "restart", "restart", 2, "no_effect", "1 rank: no straggler to compare (2+ ranks: logged)"),
     Cell("hang", "restart", "restart", 3, "restarted", "watchdog exit (5 s), resumed from step 2"),
-    Cell("ckpt_write_error", "restart", "restart", 4, "restarted", "the failed save ends the rank; resumed from step 2"),
-    Cell("ckpt_corrupt", "restart", "restart", 5, "restarted", "crash in step 6; the corrupt step-4 checkpoint is passed over"),
+    Cell(
+        "ckpt_write_error", "restart", "restart", 4, "restarted", "the failed save ends the rank; resumed from step 2"
+    ),
+    Cell(
+        "ckpt_corrupt",
+        "restart",
+        "restart",
+        5,
+        "restarted",
+        "crash in step 6; the corrupt step-4 checkpoint is passed over",
+    ),
     Cell("rank_crash", "restart", "restart", 6, "restarted"),
-    *(Cell(k, "restart", "restart", s, "skipped", "numeric faults are skipped under restart") for k, s in NUMERIC.items()),
+    *(
+        Cell(k, "restart", "restart", s, "skipped", "numeric faults are skipped under restart")
+        for k, s in NUMERIC.items()
+    ),
     Cell("bad_batch", "restart", "restart", 11, "undetected", "trained on (loss below 3x the running mean)"),
     Cell("nan_grad", "abort", "abort", 7, "skipped", "fault 1 <= resilience.max_faults=2"),
     Cell("inf_loss", "abort", "abort", 8, "skipped", "fault 2 <= resilience.max_faults=2"),
@@ -116,7 +159,7 @@ class RunOutcome:
     name: str
     returncode: int
     losses: dict[int, float]
-    val_final: Optional[float]
+    val_final: float | None
     log: list[dict]
     stderr: str
     wall_s: float
@@ -131,7 +174,7 @@ class CellOutcome:
     problems: list[str] = field(default_factory=list)
 
 
-def run_matrix(workdir: Path, cache_dir: Path, names: Optional[list[str]] = None, lanes: int = 1) -> dict[str, RunOutcome]:
+def run_matrix(workdir: Path, cache_dir: Path, names: list[str] | None = None, lanes: int = 1) -> dict[str, RunOutcome]:
     """Run the matrix's driver runs in ``workdir`` (token cache ``cache_dir``), ``lanes`` of them at a time.
 
     The runs are independent (each its own run name and checkpoint folder; concurrent builds of the
@@ -146,8 +189,16 @@ def run_matrix(workdir: Path, cache_dir: Path, names: Optional[list[str]] = None
 
 
 def _run_one(workdir: Path, cache_dir: Path, name: str) -> RunOutcome:
-    args = [sys.executable, "-m", "framework.train", *SMALL, f"data.cache_dir={cache_dir}", *RUNS[name],
-            f"run_name={name}", f"checkpoint.dir={workdir / 'checkpoints' / name}"]
+    args = [
+        sys.executable,
+        "-m",
+        "framework.train",
+        *SMALL,
+        f"data.cache_dir={cache_dir}",
+        *RUNS[name],
+        f"run_name={name}",
+        f"checkpoint.dir={workdir / 'checkpoints' / name}",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=600, env=dict(os.environ))
     wall = time.perf_counter() - t0
@@ -193,8 +244,11 @@ def _loss_check(run: RunOutcome, runs: dict[str, RunOutcome]) -> tuple[str, bool
         d = _max_diff(run.losses, ref_skip, CLEAN)
         v = abs(run.val_final - runs["ref"].val_final) if run.val_final is not None else math.inf
         bad = run.losses.get(MAX_STEPS, 0.0) > ref_skip.get(MAX_STEPS, math.inf)  # the garbage batch was trained on
-        return (f"steps 1-7, 10 vs ref_skip: {d:.3g}; step 11 (bad batch) {run.losses.get(MAX_STEPS, math.nan):.3f}"
-                f" vs {ref_skip.get(MAX_STEPS, math.nan):.3f}; final val loss vs ref: {v:.3g}", d == 0.0 and bad)
+        return (
+            f"steps 1-7, 10 vs ref_skip: {d:.3g}; step 11 (bad batch) {run.losses.get(MAX_STEPS, math.nan):.3f}"
+            f" vs {ref_skip.get(MAX_STEPS, math.nan):.3f}; final val loss vs ref: {v:.3g}",
+            d == 0.0 and bad,
+        )
     if run.name == "abort":  # ends in step 9; step 8 logs Inf
         d = _max_diff(run.losses, ref_skip, list(range(1, NUMERIC["inf_loss"])))
         return f"steps 1-7 vs ref_skip: {d:.3g}", d == 0.0
@@ -212,7 +266,9 @@ def _observe(cell: Cell, run: RunOutcome) -> str:
         return "aborted" if run.returncode != 0 else "abort record, but finished"
     if any(r["ev"] == "rollback" and r["from_step"] == cell.step for r in log):
         return "rolled_back"
-    if any(d.get("action") == "skip_step" for d in det) and any(r["ev"] == "skipped" and r["step"] == cell.step for r in log):
+    if any(d.get("action") == "skip_step" for d in det) and any(
+        r["ev"] == "skipped" and r["step"] == cell.step for r in log
+    ):
         return "skipped"
     restarts = [r for r in log if r["ev"] == "start" and r["t"] > t_inj and r["restart"] > 0]
     later_faults = [r for r in log if r["ev"] == "injected" and r["t"] > t_inj and r["kind"] != "ckpt_corrupt"]
@@ -248,9 +304,14 @@ def markdown(outcomes: list[CellOutcome], runs: dict[str, RunOutcome]) -> str:
     lines = ["| fault | policy | step | expected | observed | loss diff | note |", "|---|---|---|---|---|---|---|"]
     for o in outcomes:
         c = o.cell
-        lines.append(f"| {c.fault} | {c.policy} | {c.step} | {c.expected} | {o.observed}{'' if o.ok else ' **FAIL**'} |"
-                     f" {o.loss_check} | {c.note} |")
+        lines.append(
+            f"| {c.fault} | {c.policy} | {c.step} | {c.expected} | {o.observed}{'' if o.ok else ' **FAIL**'} |"
+            f" {o.loss_check} | {c.note} |"
+        )
     lines.append("")
-    lines.append("runs: " + ", ".join(f"{r.name} {r.wall_s:.1f} s (rc {r.returncode})" for r in runs.values())
-                 + f"; total {sum(r.wall_s for r in runs.values()):.1f} s")
+    lines.append(
+        "runs: "
+        + ", ".join(f"{r.name} {r.wall_s:.1f} s (rc {r.returncode})" for r in runs.values())
+        + f"; total {sum(r.wall_s for r in runs.values()):.1f} s"
+    )
     return "\n".join(lines)

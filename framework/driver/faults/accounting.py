@@ -147,7 +147,9 @@ def _fault_figures(records: list[dict[str, Any]]) -> dict[str, float]:
             if last_step is not None and not ended_cleanly:  # the attempt before failed
                 restarts += 1
                 if not hang_in_attempt:
-                    detections.append({"ev": "detected", "detector": "rank_failure", "t": r["t"], "step": last_step + 1})
+                    detections.append(
+                        {"ev": "detected", "detector": "rank_failure", "t": r["t"], "step": last_step + 1}
+                    )
             last_step, ended_cleanly, hang_in_attempt = r.get("step", 0), False, False
         elif ev == "step":
             last_step = r["step"] if not r.get("rolled_back") else last_step
@@ -195,7 +197,9 @@ def _fault_figures(records: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def goodput_figures(records: list[dict[str, Any]], now: float | None = None) -> tuple[dict[str, float], list[dict[str, float]]]:
+def goodput_figures(
+    records: list[dict[str, Any]], now: float | None = None
+) -> tuple[dict[str, float], list[dict[str, float]]]:
     """``(figures, attempts)``: ``goodput``, ``goodput/<part>_s``, ``goodput/wall_s``, ``goodput/ettr``
     (see the module docstring), and per attempt ``{"step": resumed step, "restart": 0/1,
     "<part>_s": seconds for each of RESTART_PARTS, "first_step_s"}``."""
@@ -225,9 +229,14 @@ def goodput_figures(records: list[dict[str, Any]], now: float | None = None) -> 
             parts[kind] += sum(a.values())
             body = recs[si + 1 : nxt]
             first = next((r for r in body if r["ev"] == "step"), None)
-            attempts.append({"step": float(start.get("step", 0)), "restart": float(prev_failed),
-                             **{f"{p}_s": v for p, v in a.items()},
-                             "first_step_s": float(first["d"]) if first else 0.0})
+            attempts.append(
+                {
+                    "step": float(start.get("step", 0)),
+                    "restart": float(prev_failed),
+                    **{f"{p}_s": v for p, v in a.items()},
+                    "first_step_s": float(first["d"]) if first else 0.0,
+                }
+            )
             t_last = start["t"]
             ended = None
             pending_skips: set[int] = set()

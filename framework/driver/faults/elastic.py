@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
-from framework.base.resolved import ResolvedRun
 from framework.base.config.schema import ConfigError
+from framework.base.resolved import ResolvedRun
 
 
-def shrink_targets(world_size: int, shrink_to: Optional[float], min_world_size: int) -> list[int]:
+def shrink_targets(world_size: int, shrink_to: float | None, min_world_size: int) -> list[int]:
     """World sizes to try after losing ranks of a ``world_size``-rank run, best first.
 
     ``shrink_to``: None = ``world_size - 1``; a fraction in (0, 1) = ``floor(world_size *
@@ -83,7 +83,9 @@ def resolve_shrunk(run: Any, world_size: int) -> ResolvedRun:
     targets = [world_size // nnodes] if nnodes > 1 else shrink_targets(world_size, r.shrink_to, r.min_world_size)
     for w in targets:
         if r.shrink_batch == "scale":  # same micro-batches per rank: the global batch and the LR shrink with the ranks
-            trainer = dataclasses.replace(t, global_batch_size=mbs * acc * w, micro_batch_size=mbs, grad_accum_steps=acc)
+            trainer = dataclasses.replace(
+                t, global_batch_size=mbs * acc * w, micro_batch_size=mbs, grad_accum_steps=acc
+            )
             optim = dataclasses.replace(run.optim, lr=run.optim.lr * w / world_size)
         else:
             trainer = dataclasses.replace(t, global_batch_size=gbs, micro_batch_size=mbs, grad_accum_steps=None)
@@ -91,7 +93,8 @@ def resolve_shrunk(run: Any, world_size: int) -> ResolvedRun:
         new = dataclasses.replace(
             run,
             parallelism=dataclasses.replace(run.parallelism, world_size=w, dp_degree=-1, nnodes=1, nproc_per_node=None),
-            trainer=trainer, optim=optim,
+            trainer=trainer,
+            optim=optim,
             fault=dataclasses.replace(run.fault, events=[], mtbf_steps=0.0),
         )
         try:
@@ -100,8 +103,13 @@ def resolve_shrunk(run: Any, world_size: int) -> ResolvedRun:
             tried.append(w)
             if gbs % (mbs * w) == 0:  # the batch divides: another rule refused this size
                 other.append(f"dp {w}: {err}")
-    target = ("node 0 alone" if nnodes > 1 else
-              "one rank less" if r.shrink_to is None else f"resilience.shrink_to={_fmt(r.shrink_to)}")
+    target = (
+        "node 0 alone"
+        if nnodes > 1
+        else "one rank less"
+        if r.shrink_to is None
+        else f"resilience.shrink_to={_fmt(r.shrink_to)}"
+    )
     raise ConfigError(
         f"resilience.policy=shrink: no smaller layout keeps global_batch_size={gbs} at micro_batch_size={mbs}"
         f" (from world_size {world_size}, {target}, resilience.min_world_size={r.min_world_size}); dp degrees tried:"
@@ -126,8 +134,12 @@ def check_first_shrink(resolved: ResolvedRun) -> None:
 def _batch(run: Any, world_size: int, derive_batch: Any) -> tuple[int, int, int]:
     """``(global_batch_size, micro_batch_size, grad_accum_steps)`` of ``run`` at ``world_size`` data-parallel ranks."""
     t = run.trainer
-    mbs, acc, gbs = derive_batch(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-                                 grad_accum_steps=t.grad_accum_steps, dp_degree=world_size)
+    mbs, acc, gbs = derive_batch(
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        grad_accum_steps=t.grad_accum_steps,
+        dp_degree=world_size,
+    )
     return gbs, mbs, acc
 
 
@@ -144,7 +156,12 @@ def shrink_tags(shrinks: list[tuple[ResolvedRun, ResolvedRun, int]]) -> dict[str
     last = shrinks[-1][1]
     history = "; ".join(
         f"step {step}: {a.world_size} -> {b.world_size} ranks, dp {a.layout.dp} -> {b.layout.dp},"
-        f" grad_accum_steps {a.grad_accum_steps} -> {b.grad_accum_steps}" for a, b, step in shrinks
+        f" grad_accum_steps {a.grad_accum_steps} -> {b.grad_accum_steps}"
+        for a, b, step in shrinks
     )
-    return {"world_size": str(last.world_size), "layout": last.layout.describe(), "elastic.shrinks": str(len(shrinks)),
-            "elastic.history": history}
+    return {
+        "world_size": str(last.world_size),
+        "layout": last.layout.describe(),
+        "elastic.shrinks": str(len(shrinks)),
+        "elastic.history": history,
+    }

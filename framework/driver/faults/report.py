@@ -36,11 +36,18 @@ RECOVERY_COLUMNS: list[Column] = [
 ]
 
 
-RECOVERY_EVIDENCE = ("fault/injected", "fault/detected", "recovery/restarts", "recovery/rollbacks", "recovery/skipped_steps")
+RECOVERY_EVIDENCE = (
+    "fault/injected",
+    "fault/detected",
+    "recovery/restarts",
+    "recovery/rollbacks",
+    "recovery/skipped_steps",
+)
 
 
 def recovery_rows(runs: list[Any]) -> list[dict[str, Any]]:
     """One row per run with a resilience policy tag or a non-zero fault/recovery count (an empty list when none)."""
+
     def has_recovery(run: Any) -> bool:
         m = run.data.metrics
         return "resilience.policy" in run.data.tags or any(m.get(k, 0.0) > 0 for k in RECOVERY_EVIDENCE)

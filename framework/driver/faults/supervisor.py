@@ -24,14 +24,21 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from framework.base.config.schema import ConfigError
-from framework.driver.faults.elastic import resolve_shrunk, shrink_tags
 from framework.base.faults.events import FaultLog
 from framework.base.launch import LaunchSpec
+from framework.driver.faults.elastic import resolve_shrunk, shrink_tags
 
-__all__ = ["ShrinkImpossible", "end_lost_node0_run", "failure_reason", "max_restarts_for", "resolve_shrunk", "supervise"]
+__all__ = [
+    "ShrinkImpossible",
+    "end_lost_node0_run",
+    "failure_reason",
+    "max_restarts_for",
+    "resolve_shrunk",
+    "supervise",
+]
 
 
 class ShrinkImpossible(RuntimeError):
@@ -94,7 +101,9 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
             return
         if lead:
             launch = launch.replace(fault_schedule=build_schedule(run, launch.resolved.world_size), launch_index=0)
-            if tracker is not None:  # what was injected, for the compare report (fault.name says "none" for listed events)
+            if (
+                tracker is not None
+            ):  # what was injected, for the compare report (fault.name says "none" for listed events)
                 kinds = sorted({e["kind"] for e in launch.fault_schedule})
                 tracker.set_tags({"fault.kinds": ",".join(kinds) or "none", "resilience.policy": run.resilience.policy})
             # several nodes: a relaunch whose rendezvous times out (a lost node did not come back) failed as well
@@ -115,8 +124,12 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
                     raise  # a signal is the caller's (preemption); one node: only the ranks' failure is recovered
                 aborts = [r for r in log.read() if r.get("ev") == "abort"] if lead else []
                 if aborts:
-                    print(f"trainlab: error: the resilience policy aborted the run in step {aborts[-1]['step']}:"
-                          f" {aborts[-1]['faults']} faults detected > resilience.max_faults", file=sys.stderr, flush=True)
+                    print(
+                        f"trainlab: error: the resilience policy aborted the run in step {aborts[-1]['step']}:"
+                        f" {aborts[-1]['faults']} faults detected > resilience.max_faults",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 restarts_left = node_restarts < max_restarts_for(run) and (lead or run.resilience.policy == "restart")
                 if not aborts and launch.nodes is not None and restarts_left:
                     node_restarts += 1
@@ -153,15 +166,28 @@ def _shrink(launch: LaunchSpec, log: FaultLog, tracker: Any, shrinks: list) -> L
     except ConfigError as err:
         raise ShrinkImpossible(str(err)) from None
     latest, step = latest_valid_step(resolved.checkpoint_dir, warn=_warn)
-    log.append("shrink", from_world=resolved.world_size, to_world=new_resolved.world_size, step=step,
-               grad_accum_steps=new_resolved.grad_accum_steps)
-    print(f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
-          f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}", file=sys.stderr, flush=True)
+    log.append(
+        "shrink",
+        from_world=resolved.world_size,
+        to_world=new_resolved.world_size,
+        step=step,
+        grad_accum_steps=new_resolved.grad_accum_steps,
+    )
+    print(
+        f"trainlab: resilience: shrinking {resolved.world_size} -> {new_resolved.world_size} ranks,"
+        f" resuming from {latest or 'the start'} | {new_resolved.batch_summary()}",
+        file=sys.stderr,
+        flush=True,
+    )
     shrinks.append((resolved, new_resolved, step))
     _set_tags(tracker, shrink_tags(shrinks))
-    return launch.replace(resolved=new_resolved, resume_from=str(latest) if latest else None,
-                          launch_index=launch.launch_index + 1, shrunk_at_step=step,
-                          nodes=None)  # several nodes: node 0 goes on alone, on a rendezvous of its own
+    return launch.replace(
+        resolved=new_resolved,
+        resume_from=str(latest) if latest else None,
+        launch_index=launch.launch_index + 1,
+        shrunk_at_step=step,
+        nodes=None,
+    )  # several nodes: node 0 goes on alone, on a rendezvous of its own
 
 
 def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: int, max_restarts: int) -> LaunchSpec:
@@ -183,9 +209,13 @@ def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: 
 
     latest, step = latest_valid_step(launch.resolved.checkpoint_dir, warn=_warn)
     log.append("node_restart", restart=restart, step=step, reason=failure_reason(err)[:300])
-    print(f"trainlab: resilience: the ranks failed (a lost node, or a crashed rank); restart {restart}/{max_restarts} of"
-          f" all {launch.nodes.nnodes} nodes from {latest or 'the start'}; waiting up to rendezvous.timeout_s="
-          f"{launch.nodes.timeout_s} s for every node (start a lost node's command again)", file=sys.stderr, flush=True)
+    print(
+        f"trainlab: resilience: the ranks failed (a lost node, or a crashed rank); restart {restart}/{max_restarts} of"
+        f" all {launch.nodes.nnodes} nodes from {latest or 'the start'}; waiting up to rendezvous.timeout_s="
+        f"{launch.nodes.timeout_s} s for every node (start a lost node's command again)",
+        file=sys.stderr,
+        flush=True,
+    )
     return launch.replace(resume_from=str(latest) if latest else None, launch_index=launch.launch_index + 1)
 
 
@@ -196,12 +226,15 @@ def _node_label(launch: LaunchSpec) -> str:
 def _announce_node(launch: LaunchSpec) -> None:
     """Node k > 0, before each launch: which ranks it runs, where they meet, the checkpoint they resume."""
     nodes, per_node = launch.nodes, launch.resolved.nproc_per_node
-    print(f"{_node_label(launch)} of {nodes.nnodes}: ranks {nodes.node_rank * per_node}.."
-          f"{(nodes.node_rank + 1) * per_node - 1}, rendezvous {nodes.endpoint}"
-          + (f", resuming from {launch.resume_from}" if launch.resume_from else ""), flush=True)
+    print(
+        f"{_node_label(launch)} of {nodes.nnodes}: ranks {nodes.node_rank * per_node}.."
+        f"{(nodes.node_rank + 1) * per_node - 1}, rendezvous {nodes.endpoint}"
+        + (f", resuming from {launch.resume_from}" if launch.resume_from else ""),
+        flush=True,
+    )
 
 
-def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts: int) -> Optional[LaunchSpec]:
+def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts: int) -> LaunchSpec | None:
     """Node k > 0 whose ranks failed, under ``resilience=restart``: the launch of restart ``restart``, joining
     node 0 again (whose driver relaunches every node: :func:`_relaunch_nodes`) from the checkpoint
     :func:`follower_resume` chooses; None when there is nothing left to train.
@@ -214,8 +247,11 @@ def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts
     from framework.driver.nodes import check_endpoint
 
     me = _node_label(launch)
-    print(f"{me}: the ranks failed ({failure_reason(err)});"
-          f" restart {restart}/{max_restarts}: joining node 0 again", file=sys.stderr, flush=True)
+    print(
+        f"{me}: the ranks failed ({failure_reason(err)}); restart {restart}/{max_restarts}: joining node 0 again",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         check_endpoint(launch.nodes)
     except ConfigError as lost:
@@ -225,7 +261,7 @@ def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts
     return follower_resume(launch.replace(launch_index=restart))
 
 
-def follower_resume(launch: LaunchSpec) -> Optional[LaunchSpec]:
+def follower_resume(launch: LaunchSpec) -> LaunchSpec | None:
     """Node k > 0, before its first launch and each rejoin: ``launch`` resuming from the checkpoint
     :func:`~framework.base.checkpoint.resume.select_resume` chooses in the shared folder (the folder node 0
     reads: the same choice), or None when that checkpoint is at ``trainer.max_steps`` already (nothing to train)."""
@@ -234,8 +270,11 @@ def follower_resume(launch: LaunchSpec) -> Optional[LaunchSpec]:
     run = launch.resolved.run
     resume = select_resume(run.resume, launch.resolved.checkpoint_dir, warn=_warn)
     if resume.step >= run.trainer.max_steps and run.resume == "auto":
-        print(f"{_node_label(launch)}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}:"
-              " nothing to train", flush=True)
+        print(
+            f"{_node_label(launch)}: checkpoint at step {resume.step} >= trainer.max_steps={run.trainer.max_steps}:"
+            " nothing to train",
+            flush=True,
+        )
         return None
     return launch.replace(resume_from=resume.path)
 
@@ -264,7 +303,11 @@ def end_lost_node0_run(launch: LaunchSpec, reason: str) -> None:
         why = f"node 0 lost (rendezvous.endpoint={nodes.endpoint} no longer answers); node {nodes.node_rank}: {reason}"
         tracker.client.set_tag(run_id, "error", why)
         tracker.client.set_terminated(run_id, status="FAILED")
-        print(f"trainlab: node {nodes.node_rank}: ended the run's MLflow run {run_id} FAILED: {why}", file=sys.stderr, flush=True)
+        print(
+            f"trainlab: node {nodes.node_rank}: ended the run's MLflow run {run_id} FAILED: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
     except Exception as err:  # the exit status already says the training failed
         _warn(f"could not end the run's MLflow run: {err}")
 
@@ -294,8 +337,11 @@ def report_figures(records: list[dict[str, Any]], tracker: Any) -> dict[str, flo
     last = max(steps) if steps else 0
     print("trainlab: goodput/recovery | " + " | ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
     for i, a in enumerate(attempts):
-        print(f"trainlab: attempt {i} ({'restart' if a['restart'] else 'start'} at step {a['step']:.0f}) | "
-              + " | ".join(f"{k} {v:.2f}" for k, v in a.items() if k.endswith("_s")), flush=True)
+        print(
+            f"trainlab: attempt {i} ({'restart' if a['restart'] else 'start'} at step {a['step']:.0f}) | "
+            + " | ".join(f"{k} {v:.2f}" for k, v in a.items() if k.endswith("_s")),
+            flush=True,
+        )
     if tracker is not None:
         try:
             tracker.log_metrics(figures, step=last)
@@ -306,8 +352,16 @@ def report_figures(records: list[dict[str, Any]], tracker: Any) -> dict[str, flo
     return figures
 
 
-PEER_ERRORS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "was aborted", "Socket Timeout",
-               "DistNetworkError", "DistStoreError")
+PEER_ERRORS = (
+    "closed by peer",
+    "reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "was aborted",
+    "Socket Timeout",
+    "DistNetworkError",
+    "DistStoreError",
+)
 """Exception text of a rank that failed because a peer had (its collective or store lost the peer)."""
 
 
@@ -325,8 +379,15 @@ def root_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     """
     t0 = min(f.timestamp for f in failures.values())
     near = [(r, f) for r, f in failures.items() if f.timestamp <= t0 + 1]
-    return min(near, key=lambda rf: (rf[1].exitcode >= 0, any(p in _exception_text(rf[1]) for p in PEER_ERRORS),
-                                     rf[1].timestamp, rf[0]))
+    return min(
+        near,
+        key=lambda rf: (
+            rf[1].exitcode >= 0,
+            any(p in _exception_text(rf[1]) for p in PEER_ERRORS),
+            rf[1].timestamp,
+            rf[0],
+        ),
+    )
 
 
 def _exception_text(failure: Any) -> str:
@@ -361,10 +422,13 @@ def failure_reason(err: BaseException) -> str:
         if f.exitcode < 0:
             why = f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (exit code {f.exitcode})"
         else:
-            last = _last_line(_exception_text(f)) if os.path.isfile(f.error_file) else ""  # else torch's placeholder text
-            why = f"rank {rank} (pid {f.pid}) exited with code {f.exitcode}" + (f": {last}" if last else " (no exception recorded)")
+            last = (
+                _last_line(_exception_text(f)) if os.path.isfile(f.error_file) else ""
+            )  # else torch's placeholder text
+            why = f"rank {rank} (pid {f.pid}) exited with code {f.exitcode}" + (
+                f": {last}" if last else " (no exception recorded)"
+            )
         others = len(err.failures) - 1
         return why + (f"; {others} other rank(s) failed after it" if others else "")
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip().strip("=-") and ln.strip()]
     return lines[0] if lines else type(err).__name__
-

@@ -22,7 +22,6 @@ from omegaconf import OmegaConf
 
 from framework.base.config import CONF_DIR, fail
 
-
 USAGE = """usage: python -m framework.plan [-h] [KEY=VALUE ...]
 
 Rank the TP x PP x DP layouts of a cluster by the cost model's step time (framework/base/cost) and
@@ -64,7 +63,8 @@ def compose(argv: list[str]):
     Raises:
         SystemExit(2): a Hydra compose error (one line).
     """
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -83,16 +83,21 @@ def check_search_space(p) -> None:
     from framework.base.cost.bubble import SCHEDULES
     from framework.base.cost.memory import ZERO_STAGES, is_zero_stage
 
-    for key, allowed, ok in (("zero_stages", ZERO_STAGES, is_zero_stage), ("schedules", SCHEDULES, SCHEDULES.__contains__),
-                             ("recompute", RECOMPUTE, RECOMPUTE.__contains__)):
+    for key, allowed, ok in (
+        ("zero_stages", ZERO_STAGES, is_zero_stage),
+        ("schedules", SCHEDULES, SCHEDULES.__contains__),
+        ("recompute", RECOMPUTE, RECOMPUTE.__contains__),
+    ):
         bad = [x for x in p[key] if not ok(x)]
         if bad:
             fail(f"plan.{key}: {bad[0]!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
     for key in ("data_parallel", "model_parallel_dp"):
         got = p.run_with[key]
         if not OmegaConf.is_list(got) or len(got) != len(ZERO_STAGES):
-            fail(f"plan.run_with.{key} must be a list of {len(ZERO_STAGES)} overrides, entry i for ZeRO stage i "
-                 f"({', '.join(map(str, ZERO_STAGES))}); got {OmegaConf.to_container(got) if OmegaConf.is_config(got) else got!r}")
+            fail(
+                f"plan.run_with.{key} must be a list of {len(ZERO_STAGES)} overrides, entry i for ZeRO stage i "
+                f"({', '.join(map(str, ZERO_STAGES))}); got {OmegaConf.to_container(got) if OmegaConf.is_config(got) else got!r}"
+            )
 
 
 def _ints(p, key: str, *, minimum: int = 1) -> list[int]:
@@ -117,17 +122,26 @@ def check_numbers(p) -> None:
 
     for key in ("micro_batch_sizes", "virtual_stages", "tp_degrees", "pp_degrees"):
         _ints(p, key)
-    for key, allowed in (("precision", tuple(PRECISIONS)), ("state_accounting", ACCOUNTINGS),
-                         ("allreduce_algorithm", ("ring", "tree"))):
+    for key, allowed in (
+        ("precision", tuple(PRECISIONS)),
+        ("state_accounting", ACCOUNTINGS),
+        ("allreduce_algorithm", ("ring", "tree")),
+    ):
         if p[key] not in allowed:
             fail(f"plan.{key}={p[key]!r} is not allowed; allowed: {', '.join(allowed)}")
-    checks = [("top_k", lambda x: isinstance(x, int) and x >= 1, "an int >= 1"),
-              ("nodes", lambda x: isinstance(x, int) and x >= 1, "an int >= 1"),
-              ("train_tokens", lambda x: isinstance(x, (int, float)) and x > 0, "a number > 0")]
-    checks += [(k, lambda x: isinstance(x, (int, float)) and 0 <= x <= 1, "a number in [0, 1]")
-               for k in ("tp_overlap", "pp_handoff_exposed", "dp_overlap", "param_gather_overlap", "zero3_prefetch")]
-    checks += [(k, lambda x: isinstance(x, (int, float)) and x >= 0, "a number >= 0")
-               for k in ("bucket_bytes", "microbatch_overhead_s", "handoff_s", "step_overhead_s")]
+    checks = [
+        ("top_k", lambda x: isinstance(x, int) and x >= 1, "an int >= 1"),
+        ("nodes", lambda x: isinstance(x, int) and x >= 1, "an int >= 1"),
+        ("train_tokens", lambda x: isinstance(x, (int, float)) and x > 0, "a number > 0"),
+    ]
+    checks += [
+        (k, lambda x: isinstance(x, (int, float)) and 0 <= x <= 1, "a number in [0, 1]")
+        for k in ("tp_overlap", "pp_handoff_exposed", "dp_overlap", "param_gather_overlap", "zero3_prefetch")
+    ]
+    checks += [
+        (k, lambda x: isinstance(x, (int, float)) and x >= 0, "a number >= 0")
+        for k in ("bucket_bytes", "microbatch_overhead_s", "handoff_s", "step_overhead_s")
+    ]
     for key, ok, what in checks:
         if isinstance(p[key], bool) or not ok(p[key]):
             fail(f"plan.{key}={p[key]!r} is not allowed; must be {what}")
@@ -148,8 +162,10 @@ def check_degrees(p, shape, cluster, world: int) -> list[str]:
         if shape.n_head % t:
             fail(f"plan.tp_degrees: {t} does not divide model.n_head={shape.n_head}")
         if t > gpn:
-            warnings.append(f"plan.tp_degrees: tp {t} spans {t // gpn} nodes of {gpn} GPUs; its collectives are "
-                            f"priced on the NIC (cluster.nic_bandwidth), not NVLink")
+            warnings.append(
+                f"plan.tp_degrees: tp {t} spans {t // gpn} nodes of {gpn} GPUs; its collectives are "
+                f"priced on the NIC (cluster.nic_bandwidth), not NVLink"
+            )
     for pp in _ints(p, "pp_degrees"):
         if world % pp:
             fail(f"plan.pp_degrees: {pp} does not divide the world size {world} (plan.nodes={p.nodes} x {gpn})")
@@ -187,23 +203,38 @@ def load_inputs(cfg):
     if shape.seq_len > model.max_seq_len and model.learned_positions:
         fail(f"data.seq_len={shape.seq_len} is longer than model.max_seq_len={model.max_seq_len}")
     try:
-        cluster = cluster_of(OmegaConf.to_container(cfg.cluster, resolve=True),
-                             where=f"conf/cluster/{cfg.cluster.get('name', '?')}.yaml", cache_dir=p.cache_dir)
+        cluster = cluster_of(
+            OmegaConf.to_container(cfg.cluster, resolve=True),
+            where=f"conf/cluster/{cfg.cluster.get('name', '?')}.yaml",
+            cache_dir=p.cache_dir,
+        )
     except ClusterError as err:
         fail(str(err))
     check_search_space(p)
     space = SearchSpace(
-        micro_batch_sizes=tuple(p.micro_batch_sizes), tp_degrees=tuple(p.tp_degrees) if p.tp_degrees else None,
-        pp_degrees=tuple(p.pp_degrees) if p.pp_degrees else None, virtual_stages=tuple(p.virtual_stages),
-        schedules=tuple(p.schedules), zero_stages=tuple(p.zero_stages), recompute=tuple(p.recompute),
-        sequence_parallel=tuple(bool(x) for x in p.sequence_parallel), precision=str(p.precision),
+        micro_batch_sizes=tuple(p.micro_batch_sizes),
+        tp_degrees=tuple(p.tp_degrees) if p.tp_degrees else None,
+        pp_degrees=tuple(p.pp_degrees) if p.pp_degrees else None,
+        virtual_stages=tuple(p.virtual_stages),
+        schedules=tuple(p.schedules),
+        zero_stages=tuple(p.zero_stages),
+        recompute=tuple(p.recompute),
+        sequence_parallel=tuple(bool(x) for x in p.sequence_parallel),
+        precision=str(p.precision),
         state_accounting=str(p.state_accounting),
     )
-    params = StepTimeParams(tp_overlap=p.tp_overlap, pp_handoff_exposed=p.pp_handoff_exposed, dp_overlap=p.dp_overlap,
-                            bucket_bytes=p.bucket_bytes, param_gather_overlap=p.param_gather_overlap,
-                            zero3_prefetch=p.zero3_prefetch, allreduce_algorithm=str(p.allreduce_algorithm),
-                            microbatch_overhead_s=p.microbatch_overhead_s, handoff_s=p.handoff_s,
-                            step_overhead_s=p.step_overhead_s)
+    params = StepTimeParams(
+        tp_overlap=p.tp_overlap,
+        pp_handoff_exposed=p.pp_handoff_exposed,
+        dp_overlap=p.dp_overlap,
+        bucket_bytes=p.bucket_bytes,
+        param_gather_overlap=p.param_gather_overlap,
+        zero3_prefetch=p.zero3_prefetch,
+        allreduce_algorithm=str(p.allreduce_algorithm),
+        microbatch_overhead_s=p.microbatch_overhead_s,
+        handoff_s=p.handoff_s,
+        step_overhead_s=p.step_overhead_s,
+    )
     return shape, cluster, space, params
 
 
@@ -230,16 +261,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Progress(console=err, transient=True) as prog:
             task = prog.add_task(f"pricing layouts of {world} GPUs", total=None)
-            result = search(shape, cluster, world=world, global_batch_size=gbs, space=space, params=params,
-                            progress=lambda i, n: prog.update(task, completed=i, total=n))
+            result = search(
+                shape,
+                cluster,
+                world=world,
+                global_batch_size=gbs,
+                space=space,
+                params=params,
+                progress=lambda i, n: prog.update(task, completed=i, total=n),
+            )
     except PlanError as e:
         fail(str(e))
     wall = time.perf_counter() - t0
     if not result.fitting:
         miss = result.closest_miss
-        fail(f"model={cfg.model.name} fits no layout of {world} x {cluster.name}: the smallest needs "
-             f"{miss.memory_bytes / 2**30:.1f} GiB per GPU ({miss.layout.describe()}) > usable "
-             f"{cluster.usable_memory_bytes / 2**30:.1f} GiB; add GPUs (plan.nodes) or pick a bigger-memory cluster")
+        fail(
+            f"model={cfg.model.name} fits no layout of {world} x {cluster.name}: the smallest needs "
+            f"{miss.memory_bytes / 2**30:.1f} GiB per GPU ({miss.layout.describe()}) > usable "
+            f"{cluster.usable_memory_bytes / 2**30:.1f} GiB; add GPUs (plan.nodes) or pick a bigger-memory cluster"
+        )
     print_plan(cfg, shape, cluster, result, world=world, wall_s=wall)
     if cfg.tracking.enabled:
         log_plan(cfg, shape, cluster, result, world=world, wall_s=wall)

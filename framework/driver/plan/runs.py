@@ -13,8 +13,9 @@ How a layout runs (which ``parallelism=`` preset per ZeRO stage, the schedules' 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from framework.base.cost.layout import PlanLayout
 
@@ -31,7 +32,9 @@ def default_run_with() -> dict:
     return OmegaConf.to_container(OmegaConf.load(conf).plan.run_with, resolve=True)
 
 
-def plan_layout_of(resolved: Any, zero_stage: int, *, run_with: Mapping[str, Any], state_accounting: str = "paper") -> PlanLayout:
+def plan_layout_of(
+    resolved: Any, zero_stage: int, *, run_with: Mapping[str, Any], state_accounting: str = "paper"
+) -> PlanLayout:
     """The planner's layout of a resolved run (the inverse of :func:`trainlab_overrides`).
 
     Degrees from ``resolved.layout``; micro-batch and global batch (sequences) from the resolved batch
@@ -49,26 +52,38 @@ def plan_layout_of(resolved: Any, zero_stage: int, *, run_with: Mapping[str, Any
     import dataclasses
 
     lay = resolved.layout
-    par = dataclasses.asdict(resolved.run.parallelism)  # the plugin's own keys (schedule, ...) read as config, not probed
+    par = dataclasses.asdict(
+        resolved.run.parallelism
+    )  # the plugin's own keys (schedule, ...) read as config, not probed
     schedule, v = "1F1B", 1
     if lay.pp > 1:
         names = {run: plan for plan, run in run_with["schedules"].items()}
         if par.get("schedule") not in names:
-            raise ValueError(f"parallelism.schedule={par.get('schedule')!r} has no planner schedule; "
-                             f"allowed: {', '.join(names)} (plan.run_with.schedules)")
+            raise ValueError(
+                f"parallelism.schedule={par.get('schedule')!r} has no planner schedule; "
+                f"allowed: {', '.join(names)} (plan.run_with.schedules)"
+            )
         schedule = names[par["schedule"]]
         v = int(par.get("virtual_stages", 1)) if schedule == "Interleaved1F1B" else 1
     return PlanLayout(
-        dp=lay.dp, tp=lay.tp, pp=lay.pp, micro_batch_size=resolved.micro_batch_size,
-        global_batch_size=resolved.global_batch_size, schedule=schedule, virtual_stages=v,
+        dp=lay.dp,
+        tp=lay.tp,
+        pp=lay.pp,
+        micro_batch_size=resolved.micro_batch_size,
+        global_batch_size=resolved.global_batch_size,
+        schedule=schedule,
+        virtual_stages=v,
         zero_stage=zero_stage if lay.dp > 1 else 0,
         recompute="full" if resolved.run.model.activation_checkpointing else "none",
         sequence_parallel=bool(par.get("sequence_parallel", False)) and lay.tp > 1,
-        precision=PRECISION_OF_RUN[resolved.run.trainer.precision], state_accounting=state_accounting,
+        precision=PRECISION_OF_RUN[resolved.run.trainer.precision],
+        state_accounting=state_accounting,
     )
 
 
-def trainlab_overrides(lay: PlanLayout, *, model: str, seq_len: int, nodes: int, run_with: dict) -> tuple[str, list[str]]:
+def trainlab_overrides(
+    lay: PlanLayout, *, model: str, seq_len: int, nodes: int, run_with: dict
+) -> tuple[str, list[str]]:
     """The Hydra overrides that run ``lay`` in trainlab, and notes on what trainlab cannot express
     (the inverse of :func:`plan_layout_of` where there are no notes).
 
@@ -81,8 +96,13 @@ def trainlab_overrides(lay: PlanLayout, *, model: str, seq_len: int, nodes: int,
     recompute has no trainlab switch yet.
     """
     notes = []
-    o = [f"model={model}", f"data.seq_len={seq_len}", f"trainer.global_batch_size={lay.global_batch_size}",
-         f"trainer.micro_batch_size={lay.micro_batch_size}", "trainer.grad_accum_steps=null"]
+    o = [
+        f"model={model}",
+        f"data.seq_len={seq_len}",
+        f"trainer.global_batch_size={lay.global_batch_size}",
+        f"trainer.micro_batch_size={lay.micro_batch_size}",
+        "trainer.grad_accum_steps=null",
+    ]
     if lay.tp == 1 and lay.pp == 1:
         o.insert(0, run_with["data_parallel"][lay.zero_stage])
     else:
@@ -94,12 +114,16 @@ def trainlab_overrides(lay: PlanLayout, *, model: str, seq_len: int, nodes: int,
         if lay.sequence_parallel and (lay.pp == 1 or run_with["sequence_parallel_with_pp"]):
             o.append("parallelism.sequence_parallel=true")
         elif lay.sequence_parallel:
-            notes.append("sequence parallelism with pp > 1: trainlab cannot run it yet (plan.run_with.sequence_parallel_with_pp)")
+            notes.append(
+                "sequence parallelism with pp > 1: trainlab cannot run it yet (plan.run_with.sequence_parallel_with_pp)"
+            )
         dp = run_with["model_parallel_dp"][lay.zero_stage]
         if dp:
             o.append(dp)
         else:
-            notes.append(f"ZeRO stage {lay.zero_stage} with tp/pp has no trainlab equivalent (plan.run_with.model_parallel_dp)")
+            notes.append(
+                f"ZeRO stage {lay.zero_stage} with tp/pp has no trainlab equivalent (plan.run_with.model_parallel_dp)"
+            )
     o[1:1] = [f"parallelism.world_size={lay.world_size}", f"parallelism.nnodes={nodes}"]
     if lay.recompute == "full":
         o.append("model.activation_checkpointing=true")

@@ -12,8 +12,8 @@ rest are ranked by step time.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from framework.base.cost.estimate import Estimate, estimate
 from framework.base.cost.layout import PlanLayout
@@ -30,8 +30,8 @@ class SearchSpace:
     """What to enumerate (``conf/plan.yaml`` ``plan.*``)."""
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    tp_degrees: Optional[tuple[int, ...]] = None
-    pp_degrees: Optional[tuple[int, ...]] = None
+    tp_degrees: tuple[int, ...] | None = None
+    pp_degrees: tuple[int, ...] | None = None
     virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
     schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "GPipe")
     zero_stages: tuple[int, ...] = ZERO_STAGES
@@ -46,7 +46,7 @@ class SearchResult:
     """Ranked fitting estimates, the smallest non-fitting one, and how many were dropped why."""
 
     fitting: list[Estimate]
-    closest_miss: Optional[Estimate]
+    closest_miss: Estimate | None
     dropped: dict[str, int] = field(default_factory=dict)
     evaluated: int = 0
 
@@ -55,19 +55,28 @@ def degree_candidates(shape, world: int, gpus_per_node: int, space: SearchSpace)
     """``(tp, pp, dp)`` with ``tp·pp·dp == world`` (TP within a node, dividing heads and KV heads;
     PP dividing the layers)."""
     tps = space.tp_degrees or tuple(2**i for i in range(0, 8) if 2**i <= gpus_per_node)
-    tps = [t for t in tps if shape.n_head % t == 0 and (shape.kv_heads % t == 0 or t % shape.kv_heads == 0) and world % t == 0]
+    tps = [
+        t
+        for t in tps
+        if shape.n_head % t == 0 and (shape.kv_heads % t == 0 or t % shape.kv_heads == 0) and world % t == 0
+    ]
     out = []
     for t in tps:
-        pps = space.pp_degrees or tuple(sorted({p for p in range(1, shape.n_layer + 1) if shape.n_layer % p == 0}
-                                                | {2**i for i in range(1, 12) if 2**i <= shape.n_layer // 2}))
+        pps = space.pp_degrees or tuple(
+            sorted(
+                {p for p in range(1, shape.n_layer + 1) if shape.n_layer % p == 0}
+                | {2**i for i in range(1, 12) if 2**i <= shape.n_layer // 2}
+            )
+        )
         for p in pps:
             if (world // t) % p == 0 and p <= shape.n_layer:
                 out.append((t, p, world // (t * p)))
     return out
 
 
-def enumerate_layouts(shape, world: int, global_batch_size: int, gpus_per_node: int, space: SearchSpace,
-                      dropped: dict[str, int]) -> list[PlanLayout]:
+def enumerate_layouts(
+    shape, world: int, global_batch_size: int, gpus_per_node: int, space: SearchSpace, dropped: dict[str, int]
+) -> list[PlanLayout]:
     """Every valid :class:`~framework.base.cost.layout.PlanLayout` (module docstring); counts what does not divide in ``dropped``."""
     out = []
     for t, p, d in degree_candidates(shape, world, gpus_per_node, space):
@@ -88,15 +97,35 @@ def enumerate_layouts(shape, world: int, global_batch_size: int, gpus_per_node: 
             stages = space.zero_stages if d > 1 else (0,)
             sps = space.sequence_parallel if t > 1 else (False,)
             for (sched, v), z, rc, sp in itertools.product(scheds, stages, space.recompute, sps):
-                out.append(PlanLayout(dp=d, tp=t, pp=p, micro_batch_size=b, global_batch_size=global_batch_size,
-                                      schedule=sched, virtual_stages=v, zero_stage=z, recompute=rc,
-                                      sequence_parallel=sp, precision=space.precision,
-                                      state_accounting=space.state_accounting))
+                out.append(
+                    PlanLayout(
+                        dp=d,
+                        tp=t,
+                        pp=p,
+                        micro_batch_size=b,
+                        global_batch_size=global_batch_size,
+                        schedule=sched,
+                        virtual_stages=v,
+                        zero_stage=z,
+                        recompute=rc,
+                        sequence_parallel=sp,
+                        precision=space.precision,
+                        state_accounting=space.state_accounting,
+                    )
+                )
     return out
 
 
-def search(shape, cluster, *, world: int, global_batch_size: int, space: SearchSpace = SearchSpace(),
-           params: StepTimeParams = StepTimeParams(), progress: Optional[Callable[[int, int], None]] = None) -> SearchResult:
+def search(
+    shape,
+    cluster,
+    *,
+    world: int,
+    global_batch_size: int,
+    space: SearchSpace = SearchSpace(),
+    params: StepTimeParams = StepTimeParams(),
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
     """Price every layout; keep those that fit, ranked by step time (fastest first).
 
     Raises:
@@ -109,7 +138,8 @@ def search(shape, cluster, *, world: int, global_batch_size: int, space: SearchS
         raise PlanError(
             f"trainer.global_batch_size={global_batch_size}: no layout of {world} GPUs divides it (dp degrees possible: "
             f"{', '.join(map(str, dps)) or 'none'}; micro-batch sizes {list(space.micro_batch_sizes)}); "
-            f"use a multiple of one of the dp degrees")
+            f"use a multiple of one of the dp degrees"
+        )
     fitting, miss = [], None
     for i, lay in enumerate(layouts):
         e = estimate(shape, lay, cluster, params)

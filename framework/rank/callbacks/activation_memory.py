@@ -21,10 +21,10 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from framework.rank.callbacks.clock import StepClock
 from framework.base.metrics.emit import MetricEmitter
 from framework.base.metrics.memory import SavedTensorMeter
 from framework.base.metrics.timing import comm_paused
+from framework.rank.callbacks.clock import StepClock
 
 
 class ActivationMemory(pl.Callback):
@@ -43,10 +43,14 @@ class ActivationMemory(pl.Callback):
         self.meter = SavedTensorMeter()
         self._run_peak = 0.0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.meter.start()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.meter.stop()
         step = trainer.global_step
         if not self.clock.step_ended or not (step % self.log_every == 0 or step == trainer.max_steps):

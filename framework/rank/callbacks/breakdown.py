@@ -74,16 +74,17 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
-from framework.rank.callbacks.clock import StepClock
 from framework.base.cost.comm import CommEstimate
 from framework.base.metrics.emit import MetricEmitter
 from framework.base.metrics.memory import model_states_bytes, model_stats, peak_memory_bytes
 from framework.base.metrics.timing import CommMeter, CommRecord, comm_paused, make_clock
+from framework.rank.callbacks.clock import StepClock
 
 CATEGORIES = ("data_wait", "compute", "comm", "optimizer", "ckpt_blocking", "other")
 
@@ -118,8 +119,16 @@ class StepBreakdown(pl.Callback):
         emit: the run's metric emitter (writes on rank 0).
     """
 
-    def __init__(self, *, clock: StepClock, plugin: Any, resolved: Any, log_every_n_steps: int, warmup_steps_excluded: int,
-                 emit: MetricEmitter) -> None:
+    def __init__(
+        self,
+        *,
+        clock: StepClock,
+        plugin: Any,
+        resolved: Any,
+        log_every_n_steps: int,
+        warmup_steps_excluded: int,
+        emit: MetricEmitter,
+    ) -> None:
         self.step_clock = clock
         self.plugin = plugin
         self.resolved = resolved
@@ -161,7 +170,9 @@ class StepBreakdown(pl.Callback):
         return sec, inflight
 
     def _states_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-        return model_states_bytes(self.plugin.held_state(pl_module, trainer.optimizers[0] if trainer.optimizers else None))["total"]
+        return model_states_bytes(
+            self.plugin.held_state(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+        )["total"]
 
     def _sample_states(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep the largest model-state bytes seen within a step that will be logged.
@@ -177,7 +188,9 @@ class StepBreakdown(pl.Callback):
         """Peak memory and model-state bytes of this rank, max over ranks (a collective: call on all ranks)."""
         states = max(self._states_peak, self._states_now(trainer, pl_module))
         self._states_peak = 0
-        local = torch.tensor([peak_memory_bytes(pl_module.device), states], dtype=torch.float64, device=pl_module.device)
+        local = torch.tensor(
+            [peak_memory_bytes(pl_module.device), states], dtype=torch.float64, device=pl_module.device
+        )
         with comm_paused():
             peak, total = trainer.strategy.reduce(local, reduce_op="max").tolist()
         self._states_run_peak = max(self._states_run_peak, total)
@@ -207,7 +220,9 @@ class StepBreakdown(pl.Callback):
         self._reset_step()
         self._prev_end = self._last = self.clock.mark()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         t = self.clock.mark()
         self._span("data_wait", self._prev_end, t)
         self._last = t
@@ -243,7 +258,9 @@ class StepBreakdown(pl.Callback):
         self._span("optimizer", self._opt_start, t)
         self._last = t
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.meter.close()  # normally closed already (after backward / the optimizer step)
         t = self.clock.mark()
         self._span("other", self._last, t)
@@ -252,8 +269,13 @@ class StepBreakdown(pl.Callback):
             return  # inside gradient accumulation
         step = trainer.global_step
         clock = self.step_clock
-        finished = _Step(self._spans, clock.checkpoint_s - self._ckpt_mark, clock.validation_s - self._validation_mark,
-                         self._carry_s, self.meter.take())
+        finished = _Step(
+            self._spans,
+            clock.checkpoint_s - self._ckpt_mark,
+            clock.validation_s - self._validation_mark,
+            self._carry_s,
+            self.meter.take(),
+        )
         self._reset_step()
         self._carry_s = 0.0
         if clock.steps_since_start > self.warmup:

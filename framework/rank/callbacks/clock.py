@@ -71,6 +71,8 @@ class StepClock(pl.Callback):
         self.start_step = self.step = trainer.global_step
         self.step_ended = False
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.step_ended = trainer.global_step != self.step
         self.step = trainer.global_step

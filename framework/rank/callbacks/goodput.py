@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 
@@ -55,16 +55,24 @@ class RunTimeline(pl.Callback):
         enabled: False on ranks other than 0 (the callback then does nothing).
     """
 
-    def __init__(self, *, log: Any, clock: StepClock, segment: str, launch_index: int, marks: dict[str, float],
-                 enabled: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        log: Any,
+        clock: StepClock,
+        segment: str,
+        launch_index: int,
+        marks: dict[str, float],
+        enabled: bool = True,
+    ) -> None:
         self.event_log = log
         self.clock = clock
         self.segment = segment
         self.launch_index = launch_index
         self.marks = marks  # the worker adds t_fit after building the Trainer
         self.enabled = enabled
-        self._t_rdzv: Optional[float] = None
-        self._t_loaded: Optional[float] = None
+        self._t_rdzv: float | None = None
+        self._t_loaded: float | None = None
         self._t_last = 0.0
         self._done = 0  # the last finished optimizer step (after a rollback: the step rewound to)
         self._c_last = self._v_last = 0.0
@@ -84,19 +92,30 @@ class RunTimeline(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._t_rdzv = time.time()  # Lightning calls setup hooks after the process group is up
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._t_loaded = time.time()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rec_t = time.time()
         self._done = trainer.global_step
         self._t_last, self._c_last, self._v_last = rec_t, self.clock.checkpoint_s, self.clock.validation_s
-        self._append("start", launch=self.launch_index, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                     world_size=trainer.world_size, grad_accum_steps=trainer.accumulate_grad_batches,
-                     step=trainer.global_step, **self.marks, t_rdzv=self._t_rdzv, t_loaded=self._t_loaded)
+        self._append(
+            "start",
+            launch=self.launch_index,
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            world_size=trainer.world_size,
+            grad_accum_steps=trainer.accumulate_grad_batches,
+            step=trainer.global_step,
+            **self.marks,
+            t_rdzv=self._t_rdzv,
+            t_loaded=self._t_loaded,
+        )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self.clock.step_ended:
             return  # inside gradient accumulation
         _, d, c, v = self._since_last()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 
@@ -36,14 +36,21 @@ class HostSyncs(pl.Callback):
         cuda: count with the CUDA runtime's sync reports instead of the function mode.
     """
 
-    def __init__(self, *, log_every_n_steps: int, val_every_n_steps: int, emit: MetricEmitter, out_dir: Optional[Path],
-                 cuda: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        log_every_n_steps: int,
+        val_every_n_steps: int,
+        emit: MetricEmitter,
+        out_dir: Path | None,
+        cuda: bool = False,
+    ) -> None:
         self.log_every, self.val_every = log_every_n_steps, val_every_n_steps
         self.emit = emit
         self.out_dir = out_dir
         self.counter = CudaSyncCounter() if cuda else HostSyncCounter()
         self.per_step: dict[int, list[tuple[str, str]]] = {}
-        self._step: Optional[int] = None  # the optimizer step the open window belongs to
+        self._step: int | None = None  # the optimizer step the open window belongs to
 
     def _close(self, trainer: pl.Trainer) -> None:
         self.counter.stop()
@@ -54,7 +61,9 @@ class HostSyncs(pl.Callback):
         if trainer.global_step >= self._step:  # the step is complete
             self.emit({"perf/host_syncs": float(len(self.per_step[self._step]))}, self._step)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step + 1
         if step != self._step:
             self._close(trainer)
@@ -66,13 +75,22 @@ class HostSyncs(pl.Callback):
         self._step = None
         if not trainer.is_global_zero:
             return
-        quiet = {s: r for s, r in self.per_step.items() if s % self.log_every and s % self.val_every and s != trainer.max_steps}
+        quiet = {
+            s: r
+            for s, r in self.per_step.items()
+            if s % self.log_every and s % self.val_every and s != trainer.max_steps
+        }
         busy = [r for recs in quiet.values() for r in recs]
-        print(f"trainlab: host syncs per step {[len(self.per_step[s]) for s in sorted(self.per_step)]};"
-              f" on steps without logging or validation: {len(busy)}" + (f" ({summarize(busy)})" if busy else ""), flush=True)
+        print(
+            f"trainlab: host syncs per step {[len(self.per_step[s]) for s in sorted(self.per_step)]};"
+            f" on steps without logging or validation: {len(busy)}" + (f" ({summarize(busy)})" if busy else ""),
+            flush=True,
+        )
         if self.out_dir is not None:
-            doc = {str(s): {"count": len(r), "sites": {f"{k} at {site}": n for (k, site), n in Counter(r).items()}}
-                   for s, r in sorted(self.per_step.items())}
+            doc = {
+                str(s): {"count": len(r), "sites": {f"{k} at {site}": n for (k, site), n in Counter(r).items()}}
+                for s, r in sorted(self.per_step.items())
+            }
             (self.out_dir / "host_syncs.json").write_text(json.dumps(doc, indent=1))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

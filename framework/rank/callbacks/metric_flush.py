@@ -24,12 +24,13 @@ breakdown counts them as ``other``, like any metric write).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytorch_lightning as pl
 
-from framework.rank.callbacks.clock import StepClock
 from framework.base.metrics.emit import MetricEmitter
+from framework.rank.callbacks.clock import StepClock
 
 
 class FlushMetrics(pl.Callback):
@@ -41,8 +42,9 @@ class FlushMetrics(pl.Callback):
         on_time_spent: called with the seconds each flush took; None = not reported.
     """
 
-    def __init__(self, *, clock: StepClock, emit: MetricEmitter,
-                 on_time_spent: Optional[Callable[[float], None]] = None) -> None:
+    def __init__(
+        self, *, clock: StepClock, emit: MetricEmitter, on_time_spent: Callable[[float], None] | None = None
+    ) -> None:
         self.clock = clock
         self.emit = emit
         self.on_time_spent = on_time_spent
@@ -66,7 +68,9 @@ class FlushMetrics(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.emit.discard_after(trainer.global_step)  # a rollback in this batch's hooks rewound the step
         if self.clock.step_ended and trainer.global_step < trainer.max_steps:
             self._flush()

@@ -32,25 +32,25 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from framework.rank.callbacks.clock import StepClock
-from framework.rank.checkpoint.periodic import PeriodicCheckpoint
 from framework.base.faults.events import FaultLog
 from framework.base.faults.preemption import PREEMPT_SIGNALS, PREEMPTED_EVENT
+from framework.rank.callbacks.clock import StepClock
+from framework.rank.checkpoint.periodic import PeriodicCheckpoint
 from framework.rank.metrics.syncs import host_read
 
 
 class _Received:
     """What the handler saw in this process: the first preempting signal, its time, the steps done then."""
 
-    signum: Optional[int] = None
-    t: Optional[float] = None
-    steps_done: Optional[int] = None
+    signum: int | None = None
+    t: float | None = None
+    steps_done: int | None = None
     progress = 0  # optimizer steps finished so far (kept by Preemption, read by the handler)
 
 
@@ -101,7 +101,7 @@ class Preemption(pl.Callback):
         segment: ``"<launch>.<restart>"``, which (re)start of the ranks this is.
     """
 
-    def __init__(self, *, clock: StepClock, checkpoint: PeriodicCheckpoint, log: Optional[FaultLog], segment: str) -> None:
+    def __init__(self, *, clock: StepClock, checkpoint: PeriodicCheckpoint, log: FaultLog | None, segment: str) -> None:
         self.clock = clock
         self.checkpoint = checkpoint
         self.event_log = log  # not self.log: that name is taken on a Callback
@@ -118,8 +118,9 @@ class Preemption(pl.Callback):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self.clock.step_ended:
             return  # inside gradient accumulation: the step is finished first
         _Received.progress = trainer.global_step
@@ -129,20 +130,28 @@ class Preemption(pl.Callback):
         step = trainer.global_step
         self.checkpoint.save(trainer)  # every rank; a save of this step already made is not repeated
         if self.event_log is not None:
-            self.event_log.append(PREEMPTED_EVENT, seg=self.segment, signal=signal.Signals(signum).name,
-                                  t_signal=t_signal, step_at_signal=None if steps_done is None else steps_done + 1,
-                                  saved_step=step)
+            self.event_log.append(
+                PREEMPTED_EVENT,
+                seg=self.segment,
+                signal=signal.Signals(signum).name,
+                t_signal=t_signal,
+                step_at_signal=None if steps_done is None else steps_done + 1,
+                saved_step=step,
+            )
         trainer.should_stop = True
 
 
-def agree_on_signal(group: Any = None) -> tuple[int, Optional[float], Optional[int]]:
+def agree_on_signal(group: Any = None) -> tuple[int, float | None, int | None]:
     """What the ranks received, agreed by all: ``(signal number, earliest time any rank got it (Unix s),
     fewest optimizer steps done then)``; ``(0, None, None)`` when none did. One all-reduce (MAX over
     ``[signum, -t, -steps]``, a float64 host tensor, over ``group``: a gloo group, None = the default
     one) when distributed, so rank 0 records the signal's time and step also when only another rank
     got it (a signal sent to the ranks, not to the driver), and reading it back waits for no device."""
-    mine = [float(_Received.signum or 0), -(_Received.t if _Received.t is not None else float("inf")),
-            -(float(_Received.steps_done) if _Received.steps_done is not None else float("inf"))]
+    mine = [
+        float(_Received.signum or 0),
+        -(_Received.t if _Received.t is not None else float("inf")),
+        -(float(_Received.steps_done) if _Received.steps_done is not None else float("inf")),
+    ]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor(mine, dtype=torch.float64)  # on the host: gloo, no device round trip
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
@@ -151,4 +160,8 @@ def agree_on_signal(group: Any = None) -> tuple[int, Optional[float], Optional[i
     signum, neg_t, neg_steps = mine
     if not signum:
         return 0, None, None
-    return int(signum), (-neg_t if neg_t != float("-inf") else None), (int(-neg_steps) if neg_steps != float("-inf") else None)
+    return (
+        int(signum),
+        (-neg_t if neg_t != float("-inf") else None),
+        (int(-neg_steps) if neg_steps != float("-inf") else None),
+    )

@@ -34,7 +34,9 @@ class StepProfiler(pl.Callback):
         self._prof: torch.profiler.profile | None = None
         self.trace_path: Path | None = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # global_step counts finished optimizer steps: step ``first`` begins once first - 1 are done.
         if self._prof is None and self.trace_path is None and trainer.global_step == self.first - 1:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -43,7 +45,9 @@ class StepProfiler(pl.Callback):
             self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
             self._prof.start()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._prof is not None and trainer.global_step >= self.last:
             self._finish(trainer)
 

@@ -26,9 +26,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from framework.rank.callbacks.clock import StepClock
 from framework.base.metrics.emit import MetricEmitter
 from framework.base.metrics.flops import check_mfu, hfu, mfu
+from framework.rank.callbacks.clock import StepClock
 
 
 class StepMetrics(pl.Callback):
@@ -89,8 +89,11 @@ class StepMetrics(pl.Callback):
         self.last_loss = float("nan")
         self.summary: dict[str, float] = {}
         self.calibration_error: float | None = None  # achieved FLOP/s per device above the peak (MFU > 1), if any
-        self.elastic = {"elastic/world_size": float(num_devices), "elastic/dp_degree": float(dp_degree),
-                        "elastic/grad_accum_steps": float(grad_accum_steps)}
+        self.elastic = {
+            "elastic/world_size": float(num_devices),
+            "elastic/dp_degree": float(dp_degree),
+            "elastic/grad_accum_steps": float(grad_accum_steps),
+        }
 
     # -- helpers -------------------------------------------------------------------------
     def _sync(self, pl_module: pl.LightningModule) -> None:
@@ -124,17 +127,23 @@ class StepMetrics(pl.Callback):
             self._sync(pl_module)
             self._start_periods()
         if self.show_bar and trainer.is_global_zero:
-            from tqdm.auto import tqdm
-
             import sys
+
+            from tqdm.auto import tqdm
 
             # In a log file (not a terminal) redraw rarely instead of on every step.
             self._bar = tqdm(
-                total=trainer.max_steps, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True,
+                total=trainer.max_steps,
+                initial=trainer.global_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
                 mininterval=0.1 if sys.stderr.isatty() else 30.0,
             )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self.clock.step_ended:
             return  # inside gradient accumulation
         step = trainer.global_step
@@ -157,10 +166,15 @@ class StepMetrics(pl.Callback):
         self.last_loss = float(loss)
         self._sync(pl_module)
         now = time.perf_counter()
-        metrics = {"train/loss": self.last_loss, "train/lr": state.lr, "train/grad_norm": float(state.grad_norm),
-                   # Both counters: a dropped update (fault guard) counts as attempted, not applied.
-                   "train/steps_attempted": float(step), "train/optimizer_updates": float(pl_module.optimizer_updates),
-                   **self.elastic}
+        metrics = {
+            "train/loss": self.last_loss,
+            "train/lr": state.lr,
+            "train/grad_norm": float(state.grad_norm),
+            # Both counters: a dropped update (fault guard) counts as attempted, not applied.
+            "train/steps_attempted": float(step),
+            "train/optimizer_updates": float(pl_module.optimizer_updates),
+            **self.elastic,
+        }
         if self._window_t0 is not None and self._window_steps > 0:
             step_time = self._elapsed(now, self._window_t0, self._window_excl) / self._window_steps
             tps = self.tokens_per_step / step_time
@@ -176,7 +190,9 @@ class StepMetrics(pl.Callback):
         self.emit(metrics, step)
         if self._bar is not None:
             self._bar.set_postfix(
-                loss=f"{self.last_loss:.3f}", tok_s=f"{metrics.get('perf/tokens_per_sec', float('nan')):,.0f}", refresh=False
+                loss=f"{self.last_loss:.3f}",
+                tok_s=f"{metrics.get('perf/tokens_per_sec', float('nan')):,.0f}",
+                refresh=False,
             )
             self._bar.update(1)
 

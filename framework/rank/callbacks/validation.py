@@ -55,7 +55,9 @@ class ValidationLoss(pl.Callback):
             self._evaluate(trainer, pl_module)
             self.emit({"val/loss_initial": self.history[-1][1]}, 0)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step > 0 and step % self.every == 0 and step != self._last_step:
             self._evaluate(trainer, pl_module)

@@ -10,7 +10,7 @@ caller's decision (the fault-tolerance policy).
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 
@@ -28,19 +28,21 @@ class MemorySnapshot(pl.Callback):
 
     def __init__(self, *, every_n_steps: int) -> None:
         self.every = every_n_steps
-        self.step: Optional[int] = None
+        self.step: int | None = None
         self.last_copy_s = 0.0
-        self._state: Optional[dict[str, Any]] = None
+        self._state: dict[str, Any] | None = None
 
     def take(self, trainer: pl.Trainer) -> None:
         """Replace the snapshot with the current state of this rank."""
         t0 = time.perf_counter()
-        self._state = cpu_copy({
-            "model": trainer.lightning_module.state_dict(),
-            "optimizers": [opt.state_dict() for opt in trainer.optimizers],
-            "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
-            "rng": capture_rng_state(),
-        })
+        self._state = cpu_copy(
+            {
+                "model": trainer.lightning_module.state_dict(),
+                "optimizers": [opt.state_dict() for opt in trainer.optimizers],
+                "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+                "rng": capture_rng_state(),
+            }
+        )
         self.step = trainer.global_step
         self.last_copy_s = time.perf_counter() - t0
 
@@ -53,7 +55,9 @@ class MemorySnapshot(pl.Callback):
             RuntimeError: no snapshot has been taken yet.
         """
         if self._state is None:
-            raise RuntimeError("no in-memory snapshot to restore yet (checkpoint.memory_every_n_steps steps have not passed)")
+            raise RuntimeError(
+                "no in-memory snapshot to restore yet (checkpoint.memory_every_n_steps steps have not passed)"
+            )
         # Fresh tensors: Optimizer.load_state_dict keeps same-device tensors as they are, so the
         # optimizer would otherwise update the snapshot itself in its next step.
         state = cpu_copy(self._state)
@@ -65,7 +69,9 @@ class MemorySnapshot(pl.Callback):
         restore_rng_state(state["rng"])
         return self.step
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step > 0 and step % self.every == 0 and step != self.step:
             self.take(trainer)

@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
 
 from framework.base.checkpoint.format import checkpoint_name, remove_partial
 from framework.base.checkpoint.io import FolderCheckpointIO
+from framework.base.metrics.emit import MetricEmitter
 from framework.rank.checkpoint.reshard import rescale_batch_progress, rng_state_for_rank
 from framework.rank.checkpoint.rng import capture_rng_state, restore_rng_state
-from framework.base.metrics.emit import MetricEmitter
 
 STATE_KEY = "trainlab"  # top-level key of trainlab's own entries in the checkpoint dict
 
@@ -61,8 +62,8 @@ class PeriodicCheckpoint(pl.Callback):
         every_n_steps: int,
         save_last: bool,
         emit: MetricEmitter,
-        on_time_spent: Optional[Callable[[float], None]] = None,
-        before_save: Optional[Callable[[], None]] = None,
+        on_time_spent: Callable[[float], None] | None = None,
+        before_save: Callable[[], None] | None = None,
     ) -> None:
         self.dirpath = Path(dirpath)
         self.io = io
@@ -72,10 +73,12 @@ class PeriodicCheckpoint(pl.Callback):
         self.on_time_spent = on_time_spent
         self.before_save = before_save
         self._last_saved = -1
-        self._pending_rng: Optional[dict[str, Any]] = None
+        self._pending_rng: dict[str, Any] | None = None
 
     # -- RNG state in and out of the checkpoint -----------------------------------------------
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         mine = capture_rng_state()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             per_rank: list[Any] = [None] * dist.get_world_size()
@@ -83,10 +86,15 @@ class PeriodicCheckpoint(pl.Callback):
         else:
             per_rank = [mine]
         # the layout the state was saved under, for a resume at another world size (framework.rank.checkpoint.reshard)
-        checkpoint[STATE_KEY] = {"rng": per_rank, "world_size": trainer.world_size,
-                                 "batches_per_step": trainer.accumulate_grad_batches}
+        checkpoint[STATE_KEY] = {
+            "rng": per_rank,
+            "world_size": trainer.world_size,
+            "batches_per_step": trainer.accumulate_grad_batches,
+        }
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         ours = checkpoint.get(STATE_KEY, {})
         self._pending_rng, warning = rng_state_for_rank(ours.get("rng", []), trainer.global_rank, trainer.world_size)
         if warning and trainer.is_global_zero:
@@ -104,7 +112,9 @@ class PeriodicCheckpoint(pl.Callback):
             for p in remove_partial(self.dirpath):
                 print(f"trainlab: removed unfinished checkpoint {p}", file=sys.stderr, flush=True)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if self.every > 0 and step > 0 and step % self.every == 0:
             self.save(trainer)
@@ -139,8 +149,12 @@ class PeriodicCheckpoint(pl.Callback):
     def _report(self, trainer: pl.Trainer) -> None:
         for r in self.io.pop_results():  # only rank 0 writes, so only rank 0 has results
             if r.error is not None:
-                print(f"trainlab: warning: checkpoint save of step {r.step} failed: {r.error}"
-                      " (no partial checkpoint is left; the previous complete one stays)", file=sys.stderr, flush=True)
+                print(
+                    f"trainlab: warning: checkpoint save of step {r.step} failed: {r.error}"
+                    " (no partial checkpoint is left; the previous complete one stays)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             metrics = {"ckpt/save_s": r.save_s, "ckpt/bytes": float(r.bytes)}
             if r.delta_ratio is not None:

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
 from framework.base.checkpoint.io import FolderCheckpointIO
-from framework.rank.checkpoint.memory import MemorySnapshot
-from framework.rank.checkpoint.periodic import PeriodicCheckpoint
 from framework.base.checkpoint.resume import resume_config
-from framework.base.resolved import ResolvedRun
 from framework.base.config.schema import run_to_dict
 from framework.base.metrics.emit import MetricEmitter
+from framework.base.resolved import ResolvedRun
+from framework.rank.checkpoint.memory import MemorySnapshot
+from framework.rank.checkpoint.periodic import PeriodicCheckpoint
 
 
 def config_hash(resolved: ResolvedRun) -> str:
@@ -36,10 +37,17 @@ def manifest_fields(resolved: ResolvedRun, *, is_global_zero: bool) -> dict[str,
 
     layout = resolved.layout
     return {
-        "layout": {"plugin": resolved.plugin_name, "world_size": resolved.world_size, "dp": layout.dp, "tp": layout.tp,
-                   "pp": layout.pp},
+        "layout": {
+            "plugin": resolved.plugin_name,
+            "world_size": resolved.world_size,
+            "dp": layout.dp,
+            "tp": layout.tp,
+            "pp": layout.pp,
+        },
         "config_hash": config_hash(resolved),
-        "config": resume_config(resolved.run),  # compared when a run resumes from it (framework/base/checkpoint/resume.py)
+        "config": resume_config(
+            resolved.run
+        ),  # compared when a run resumes from it (framework/base/checkpoint/resume.py)
         "versions": {
             "torch": torch.__version__,
             "pytorch_lightning": pl.__version__,
@@ -55,8 +63,8 @@ def build_checkpointing(
     is_global_zero: bool,
     emit: MetricEmitter,
     checkpoint_kind: str,
-    on_time_spent: Optional[Callable[[float], None]] = None,
-    before_save: Optional[Callable[[], None]] = None,
+    on_time_spent: Callable[[float], None] | None = None,
+    before_save: Callable[[], None] | None = None,
 ) -> tuple[list[Any], list[pl.Callback]]:
     """``(plugins, callbacks)`` implementing ``resolved.run.checkpoint`` (``emit``: the run's metric emitter).
 

@@ -20,7 +20,7 @@ layout. Two more pieces of a checkpoint depend on the layout, and are mapped her
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -35,7 +35,7 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def rng_state_for_rank(per_rank: list[Any], rank: int, world_size: int) -> tuple[Optional[Any], Optional[str]]:
+def rng_state_for_rank(per_rank: list[Any], rank: int, world_size: int) -> tuple[Any | None, str | None]:
     """The saved RNG state rank ``rank`` of ``world_size`` restores, and a warning (or None).
 
     See the module docstring for the rule. Returns ``(None, warning)`` when nothing was saved.
@@ -56,7 +56,9 @@ def rng_state_for_rank(per_rank: list[Any], rank: int, world_size: int) -> tuple
 PROGRESS_KEY = "epoch_loop.batch_progress"
 
 
-def rescale_batch_progress(checkpoint: dict[str, Any], batches_per_step: int, saved_batches_per_step: Optional[int]) -> bool:
+def rescale_batch_progress(
+    checkpoint: dict[str, Any], batches_per_step: int, saved_batches_per_step: int | None
+) -> bool:
     """Rewrite Lightning's micro-batch counter of ``checkpoint`` for ``batches_per_step`` per optimizer step.
 
     ``saved_batches_per_step``: what the saving run used (None: inferred from the counter and

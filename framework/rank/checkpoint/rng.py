@@ -20,8 +20,13 @@ def capture_rng_state() -> dict[str, Any]:
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "numpy": {
+            "name": np_name,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
         "torch_cpu": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -37,12 +42,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     """
     random.setstate(_as_tuple(state["python"]))
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch_cpu"])
     if "torch_cuda" in state and torch.cuda.is_available():
         cuda = state["torch_cuda"]
         if len(cuda) != torch.cuda.device_count():
-            raise ValueError(f"checkpoint holds CUDA RNG states of {len(cuda)} devices, this process sees {torch.cuda.device_count()}")
+            raise ValueError(
+                f"checkpoint holds CUDA RNG states of {len(cuda)} devices, this process sees {torch.cuda.device_count()}"
+            )
         torch.cuda.set_rng_state_all(cuda)
 
 

@@ -7,8 +7,8 @@ The driver calls :func:`prepare_data` once before any rank starts; each rank bui
 from typing import Any
 
 from framework.base.data.dataset import WindowDataset
-from framework.rank.data.sampler import StepBatchSampler
 from framework.base.data.tokens import TokenCache, load_token_cache, prepare_data
+from framework.rank.data.sampler import StepBatchSampler
 
 
 def __getattr__(name: str) -> Any:

@@ -24,19 +24,19 @@ Lightning calls ``load_state_dict`` before ``train_dataloader()``, which then st
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from framework.rank.callbacks.preemption import ignore_in_loader_worker
 from framework.base.config.schema import DataConfig
 from framework.base.data.dataset import OnTheFlyWindowDataset, WindowDataset
-from framework.rank.data.sampler import StepBatchSampler
-from framework.rank.data.step_tokens import StepTokenCounts
 from framework.base.data.tokens import TokenCache, load_token_cache
 from framework.base.metrics.timing import comm_paused
+from framework.rank.callbacks.preemption import ignore_in_loader_worker
+from framework.rank.data.sampler import StepBatchSampler
+from framework.rank.data.step_tokens import StepTokenCounts
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class TextDataModule(pl.LightningDataModule):
         dp_size: int,
         max_steps: int,
         val_sequences: int,
-        cache_dir: Optional[str] = None,
+        cache_dir: str | None = None,
     ) -> None:
         """
         Args:
@@ -109,11 +109,11 @@ class TextDataModule(pl.LightningDataModule):
         self.max_steps = max_steps
         self.val_sequences = val_sequences
         self.start_step = 0  # first optimizer step the train loader yields (set on resume)
-        self.first_sample: Optional[int] = None  # global sample at start_step after a resume at another global batch
+        self.first_sample: int | None = None  # global sample at start_step after a resume at another global batch
         self.cache_dir = cache_dir
-        self._cache: Optional[TokenCache] = None
-        self.train_set: Optional[WindowDataset | OnTheFlyWindowDataset] = None
-        self.val_set: Optional[WindowDataset] = None
+        self._cache: TokenCache | None = None
+        self.train_set: WindowDataset | OnTheFlyWindowDataset | None = None
+        self.val_set: WindowDataset | None = None
 
     # ------------------------------------------------------------------ cache and datasets
 
@@ -133,7 +133,7 @@ class TextDataModule(pl.LightningDataModule):
         """Tokenizer vocabulary size from the cache meta (usable before ``setup``)."""
         return self.cache.vocab_size
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         """Open the train/val memmaps. Idempotent.
 
         Raises:
@@ -150,7 +150,9 @@ class TextDataModule(pl.LightningDataModule):
             train = OnTheFlyWindowDataset(self.cache.dir, "train", L, self.cache.eot_id, mask_document_boundaries=mask)
         else:
             train = WindowDataset(self.cache.open_train(), L, mask_eot_id=eot)
-        val = WindowDataset(self.cache.open_val(), L, mask_eot_id=eot)  # validation is not the pipeline under study: always memmap
+        val = WindowDataset(
+            self.cache.open_val(), L, mask_eot_id=eot
+        )  # validation is not the pipeline under study: always memmap
         for name, ds in (("train", train), ("val", val)):
             if len(ds) == 0 and (name == "train" or self.val_sequences > 0):
                 raise ValueError(
@@ -189,8 +191,11 @@ class TextDataModule(pl.LightningDataModule):
             max_steps=self.max_steps,
             first_sample=self.first_sample,
         )
-        return StepTokenCounts(self._loader(self.train_set, sampler), micro_batches_per_step=self.grad_accum_steps,
-                               sum_over_ranks=self._sum_over_data_parallel)
+        return StepTokenCounts(
+            self._loader(self.train_set, sampler),
+            micro_batches_per_step=self.grad_accum_steps,
+            sum_over_ranks=self._sum_over_data_parallel,
+        )
 
     def _sum_over_data_parallel(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (a 0-dim int64 count) summed over the data-parallel ranks.
@@ -243,7 +248,11 @@ class TextDataModule(pl.LightningDataModule):
         """``{"consumed_samples", "global_batch_size", "step"}`` at the trainer's current step."""
         trainer = getattr(self, "trainer", None)
         step = trainer.global_step if trainer is not None else self.start_step
-        return {"consumed_samples": self.consumed_samples(step), "global_batch_size": self.global_batch_size, "step": step}
+        return {
+            "consumed_samples": self.consumed_samples(step),
+            "global_batch_size": self.global_batch_size,
+            "step": step,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the sample stream: ``start_step = consumed_samples // global_batch_size``.

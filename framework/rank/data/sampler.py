@@ -21,7 +21,7 @@ then mixes the tail of one permutation with the head of the next).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -104,7 +104,7 @@ class StepBatchSampler(Sampler[list[int]]):
         return (self.max_steps - self.start_step) * self.grad_accum_steps
 
     def __iter__(self) -> Iterator[list[int]]:
-        mbs, B = self.micro_batch_size, self.global_batch_size
+        mbs = self.micro_batch_size
         for k in range(self.start_step, self.max_steps):
             for j in range(self.grad_accum_steps):
                 first = self.step_first_sample(k) + j * mbs * self.dp_size + self.dp_rank * mbs

@@ -19,7 +19,8 @@ with every plugin's own reductions unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -85,4 +86,3 @@ class StepTokenCounts:
                 yield x, y, n
             if len(step) < self.micro_batches_per_step:
                 return
-

@@ -34,8 +34,8 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,9 @@ class StepHealth:
 
     grad_nonfinite: bool
     loss_nonfinite: bool
-    grad_norm: float  # mean over ranks of their finite global norms (ParallelPlugin.grad_norm: L2, all parameters); 0 if none
+    grad_norm: (
+        float  # mean over ranks of their finite global norms (ParallelPlugin.grad_norm: L2, all parameters); 0 if none
+    )
     loss: float  # mean over ranks of their micro-batch mean losses
     busy_s: list[float]  # per rank: seconds from the step's start to its health check
     grad_norms: list[float] = field(default_factory=list)  # per rank: its global norm as measured (NaN/Inf kept)
@@ -65,7 +67,7 @@ class StepHealth:
         finite), else :attr:`grad_norm` (a spike shows as the spiking value)."""
         return next((g for g in self.grad_norms if not math.isfinite(g)), self.grad_norm)
 
-    def straggler(self, factor: float, min_s: float = 0.0) -> Optional[int]:
+    def straggler(self, factor: float, min_s: float = 0.0) -> int | None:
         """The slowest rank if its ``busy_s`` exceeds ``factor`` x the median of the other ranks (and that
         median by more than ``min_s`` seconds, so that noise on millisecond steps is not flagged), else None.
 
@@ -83,8 +85,9 @@ class StepHealth:
 def gather_health(*, grad_norm: float, loss: float, busy_s: float, device: torch.device) -> StepHealth:
     """All-gather this rank's figures (``torch.distributed`` when initialized); every rank gets the same result."""
     g_bad, l_bad = not math.isfinite(grad_norm), not math.isfinite(loss)
-    mine = torch.tensor([float(g_bad), grad_norm, 0.0 if l_bad else loss, float(l_bad), busy_s],
-                        dtype=torch.float64, device=device)
+    mine = torch.tensor(
+        [float(g_bad), grad_norm, 0.0 if l_bad else loss, float(l_bad), busy_s], dtype=torch.float64, device=device
+    )
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
@@ -109,7 +112,7 @@ class RunningMean:
     def __init__(self, beta: float, warmup: int) -> None:
         self.beta = beta
         self.warmup = warmup
-        self.mean: Optional[float] = None
+        self.mean: float | None = None
         self.count = 0
 
     def is_spike(self, x: float, factor: float) -> bool:

@@ -31,16 +31,16 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 
+from framework.base.config.schema import ResilienceConfig
+from framework.base.faults.events import FaultLog
 from framework.rank.callbacks.clock import StepClock
 from framework.rank.checkpoint.memory import MemorySnapshot
-from framework.base.config.schema import ResilienceConfig
 from framework.rank.faults.audit import local_state, max_abs_diff, max_abs_diff_by_part
 from framework.rank.faults.detect import RunningMean, Watchdog, gather_health
-from framework.base.faults.events import FaultLog
 from framework.rank.faults.lightning_adapter import align_batch_counter, closes_optimizer_step, set_optimizer_step
 
 
@@ -61,7 +61,7 @@ def rewind_to_snapshot(trainer: pl.Trainer, step: int, clock: StepClock) -> None
     clock.on_rollback(step)
 
 
-def rewarmup_factor(step: int, shrunk_at_step: Optional[int], rewarmup_steps: int) -> float:
+def rewarmup_factor(step: int, shrunk_at_step: int | None, rewarmup_steps: int) -> float:
     """LR multiplier of optimizer step ``step + 1`` (``step`` = ``trainer.global_step`` before it)
     after a shrink that resumed from ``shrunk_at_step``: ``(k + 1) / rewarmup_steps`` for the
     ``k``-th step after the resume (``k = step - shrunk_at_step`` in ``[0, rewarmup_steps)``),
@@ -86,9 +86,18 @@ class FaultGuard(pl.Callback):
         snapshot: the run's in-memory snapshot (what a rollback restores), or None.
     """
 
-    def __init__(self, *, cfg: ResilienceConfig, rank: int, log: FaultLog, segment: str, launch_index: int,
-                 clock: StepClock, snapshot: Optional[MemorySnapshot] = None,
-                 shrunk_at_step: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        *,
+        cfg: ResilienceConfig,
+        rank: int,
+        log: FaultLog,
+        segment: str,
+        launch_index: int,
+        clock: StepClock,
+        snapshot: MemorySnapshot | None = None,
+        shrunk_at_step: int | None = None,
+    ) -> None:
         self.cfg = cfg
         self.rank = rank
         self.fault_log = log
@@ -97,22 +106,25 @@ class FaultGuard(pl.Callback):
         self.shrunk_at = shrunk_at_step
         self.skip_steps = set(cfg.skip_steps)
         self.max_faults = cfg.max_faults if cfg.max_faults is not None else (0 if cfg.policy == "abort" else None)
-        self.faults = sum(1 for r in log.read() if r.get("ev") == "detected" and r.get("action") not in (None, "none")
-                          and r.get("rank") == 0)
+        self.faults = sum(
+            1
+            for r in log.read()
+            if r.get("ev") == "detected" and r.get("action") not in (None, "none") and r.get("rank") == 0
+        )
         self.loss_stat = RunningMean(cfg.stat_beta, cfg.stat_warmup_steps)
         self.grad_stat = RunningMean(cfg.stat_beta, cfg.stat_warmup_steps)
         self.watchdog = Watchdog(cfg.hang_timeout_s, self._hung) if cfg.hang_timeout_s > 0 else None
         self.clock = clock
         self.snapshot = snapshot
-        self._trainer: Optional[pl.Trainer] = None
+        self._trainer: pl.Trainer | None = None
         self._step = -1
         self._t_step = 0.0
         self._skipped = False
-        self._rollback_to: Optional[int] = None
-        self._restore: Optional[str] = None  # rollback restore: await_epoch -> next_batch -> done
+        self._rollback_to: int | None = None
+        self._restore: str | None = None  # rollback restore: await_epoch -> next_batch -> done
         self._straggling = False
         self._accepted = 0
-        self._audit_before: Optional[dict] = None  # resilience.audit_skips: this rank's state before a dropped update
+        self._audit_before: dict | None = None  # resilience.audit_skips: this rank's state before a dropped update
 
     # -- records ----------------------------------------------------------------------------
     def _record(self, ev: str, **fields: Any) -> None:
@@ -121,10 +133,21 @@ class FaultGuard(pl.Callback):
 
     def _hung(self, stalled_s: float) -> None:
         step = self._trainer.global_step + 1 if self._trainer is not None else -1
-        self.fault_log.append("detected", detector="hang_watchdog", step=step, rank=self.rank, seg=self.segment,
-                        stalled_s=stalled_s, action="restart")
-        print(f"trainlab: fault: rank {self.rank} made no progress for {stalled_s:.1f} s (step {step});"
-              f" exiting for a restart", file=sys.stderr, flush=True)
+        self.fault_log.append(
+            "detected",
+            detector="hang_watchdog",
+            step=step,
+            rank=self.rank,
+            seg=self.segment,
+            stalled_s=stalled_s,
+            action="restart",
+        )
+        print(
+            f"trainlab: fault: rank {self.rank} made no progress for {stalled_s:.1f} s (step {step});"
+            f" exiting for a restart",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # -- hooks ------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -137,14 +160,20 @@ class FaultGuard(pl.Callback):
         if self._restore == "await_epoch":
             self._restore = "next_batch"
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.watchdog is not None:
             self.watchdog.beat()
         if pl_module.step_state.end_epoch_requested:
             return  # this batch is dropped: the module ends the epoch (rollback)
         if self._step == -1 and self._restore is None and align_batch_counter(trainer) and self.rank == 0:
-            print(f"trainlab: resumed at grad_accum_steps={trainer.accumulate_grad_batches}: micro-batch counter"
-                  f" re-aligned to step {trainer.global_step}", file=sys.stderr, flush=True)
+            print(
+                f"trainlab: resumed at grad_accum_steps={trainer.accumulate_grad_batches}: micro-batch counter"
+                f" re-aligned to step {trainer.global_step}",
+                file=sys.stderr,
+                flush=True,
+            )
         if self._restore == "next_batch":
             # First batch of the epoch after a rollback: the new loader iterator exists (its creation
             # draws from torch's RNG) and Lightning's extra scheduler step at the epoch end is past.
@@ -163,14 +192,23 @@ class FaultGuard(pl.Callback):
         state = pl_module.step_state
         n = max(1, state.micro_batches)
         grad_norm = float(pl_module.plugin.grad_norm(pl_module))  # the one gradient-norm function (the run logs it too)
-        health = gather_health(grad_norm=grad_norm, loss=float(state.loss_sum) / n,
-                               busy_s=time.perf_counter() - self._t_step, device=pl_module.device)
+        health = gather_health(
+            grad_norm=grad_norm,
+            loss=float(state.loss_sum) / n,
+            busy_s=time.perf_counter() - self._t_step,
+            device=pl_module.device,
+        )
         if self.watchdog is not None:
             self.watchdog.beat()
-        straggler = health.straggler(self.cfg.straggler_factor, self.cfg.straggler_min_s) if self._accepted >= self.cfg.stat_warmup_steps else None
+        straggler = (
+            health.straggler(self.cfg.straggler_factor, self.cfg.straggler_min_s)
+            if self._accepted >= self.cfg.stat_warmup_steps
+            else None
+        )
         if straggler is not None and not self._straggling:
-            self._record("detected", detector="straggler", step=step, rank=straggler, action="none",
-                         busy_s=health.busy_s)
+            self._record(
+                "detected", detector="straggler", step=step, rank=straggler, action="none", busy_s=health.busy_s
+            )
         self._straggling = straggler is not None
         detector = None
         if health.nonfinite:
@@ -199,15 +237,28 @@ class FaultGuard(pl.Callback):
         policy = self.cfg.policy
         action = {"none": "none", "rollback": "rollback"}.get(policy, "skip_step")
         self.faults += 1 if action != "none" else 0
-        self._record("detected", detector=detector, step=step, rank=0, action=action, loss=health.loss,
-                     grad_norm=health.reported_grad_norm)
+        self._record(
+            "detected",
+            detector=detector,
+            step=step,
+            rank=0,
+            action=action,
+            loss=health.loss,
+            grad_norm=health.reported_grad_norm,
+        )
         if self.rank == 0:
-            print(f"trainlab: fault: {detector} detected in step {step} (loss {health.loss:.4g}, grad norm"
-                  f" {health.reported_grad_norm:.4g}); policy {policy}: {action}", file=sys.stderr, flush=True)
+            print(
+                f"trainlab: fault: {detector} detected in step {step} (loss {health.loss:.4g}, grad norm"
+                f" {health.reported_grad_norm:.4g}); policy {policy}: {action}",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.max_faults is not None and self.faults > self.max_faults:
             self._record("abort", step=step, faults=self.faults)
-            raise FaultAbort(f"resilience: {self.faults} faults detected > resilience.max_faults={self.max_faults}"
-                             f" (last: {detector} in step {step}); aborting")
+            raise FaultAbort(
+                f"resilience: {self.faults} faults detected > resilience.max_faults={self.max_faults}"
+                f" (last: {detector} in step {step}); aborting"
+            )
         if action == "none":
             return
         self._drop_update(pl_module, step, detector)
@@ -229,8 +280,15 @@ class FaultGuard(pl.Callback):
         if self._audit_before is not None:  # after the optimizer step and the scheduler: nothing may have moved
             before, self._audit_before = self._audit_before, None
             after = local_state(trainer)
-            self.fault_log.append("skip_audit", step=self._step, rank=self.rank, seg=self.segment, tensors=len(before),
-                                  max_abs_diff=max_abs_diff(before, after), parts=max_abs_diff_by_part(before, after))
+            self.fault_log.append(
+                "skip_audit",
+                step=self._step,
+                rank=self.rank,
+                seg=self.segment,
+                tensors=len(before),
+                max_abs_diff=max_abs_diff(before, after),
+                parts=max_abs_diff_by_part(before, after),
+            )
         if self._rollback_to is not None:
             to, self._rollback_to = self._rollback_to, None
             if self.cfg.rollback_skip_window:
@@ -251,8 +309,9 @@ class FaultGuard(pl.Callback):
             self.watchdog.stop()
 
 
-def build_fault_callbacks(launch: Any, *, rank: int, log: FaultLog, segment: str, clock: StepClock,
-                          snapshot: Optional[MemorySnapshot] = None) -> list[pl.Callback]:
+def build_fault_callbacks(
+    launch: Any, *, rank: int, log: FaultLog, segment: str, clock: StepClock, snapshot: MemorySnapshot | None = None
+) -> list[pl.Callback]:
     """``[FaultInjector, FaultGuard]`` for this rank, or ``[]`` when the run has no faults and no policy.
 
     ``launch``: the driver's :class:`~framework.base.launch.LaunchSpec` (the run, its fault schedule,
@@ -262,14 +321,24 @@ def build_fault_callbacks(launch: Any, *, rank: int, log: FaultLog, segment: str
     metric callbacks and before the checkpoint ones (a rollback must rewind the step before a save
     or snapshot of that step is taken).
     """
-    from framework.rank.faults.inject import FaultInjector
     from framework.base.faults.schedule import faults_enabled
+    from framework.rank.faults.inject import FaultInjector
 
     run = launch.resolved.run
     if not faults_enabled(run):
         return []
     return [
-        FaultInjector(schedule=launch.fault_schedule, rank=rank, log=log, checkpoint_dir=launch.resolved.checkpoint_dir),
-        FaultGuard(cfg=run.resilience, rank=rank, log=log, segment=segment, launch_index=launch.launch_index,
-                   clock=clock, snapshot=snapshot, shrunk_at_step=launch.shrunk_at_step),
+        FaultInjector(
+            schedule=launch.fault_schedule, rank=rank, log=log, checkpoint_dir=launch.resolved.checkpoint_dir
+        ),
+        FaultGuard(
+            cfg=run.resilience,
+            rank=rank,
+            log=log,
+            segment=segment,
+            launch_index=launch.launch_index,
+            clock=clock,
+            snapshot=snapshot,
+            shrunk_at_step=launch.shrunk_at_step,
+        ),
     ]

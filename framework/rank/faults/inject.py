@@ -42,15 +42,18 @@ class FaultInjector(pl.Callback):
         self._acting: list[Acting] = []  # faults still acting in this step
 
     def _ctx(self, trainer: pl.Trainer, pl_module: Any) -> FaultContext:
-        return FaultContext(step=self._step, rank=self.rank, trainer=trainer, module=pl_module,
-                            checkpoint_dir=self.checkpoint_dir)
+        return FaultContext(
+            step=self._step, rank=self.rank, trainer=trainer, module=pl_module, checkpoint_dir=self.checkpoint_dir
+        )
 
     def _fire(self, e: dict[str, Any], step: int) -> None:
         self.fired.add(f"{e['id']}@{self.rank}")
         self.fault_log.append("injected", id=e["id"], kind=e["kind"], step=step, rank=self.rank)
         print(f"trainlab: fault: injecting {e['kind']} on rank {self.rank} in step {step}", file=sys.stderr, flush=True)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         state = pl_module.step_state
         if state.end_epoch_requested:
             return  # a batch dropped by a rollback: it does not run
@@ -72,7 +75,9 @@ class FaultInjector(pl.Callback):
         for a in self._acting:
             a.before_optimizer_step(self._ctx(trainer, pl_module))
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self._step:  # the step is done: faults acting only in it stop
             pl_module.step_state.loss_transform = None
             self._acting = [a for a in self._acting if a.last_step > self._step]

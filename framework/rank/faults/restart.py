@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 from framework.base.faults.events import FaultLog
 from framework.base.launch import LaunchSpec
@@ -26,7 +25,7 @@ def restart_label(launch: LaunchSpec) -> str:
     return f"{launch.launch_index}.{restart_count()}"
 
 
-def resume_path(launch: LaunchSpec, rank: int, log: FaultLog, segment: str) -> Optional[str]:
+def resume_path(launch: LaunchSpec, rank: int, log: FaultLog, segment: str) -> str | None:
     """The checkpoint this rank starts from: the launch's, or after an elastic restart the newest valid one.
 
     ``log``: the run's event log; ``segment``: :func:`restart_label`. A corrupt checkpoint passed
@@ -43,6 +42,7 @@ def resume_path(launch: LaunchSpec, rank: int, log: FaultLog, segment: str) -> O
 
     latest = find_latest_valid(launch.resolved.checkpoint_dir, warn=warn)
     if rank == 0:
-        print(f"trainlab: restart {restart_count()}: resuming from {latest or 'the start'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"trainlab: restart {restart_count()}: resuming from {latest or 'the start'}", file=sys.stderr, flush=True
+        )
     return str(latest) if latest else None

@@ -25,7 +25,8 @@ import threading
 import traceback
 import warnings
 from collections import Counter
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -65,7 +66,7 @@ def _call_site() -> str:
             path = frame.filename
             for marker in ("/framework/", "/plugins/", "/site-packages/"):
                 if marker in path:
-                    path = path[path.index(marker) + 1:]
+                    path = path[path.index(marker) + 1 :]
                     break
             return f"{path}:{frame.lineno} ({frame.name})"
     return "?"
@@ -97,7 +98,7 @@ class HostSyncCounter(TorchFunctionMode):
         self.records: list[tuple[str, str]] = []
         self._active = False
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         kind = SYNC_METHODS.get(func)
         if kind is None and _is_to_host(func, args, kwargs):
@@ -132,7 +133,7 @@ class CudaSyncCounter:
 
     def __init__(self) -> None:
         self.records: list[tuple[str, str]] = []
-        self._catch: Optional[warnings.catch_warnings] = None
+        self._catch: warnings.catch_warnings | None = None
         self._log: list = []
 
     def start(self) -> None:
@@ -147,7 +148,9 @@ class CudaSyncCounter:
             torch.cuda.set_sync_debug_mode("default")
             self._catch.__exit__(None, None, None)
             self._catch = None
-            self.records += [("cuda_sync", f"{w.filename}:{w.lineno}") for w in self._log if self.MESSAGE in str(w.message)]
+            self.records += [
+                ("cuda_sync", f"{w.filename}:{w.lineno}") for w in self._log if self.MESSAGE in str(w.message)
+            ]
             self._log = []
 
     def take(self) -> list[tuple[str, str]]:

@@ -67,7 +67,7 @@ class FaultKind:
     name: ClassVar[str]
     summary: ClassVar[str] = ""  # one line: what happens on the faulty ranks
 
-    def check(self, run: "RunConfig") -> list[str]:
+    def check(self, run: RunConfig) -> list[str]:
         """Rules of a run that schedules this kind (listed or drawn at random): one line per problem,
         naming the key and what is allowed. Default: none."""
         return []
@@ -77,7 +77,7 @@ class FaultKind:
         with the schema's defaults; returns the event to schedule. Default: unchanged."""
         return event
 
-    def start(self, event: dict[str, Any], ctx: FaultContext) -> Optional[Acting]:
+    def start(self, event: dict[str, Any], ctx: FaultContext) -> Acting | None:
         """Make the fault happen on this rank (see the module docstring). Default: nothing."""
         return None
 
@@ -94,7 +94,9 @@ def register_fault_kind(cls: type[FaultKind]) -> type[FaultKind]:
     """
     known = _KINDS.get(cls.name)
     if known is not None and type(known) is not cls:
-        raise ValueError(f"fault kind {cls.name!r} is registered twice: {type(known).__qualname__} and {cls.__qualname__}")
+        raise ValueError(
+            f"fault kind {cls.name!r} is registered twice: {type(known).__qualname__} and {cls.__qualname__}"
+        )
     _KINDS[cls.name] = cls()
     return cls
 

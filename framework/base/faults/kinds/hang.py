@@ -19,10 +19,12 @@ class Hang(FaultKind):
     name = "hang"
     summary = "the rank sleeps delay_s inside the step (needs resilience.hang_timeout_s > 0)"
 
-    def check(self, run: "RunConfig") -> list[str]:
+    def check(self, run: RunConfig) -> list[str]:
         if run.resilience.hang_timeout_s <= 0:
-            return ["fault kind 'hang' needs the watchdog: set resilience.hang_timeout_s > 0 (seconds without"
-                    " step progress before a rank is declared hung)"]
+            return [
+                "fault kind 'hang' needs the watchdog: set resilience.hang_timeout_s > 0 (seconds without"
+                " step progress before a rank is declared hung)"
+            ]
         return []
 
     def random_event(self, event: dict[str, Any]) -> dict[str, Any]:
