@@ -259,7 +259,7 @@ def open_driver_run(resolved: Any, model: Any, *, resumed: bool) -> DriverRun:
             "plugin": resolved.plugin_name,
             "world_size": resolved.world_size,
             "layout": lay.describe(),
-            "git_commit": git_commit(Path(__file__).parent.parent),
+            "git_commit": git_commit(Path(__file__).resolve().parents[2]),
         }
     )
     tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(config)), "resolved_config.yaml")

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_every_kind_is_a_module_with_a_preset_of_its_name():
     """A kind is one module in framework/base/faults/kinds/ plus conf/fault/<kind>.yaml: the two lists match."""
     modules = sorted(
-        p.stem for p in (REPO / "framework" / "faults" / "kinds").glob("*.py") if not p.stem.startswith("_")
+        p.stem for p in (REPO / "framework" / "base" / "faults" / "kinds").glob("*.py") if not p.stem.startswith("_")
     )
     presets = sorted(p.stem for p in (CONF_DIR / "fault").glob("*.yaml"))
     assert fault_kind_names() == modules and len(modules) >= 9
