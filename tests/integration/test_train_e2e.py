@@ -189,6 +189,9 @@ def test_a_rank_failure_ends_the_mlflow_run_failed(runner):
     assert proc.returncode == 1
     assert "trainlab: error: training failed" in proc.stderr
     assert "refused to load" in proc.stdout + proc.stderr
+    # the one-line reason names the refusal, not an error raised while reporting it
+    (reason,) = [ln for ln in proc.stderr.splitlines() if "error: training failed" in ln]
+    assert "refused to load" in reason, reason
     assert not marker.exists()
     client = MlflowClient(tracking_uri=f"sqlite:///{runner.workdir}/mlruns.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])

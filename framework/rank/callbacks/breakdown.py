@@ -144,6 +144,9 @@ class StepBreakdown(pl.Callback):
         self._unhook_step_end: Callable[[], None] | None = None
         self._states_peak = 0  # largest model-state bytes sampled within the current logged step
         self._states_run_peak = 0.0  # largest logged mem/model_states_bytes (max over ranks) of the run
+        # seconds of logging to count in the next step; set here too: a flush on a failure before the first
+        # step (a refused checkpoint) adds to it, and must not raise over the failure it reports
+        self._carry_s = 0.0
         self._reset_step()
 
     # -- helpers -------------------------------------------------------------------------
