@@ -42,7 +42,7 @@ from framework.driver.launcher import start_rank_server, stop_rank_server
 signal.signal(signal.SIGTERM, lambda *a: None)
 before = signal.getsignal(signal.SIGTERM)
 run = types.SimpleNamespace(trainer=types.SimpleNamespace(preload_ranks=True, threads_per_rank=1))
-start_rank_server(types.SimpleNamespace(run=run, nproc_per_node=1))
+start_rank_server(types.SimpleNamespace(run=run, nproc_per_node=1, threads_per_rank=1))
 pid = forkserver._forkserver._forkserver_pid
 ignored = int(open(f"/proc/{pid}/status").read().split("SigIgn:")[1].split()[0], 16)
 print(*[bool(ignored >> (s - 1) & 1) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)],
