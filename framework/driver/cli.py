@@ -14,7 +14,6 @@ runs with.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -280,16 +279,13 @@ def main(app: Callable[[], None]) -> None:
     in a sweep: at least one job failed, after every job has run), 2 (bad input), 75
     (preempted), 130 (interrupted).
     """
-    # Fail fast on an unreachable MLflow server instead of minutes of retries (driver and ranks;
-    # set before the rank server starts, whose environment the ranks inherit).
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    from framework.driver.launcher import start_rank_server, start_rank_server_early
+
+    start_rank_server_early(sys.argv[1:])  # a no-op when python -m framework.train started it already
     try:
         resolved = precheck(sys.argv[1:])
         if resolved is not None:
-            from framework.driver.launcher import start_rank_server
-
-            start_rank_server(resolved)  # its imports overlap the driver's set-up
+            start_rank_server(resolved)  # a no-op when it runs already
         app()
         code = 0
         from framework.driver.runs import FAILED_JOBS

@@ -43,16 +43,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_rank_server(resolved) -> None:
+def start_rank_server(resolved=None) -> None:
     """With ``trainer.preload_ranks`` (the default), start now the forkserver this node's ranks will fork from.
 
     The server imports :data:`PRELOAD_MODULES` (torch, Lightning, the worker: ~4 s of CPU on the
     2-core machine) in its own process, so on a machine with a free core that runs while the driver
-    composes, validates, tokenizes and opens its MLflow run, and every (re)start of the ranks forks
-    from it instead of importing again. One server per driver process: later calls (the next job of
-    a sweep, a shrink's relaunch) reuse it. The ranks inherit the environment the server had when it
-    started (plus what the elastic agent sets per rank), so the thread cap for this node's ranks
-    (``OMP_NUM_THREADS``, ranks x threads <= cores) is set here first. Nothing without preload_ranks.
+    composes, validates (importing torch itself for the plugin class), tokenizes and opens its MLflow
+    run, and every (re)start of the ranks forks from it instead of importing again. The driver starts
+    it first thing (:func:`framework.driver.cli.main`, ``resolved`` None: before the config is read,
+    unless the command line turns preloading off, :func:`preload_on_command_line`); later calls (a
+    sweep's jobs, a shrink's relaunch) reuse it. One server per driver process.
+
+    The ranks inherit the environment the server had when it started plus what the elastic agent
+    sets per rank: the agent passes the driver's ``OMP_NUM_THREADS`` at launch (:func:`launch_ranks`
+    sets it to the run's ``threads_per_rank``) and each rank caps torch's pool at the same number
+    (:func:`framework.base.distributed.cap_threads`), so ranks x threads <= cores holds without the
+    server knowing the run. Anything else a rank needs from the driver travels in ``launch.json``.
 
     The server lives in the driver's process group, and its ranks die with it (``PR_SET_PDEATHSIG``,
     :mod:`framework.rank.worker`): a preemption signal sent to the whole group (a scheduler's SIGTERM,
@@ -60,10 +66,11 @@ def start_rank_server(resolved) -> None:
     and kill its ranks before they save. So it starts with :data:`~framework.base.faults.preemption.PREEMPT_SIGNALS`
     ignored (a disposition that survives ``exec``); each rank installs its own handlers for them.
 
-    ``resolved``: the validated run (:class:`~framework.base.resolved.ResolvedRun`).
+    ``resolved``: the validated run (:class:`~framework.base.resolved.ResolvedRun`): nothing when its
+    ``trainer.preload_ranks`` is off (a server started before the config was read then idles until
+    :func:`stop_rank_server`); None: start regardless.
     """
-    run = resolved.run
-    if not run.trainer.preload_ranks:
+    if resolved is not None and not resolved.run.trainer.preload_ranks:
         return
     import multiprocessing
     import signal
@@ -72,7 +79,6 @@ def start_rank_server(resolved) -> None:
 
     from framework.base.faults.preemption import PREEMPT_SIGNALS
 
-    os.environ["OMP_NUM_THREADS"] = str(resolved.threads_per_rank)
     multiprocessing.set_forkserver_preload(PRELOAD_MODULES)
     if threading.current_thread() is not threading.main_thread():  # signal dispositions are the main thread's
         forkserver.ensure_running()
@@ -83,6 +89,47 @@ def start_rank_server(resolved) -> None:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def preload_on_command_line(argv: list[str]) -> bool:
+    """Whether the driver may start the rank server before it reads the config (:func:`start_rank_server`).
+
+    True for a run or a local sweep on the command line ``argv`` (Hydra overrides, ``-m``), unless an
+    override sets ``trainer.preload_ranks`` false or picks a Hydra launcher other than ``basic`` (a
+    Slurm sweep's ranks run in its jobs, not under this driver), or another Hydra flag is given
+    (``--help``, ``--cfg``: nothing runs). A preset that turns preloading off leaves an idle server
+    (its cost: the imports, on the other core).
+    """
+    for arg in argv:
+        if arg.startswith("-"):
+            if arg not in ("-m", "--multirun"):
+                return False
+            continue
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key == "trainer.preload_ranks" and value.strip().lower() in ("false", "0", "no", "off", "null"):
+            return False
+        if key == "hydra/launcher" and value.strip() != "basic":
+            return False
+    return True
+
+
+DRIVER_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+"""Set in the driver's environment unless given (:func:`start_rank_server_early`): fail fast on an
+unreachable MLflow server instead of minutes of retries, in the driver and in its ranks."""
+
+
+def start_rank_server_early(argv: list[str]) -> None:
+    """The driver's first step, before it imports Hydra: set :data:`DRIVER_ENV_DEFAULTS` (the ranks
+    inherit them from the server) and, where :func:`preload_on_command_line` allows, start the rank
+    server (:func:`start_rank_server`), so that its imports run on the other core while the driver
+    imports Hydra, composes and validates the config (importing torch itself for the plugin class).
+    Measured with ``benchmarks/run_startup.py``. Idempotent: ``python -m framework.train`` calls it
+    before importing the driver, :func:`framework.driver.cli.main` again.
+    """
+    for key, value in DRIVER_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if preload_on_command_line(argv):
+        start_rank_server()
 
 
 def stop_rank_server() -> None:
@@ -136,6 +183,36 @@ def release_finished_ranks_on_close() -> None:
     MultiprocessContext._close = _close
 
 
+def name_rendezvous_events_cheaply() -> None:
+    """Make torch's dynamic rendezvous name its events from frame objects instead of ``inspect.stack()``.
+
+    Each event of the c10d rendezvous is named by ``dynamic_rendezvous.get_method_name``, which calls
+    ``inspect.stack()`` twice: that builds a record for every frame of the driver's deep Hydra stack
+    and looks up each frame's module and source lines. Measured with cProfile on the 2-core machine:
+    18 calls per launch, ~60 ms each, ~1 s of the driver's CPU on the path before the ranks start.
+    The replacement returns the same name (the function ``depth`` frames up, or ``no_method_name``)
+    by walking frames (``sys._getframe``); it only names log events. Nothing when this torch has no
+    such helper. Idempotent.
+    """
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    except ImportError:  # pragma: no cover (an older or newer torch)
+        return
+    if not hasattr(dynamic_rendezvous, "get_method_name") or getattr(
+        dynamic_rendezvous.get_method_name, "_trainlab", False
+    ):
+        return
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name  # inspect.stack()[depth] is this frame's depth-th caller
+        except ValueError:  # the stack is not that deep
+            return "no_method_name"
+
+    get_method_name._trainlab = True
+    dynamic_rendezvous.get_method_name = get_method_name
+
+
 def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
     """Write ``launch`` to ``run_dir/launch.json`` and run every rank of this node to completion.
 
@@ -148,6 +225,7 @@ def launch_ranks(launch: LaunchSpec, max_restarts: int | None = None) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    name_rendezvous_events_cheaply()
     launch_file = launch.write(launch.run_dir / LAUNCH_FILE)
     run = launch.resolved.run
     nproc = launch.resolved.nproc_per_node

@@ -327,7 +327,7 @@ def _resolve(cfg: DictConfig) -> tuple[ResolvedRun, Any, Any]:
     resolved = resolve_run(cfg)  # validated once per run: the precheck's or the sweep check's, when it did
     from framework.driver.launcher import start_rank_server
 
-    start_rank_server(resolved)  # a sweep's first job (a single run started it in the precheck)
+    start_rank_server(resolved)  # started by cli.main already, unless the command line could not tell (a no-op then)
     run = resolved.run
     _check_resume_request(resolved)
     from framework.base.data.dataset import check_global_batch_fits
