@@ -1,5 +1,6 @@
-"""The driver's start-up shortcuts in framework/driver/launcher.py: when the rank server may start before
-the config is read, and torch's rendezvous event names from frames instead of ``inspect.stack()``."""
+"""Start-up: the driver's shortcuts in framework/driver/launcher.py (when the rank server may start before
+the config is read, torch's rendezvous event names from frames instead of ``inspect.stack()``), and a rank's
+process start time on the wall clock (the goodput timeline's ``t_proc``)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,21 @@ def test_rendezvous_event_names_match_torchs_own():
         assert dynamic_rendezvous.get_method_name is patched
     finally:
         dynamic_rendezvous.get_method_name = original
+
+
+@pytest.mark.slow  # starts a Python process
+def test_a_process_start_time_lies_between_the_clock_readings_around_its_creation():
+    """The timeline's ``t_proc`` (framework/rank/callbacks/goodput.py) on the same clock as ``time.time()``:
+    psutil's create_time was 0.93 s early on this machine (the boot time in whole seconds)."""
+    import subprocess
+    import sys
+    import time
+
+    code = "from framework.rank.callbacks.goodput import process_start_time; print(repr(process_start_time()))"
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    after = time.time()
+    t_proc = float(out)
+    tick = 0.011  # one clock tick (10 ms) of /proc's start time, and rounding
+    assert before - tick <= t_proc <= after, (before, t_proc, after)
+    assert t_proc - before < 0.5, "created within half a second of the spawn (the child's imports come after)"
