@@ -1,9 +1,10 @@
 """The command line around the driver: Hydra entry, one-line errors and exit codes.
 
 ``python -m framework.train [overrides]`` runs :func:`main` with the driver's Hydra app
-(:mod:`framework.driver.train`). Before Hydra starts, :func:`precheck` composes and validates a single
-run's config so that every bad input is one ``trainlab: error:`` line with exit code 2 (no
-output folder is made). Exit codes: 0 done, 1 training failed (in a sweep: at least one job
+(:mod:`framework.driver.train`). Before Hydra starts, :func:`precheck` composes a single run's config
+as Hydra's job and validates it, so that every bad input is one ``trainlab: error:`` line with exit
+code 2 (no output folder is made); the job then runs with that composition (:class:`SingleRun`:
+composed once, validated once). Exit codes: 0 done, 1 training failed (in a sweep: at least one job
 failed, after every job has run; in an Optuna search: over its failure budget or no trial
 COMPLETE; or the sweeper, launcher or Hydra raised), 2 bad input, 75 preempted (SIGTERM/SIGUSR1/SIGUSR2; the same command
 resumes: :mod:`framework.base.faults.preemption`), 130 interrupted.
@@ -163,18 +164,6 @@ def presets_writing(kind: str, conf_dir: Path | None = None) -> list[str]:
     )
 
 
-def _preset_sweeps(argv: list[str]) -> bool:
-    """Whether the composed run is a multirun by its config (an experiment preset's ``hydra.mode:
-    MULTIRUN``): the compose API leaves the ``hydra`` node out unless asked for it."""
-    if not any(a.split("=", 1)[0].lstrip("+~") == "experiment" for a in argv):
-        return False
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*argv, "run_name=precheck"], return_hydra_config=True)
-    return str(cfg.hydra.get("mode")).endswith("MULTIRUN")
-
-
 def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
     """Hydra's multi-line composition errors as one line; a mistyped key gets suggestions."""
     text = str(err)
@@ -209,12 +198,87 @@ def _one_line_hydra_error(err: BaseException, overrides: list[str]) -> str:
     return " ".join(lines) or type(err).__name__
 
 
-def precheck(argv: list[str]) -> Any:
+class SingleRun:
+    """A single run composed once: Hydra's own composition of the job (``RunMode.RUN``, with its ``hydra``
+    node, as ``Hydra.run`` composes it) and its validated :class:`~framework.base.resolved.ResolvedRun`.
+
+    :func:`precheck` builds it; :meth:`run` starts the job with that config, so that a single run is
+    composed once and validated once (before: the precheck's compose, then Hydra's ``get_mode`` and
+    ``run`` composed it again). Mirrors ``hydra._internal.hydra.Hydra.run`` and ``_run_hydra`` of
+    hydra-core 1.3 (pinned in ``pyproject.toml``); sweeps and Hydra's own flags still go through ``@hydra.main``.
+    """
+
+    def __init__(self, hydra: Any, cfg: Any, resolved: Any) -> None:
+        self.hydra = hydra  # hydra._internal.hydra.Hydra, the process's GlobalHydra
+        self.cfg = cfg  # the job's DictConfig, hydra node included
+        self.resolved = resolved
+
+    def run(self, app: Callable[[], None]) -> None:
+        """Run ``app``'s task function (the undecorated function of a ``@hydra.main`` app) as Hydra's job:
+        output folder, ``.hydra/`` files, logging, ``HydraConfig``, callbacks; the job's exception leaves as
+        Hydra reports it (one message, then ``SystemExit(1)``; ``HYDRA_FULL_ERROR=1``: raised)."""
+        from hydra._internal.callbacks import Callbacks
+        from hydra._internal.utils import run_and_report
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.utils import run_job
+        from hydra.types import HydraContext
+
+        def job() -> None:
+            callbacks = Callbacks(self.cfg)
+            callbacks.on_run_start(config=self.cfg, config_name="config")
+            ret = run_job(
+                hydra_context=HydraContext(config_loader=self.hydra.config_loader, callbacks=callbacks),
+                task_function=app.__wrapped__,
+                config=self.cfg,
+                job_dir_key="hydra.run.dir",
+                job_subdir_key=None,
+                configure_logging=True,
+            )
+            callbacks.on_run_end(config=self.cfg, config_name="config", job_return=ret)
+            _ = ret.return_value  # raises the job's exception
+
+        GlobalHydra.instance().clear()
+        GlobalHydra.instance().initialize(self.hydra)
+        try:
+            run_and_report(job)
+        finally:
+            GlobalHydra.instance().clear()
+
+
+def _compose_job(argv: list[str]) -> tuple[Any, Any]:
+    """(Hydra, the job's config) as ``@hydra.main`` composes a run, in one composition: the driver's app's
+    task name (``train``), the search path of ``conf/`` and its plugins, ``RunMode.RUN``, the overrides
+    ``argv``. Where the config sets no ``hydra.mode``, the mode becomes RUN and ``hydra.mode=RUN`` is
+    recorded among the Hydra overrides, as Hydra's ``_run_app`` and ``Hydra.run`` record it. Raises
+    Hydra's composition errors."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import read_write
+
+    GlobalHydra.instance().clear()
+    hydra = Hydra.create_main_hydra2(task_name="train", config_search_path=create_config_search_path(str(CONF_DIR)))
+    try:
+        cfg = hydra.compose_config(
+            config_name="config", overrides=list(argv), with_log_configuration=True, run_mode=RunMode.RUN
+        )
+    finally:
+        GlobalHydra.instance().clear()  # SingleRun.run holds it again while the job runs
+    if cfg.hydra.mode is None:
+        with read_write(cfg.hydra):
+            cfg.hydra.mode = RunMode.RUN
+            cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+    return hydra, cfg
+
+
+def precheck(argv: list[str]) -> SingleRun | None:
     """Compose and validate a single run's config before Hydra starts (no output folder yet).
 
-    Every bad input becomes one ``trainlab: error:`` line and exit code 2. Sweeps (``-m``) and
-    Hydra's own flags are left to Hydra (each job is validated when it starts). Returns the
-    validated run (:class:`~framework.base.resolved.ResolvedRun`), None when left to Hydra.
+    Every bad input becomes one ``trainlab: error:`` line and exit code 2. Sweeps (``-m``), an
+    experiment preset that sweeps, and Hydra's own flags are left to Hydra (each job is validated
+    when it starts). Returns the run composed once (:class:`SingleRun`, its ``resolved`` validated),
+    None when left to Hydra.
     """
     check_group_choices(argv)
     launcher_error = slurm.check_launcher(argv)  # e.g. submitit_slurm without sbatch on PATH
@@ -222,27 +286,33 @@ def precheck(argv: list[str]) -> Any:
         fail(launcher_error)
     if any(a.startswith("-") for a in argv):
         return None
-    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict, read_write
 
     from framework.driver.runs import resolve_run
 
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[*argv, "run_name=precheck"])
+        hydra, cfg = _compose_job(argv)
     except Exception as err:  # Hydra's override/composition errors
         fail(_one_line_hydra_error(err, argv))
+    if str(cfg.hydra.get("mode")).endswith("MULTIRUN"):  # an experiment preset that sweeps: its jobs are checked then
+        return None
     if int(cfg.get("sweep", {}).get("repeats", 1) or 1) > 1:
-        if _preset_sweeps(argv):  # an experiment preset that sweeps (hydra.mode: MULTIRUN): its jobs are checked then
-            return None
         fail(
             f"sweep.repeats={cfg.sweep.repeats} repeats the jobs of a sweep; add -m and a swept key"
             " (e.g. -m sweep.label=a sweep.repeats=5 for one configuration)"
         )
+    before = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cfg)  # run_name's resolver reads hydra:job.override_dirname
     try:
-        resolved = resolve_run(cfg)  # the job reuses it (validated once per run)
+        job_cfg = cfg.copy()
+        with read_write(job_cfg), open_dict(job_cfg):
+            del job_cfg["hydra"]
+        resolved = resolve_run(job_cfg)  # the job reuses it (validated once per run)
     except ConfigError as err:
         fail(str(err))
-    return resolved
+    finally:
+        HydraConfig.instance().cfg = before  # run_job sets it for the job
+    return SingleRun(hydra, cfg, resolved)
 
 
 def _close_open_sweep(code: int, cause: BaseException | None) -> None:
@@ -283,10 +353,12 @@ def main(app: Callable[[], None]) -> None:
 
     start_rank_server_early(sys.argv[1:])  # a no-op when python -m framework.train started it already
     try:
-        resolved = precheck(sys.argv[1:])
-        if resolved is not None:
-            start_rank_server(resolved)  # a no-op when it runs already
-        app()
+        single = precheck(sys.argv[1:])
+        if single is None:
+            app()  # a sweep or Hydra's own flags: @hydra.main composes
+        else:
+            start_rank_server(single.resolved)  # a no-op when it runs already
+            single.run(app)
         code = 0
         from framework.driver.runs import FAILED_JOBS
         from framework.driver.sweep import SEARCH

@@ -37,9 +37,10 @@ def resolve_run(cfg: Any) -> Any:
     :class:`~framework.base.resolved.ResolvedRun`.
 
     The validation runs once per run: a run this process validated already (the precheck of a single
-    run, whose placeholder ``run_name`` Hydra's job then names; a sweep's check of its jobs before the
-    first starts, :func:`framework.driver.sweep.check_jobs`) is not validated again, only renamed
-    (``run``, ``checkpoint_dir``), since no rule reads ``run_name`` or ``checkpoint.dir``.
+    run, which composes it as Hydra's job, :func:`framework.driver.cli.precheck`; a sweep's check of its
+    jobs before the first starts, under a placeholder name, :func:`framework.driver.sweep.check_jobs`) is
+    not validated again, only renamed (``run``, ``checkpoint_dir``), since no rule reads ``run_name`` or
+    ``checkpoint.dir``.
 
     Raises:
         ConfigError: any bad value, one line.
