@@ -145,3 +145,42 @@ def test_the_early_signal_guard_raises_in_the_main_thread_and_leaves_the_handler
             time.sleep(1.0)  # the handler runs here, in the main thread: the watcher does not call on_blocked
     assert guard.fired == signal.SIGUSR1 and blocked == []
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+@pytest.mark.parametrize("resume", ["never", "first", "auto"])
+def test_after_a_failure_every_node_resumes_from_the_same_checkpoint(compose, tmp_path, monkeypatch, resume):
+    """Node 0's relaunch and node 1's rejoin take the same checkpoint, the newest valid one, whatever ``resume``
+    said at the start (before: node 1 took ``resume``'s choice again, a fresh start under ``never`` or the named
+    folder, while node 0's ranks resumed at the newest step); a corrupt newer one is passed over by both."""
+    from framework.base.checkpoint.format import write_checkpoint
+    from framework.driver.faults import supervisor
+
+    ckpt = tmp_path / "ckpt"
+    meta = {"kind": "full", "base": None, "tokens_seen": 0}
+    first = write_checkpoint(ckpt, 2, {"w": 2}, meta)
+    newest = write_checkpoint(ckpt, 4, {"w": 4}, meta)
+    broken = write_checkpoint(ckpt, 6, {"w": 6}, meta)
+    next(p for p in broken.iterdir() if p.name != "manifest.json").write_bytes(b"torn")
+    resolved = validate(load_run_config(compose(*TWO_NODES, "rendezvous.endpoint=127.0.0.1:29400")))
+    named = {"first": str(first)}.get(resume, resume)
+    resolved = dataclasses.replace(
+        resolved,
+        run=dataclasses.replace(resolved.run, resume=named),
+        checkpoint_dir=str(ckpt),
+    )
+    nodes = resolve_nodes(resolved.run, env={})
+    launch = LaunchSpec(
+        resolved=resolved,
+        run_dir=tmp_path,
+        mlflow_run_id=None,
+        resume_from=None if resume == "never" else str(first),
+        token_cache_dir=str(tmp_path),
+        nodes=nodes,
+    )
+    node0 = supervisor._relaunch_nodes(launch, FaultLog(tmp_path), RuntimeError("rank 3 lost"), 1, 2)
+    monkeypatch.setattr("framework.driver.nodes.check_endpoint", lambda nodes: None)  # node 0 answers
+    node1 = supervisor._rejoin_node0(
+        dataclasses.replace(launch, nodes=dataclasses.replace(nodes, node_rank=1)), RuntimeError("peer"), 1, 2
+    )
+    assert node0.resume_from == node1.resume_from == str(newest)
+    assert node0.launch_index == node1.launch_index == 1

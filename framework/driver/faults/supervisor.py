@@ -137,8 +137,6 @@ def supervise(launch: LaunchSpec, tracker: Any = None) -> None:
                         launch = _relaunch_nodes(launch, log, err, node_restarts, max_restarts_for(run))
                         continue
                     launch = _rejoin_node0(launch, err, node_restarts, max_restarts_for(run))
-                    if launch is None:  # nothing left to train
-                        return
                     continue
                 if aborts or run.resilience.policy != "shrink" or not lead:
                     raise
@@ -205,9 +203,7 @@ def _relaunch_nodes(launch: LaunchSpec, log: FaultLog, err: Exception, restart: 
     Logged as a ``node_restart`` record; the ranks' ``start`` record after a failed attempt makes it a
     restart in the recovery figures (``recovery/restarts``).
     """
-    from framework.base.checkpoint.format import latest_valid_step
-
-    latest, step = latest_valid_step(launch.resolved.checkpoint_dir, warn=_warn)
+    latest, step = restart_checkpoint(launch)
     log.append("node_restart", restart=restart, step=step, reason=failure_reason(err)[:300])
     print(
         f"trainlab: resilience: the ranks failed (a lost node, or a crashed rank); restart {restart}/{max_restarts} of"
@@ -234,10 +230,10 @@ def _announce_node(launch: LaunchSpec) -> None:
     )
 
 
-def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts: int) -> LaunchSpec | None:
+def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts: int) -> LaunchSpec:
     """Node k > 0 whose ranks failed, under ``resilience=restart``: the launch of restart ``restart``, joining
-    node 0 again (whose driver relaunches every node: :func:`_relaunch_nodes`) from the checkpoint
-    :func:`follower_resume` chooses; None when there is nothing left to train.
+    node 0 again (whose driver relaunches every node: :func:`_relaunch_nodes`) from the checkpoint node 0
+    resumes from (:func:`restart_checkpoint`).
 
     Raises:
         SystemExit: code 1 when node 0's endpoint no longer answers within ``rendezvous.timeout_s`` (one
@@ -258,13 +254,25 @@ def _rejoin_node0(launch: LaunchSpec, err: Exception, restart: int, max_restarts
         print(f"{me}: error: {lost}", file=sys.stderr, flush=True)
         end_lost_node0_run(launch, f"{failure_reason(err)}; then {lost}")
         raise SystemExit(1)
-    return follower_resume(launch.replace(launch_index=restart))
+    latest, _ = restart_checkpoint(launch)  # node 0's relaunch starts its ranks whatever the step: so does this node
+    return launch.replace(launch_index=restart, resume_from=str(latest) if latest else None)
+
+
+def restart_checkpoint(launch: LaunchSpec) -> tuple[Any, int]:
+    """``(path or None, step)`` every node of a multi-node run resumes from after a failure: the newest valid
+    checkpoint in the shared folder, whatever ``resume`` said at the start (node 0's relaunch,
+    :func:`_relaunch_nodes`, and node k's rejoin, :func:`_rejoin_node0`, both read it, so that every rank
+    of the restart loads the same step); ``(None, 0)``: the start."""
+    from framework.base.checkpoint.format import latest_valid_step
+
+    return latest_valid_step(launch.resolved.checkpoint_dir, warn=_warn)
 
 
 def follower_resume(launch: LaunchSpec) -> LaunchSpec | None:
-    """Node k > 0, before its first launch and each rejoin: ``launch`` resuming from the checkpoint
+    """Node k > 0, before its first launch: ``launch`` resuming from the checkpoint
     :func:`~framework.base.checkpoint.resume.select_resume` chooses in the shared folder (the folder node 0
-    reads: the same choice), or None when that checkpoint is at ``trainer.max_steps`` already (nothing to train)."""
+    reads: the same choice), or None when that checkpoint is at ``trainer.max_steps`` already (nothing to
+    train). A rejoin after a failure resumes from :func:`restart_checkpoint` instead (:func:`_rejoin_node0`)."""
     from framework.base.checkpoint.resume import select_resume
 
     run = launch.resolved.run
