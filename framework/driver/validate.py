@@ -142,11 +142,13 @@ def validate(run: RunConfig, *, first_launch: bool = True) -> ResolvedRun:
             errors.append("trainer.accelerator='cuda' but no CUDA device is visible; allowed here: auto, cpu")
     plugin = get_plugin_class(run.parallelism.name)(run.parallelism)
     resolved = None
-    if layout is not None:
-        from framework.base.faults.schedule import check_fault_config
+    from framework.base.faults.schedule import check_fault_config
 
+    if layout is not None:
         check(lambda: check_capabilities(plugin, run, layout))
         check(lambda: check_fault_config(run, layout.world_size, layout.tp, layout.pp))
+    else:  # the fault rules that need no layout, so that both errors come in one line
+        check(lambda: check_fault_config(run, None))
     if batch is not None:
         mbs, acc, gbs = batch
         resolved = ResolvedRun(

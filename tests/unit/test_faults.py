@@ -95,6 +95,24 @@ def test_bad_fault_config_is_one_line(compose, overrides, fragment):
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_bad_fault_kind_and_a_bad_layout_are_reported_together(compose):
+    """The fault rules that need no layout run when the layout does not hold: one line names both problems
+    (before, the fault kind was reported only once the layout was fixed); the rank rule waits for a layout."""
+    with pytest.raises(ConfigError) as info:
+        validate(
+            load_run_config(
+                compose(
+                    "parallelism=tp",
+                    "parallelism.tp_degree=3",
+                    "fault.events=[{kind:nan_grud,step:3,ranks:[7]}]",
+                )
+            )
+        )
+    text = str(info.value)
+    assert "tp_degree(3)" in text and "fault.events[0].kind='nan_grud' is not a fault kind" in text, text
+    assert "rank 7 does not exist" not in text and "\n" not in text
+
+
 def test_random_schedule_is_seeded_and_exponential(compose):
     run = load_run_config(
         compose(

@@ -38,8 +38,11 @@ def build_schedule(run: RunConfig, world_size: int) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: e["step"])
 
 
-def check_fault_config(run: RunConfig, world_size: int, tp_degree: int = 1, pp_degree: int = 1) -> None:
+def check_fault_config(run: RunConfig, world_size: int | None, tp_degree: int = 1, pp_degree: int = 1) -> None:
     """Cross-field rules of ``fault`` and ``resilience`` (one line per problem, joined by ``; ``).
+
+    ``world_size`` None: the layout did not hold (its own error is reported); the rules that need it
+    (event ranks, shrink) are left out and the others still checked, so that one run reports every problem.
 
     Fault kinds are those registered in :mod:`framework.base.faults.kinds`; each kind the run schedules
     (listed, or drawn at random) adds its own rules (:meth:`~framework.base.faults.kinds.FaultKind.check`).
@@ -60,7 +63,7 @@ def check_fault_config(run: RunConfig, world_size: int, tp_degree: int = 1, pp_d
             errors.append(f"fault.events[{i}].kind={e.kind!r} is not a fault kind; allowed: {allowed}")
         if e.step > max_steps:
             errors.append(f"fault.events[{i}].step={e.step} is after trainer.max_steps={max_steps}")
-        bad = [k for k in e.ranks if k >= world_size]
+        bad = [k for k in e.ranks if k >= world_size] if world_size is not None else []
         if bad:
             errors.append(
                 f"fault.events[{i}].ranks={list(e.ranks)}: rank {bad[0]} does not exist (world_size={world_size};"
@@ -82,7 +85,7 @@ def check_fault_config(run: RunConfig, world_size: int, tp_degree: int = 1, pp_d
                 f" checkpoint.memory_every_n_steps={ck.memory_every_n_steps} (the snapshot is then never older"
                 " than the newest saved checkpoint)"
             )
-    if r.policy == "shrink":
+    if r.policy == "shrink" and world_size is not None:
         if tp_degree != 1 or pp_degree != 1:
             errors.append(
                 f"resilience.policy=shrink drops data-parallel ranks; tp_degree={tp_degree}, pp_degree={pp_degree}"
