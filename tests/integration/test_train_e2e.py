@@ -128,7 +128,11 @@ def test_ctrl_c_run_resumes_to_the_same_losses(runner):
         assert got[step] == pytest.approx(ref[step], rel=1e-6), f"step {step} after resume"
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert len(runs) == 1, "the resumed run continues the same MLflow run"
-    assert runs[0].info.status == "FINISHED"
+    # (seen once in a full suite, not reproduced: KILLED here; the times and the resumed driver's output say who wrote last)
+    assert runs[0].info.status == "FINISHED", (
+        f"status {runs[0].info.status}, end_time {runs[0].info.end_time} (the interrupted run's: {stopped.info.end_time})"
+        f"\nresumed driver's stderr:\n{again.stderr[-3000:]}"
+    )
     # the steps logged after checkpoint 10 before Ctrl-C ran again after the resume; MLflow holds each once
     replayed = len([r for r in records if "train/loss" in r]) - 30  # metrics.jsonl keeps every execution
     history = [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
