@@ -44,8 +44,10 @@ test: setup
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The development tier: tests that start no process (no driver, ranks or rendezvous); docs/tests.md.
+# They are independent single-process tests: pytest-xdist runs them on one worker per core (at most
+# 4), each worker with cores // workers torch threads (tests/conftest.py).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" -n auto --maxprocesses 4 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun checkpoints mlruns.db mlruns .cache

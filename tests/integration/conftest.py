@@ -22,6 +22,7 @@ import pytest
 from framework.base.testing.conformance import SMALL_DATA as CONFORMANCE_DATA
 from framework.base.testing.conformance import Conformance
 from framework.base.tracking import read_jsonl_metrics
+from tests.conftest import make_empty_mlflow_store
 
 SMALL_DATA = list(CONFORMANCE_DATA)  # the conformance suite's slice: one token cache for both
 
@@ -49,15 +50,8 @@ class Runner:
     def _seed_mlflow_store(self) -> None:
         """Copy the session's empty MLflow store to ``mlruns.db`` when the folder has none yet."""
         db = self.workdir / "mlruns.db"
-        if db.exists():
-            return
-        empty = self.cache.parent / "mlflow_empty_store" / "mlruns.db"
-        if not empty.exists():
-            from mlflow.tracking import MlflowClient
-
-            empty.parent.mkdir(exist_ok=True)
-            MlflowClient(tracking_uri=f"sqlite:///{empty}").search_experiments()  # creates the tables
-        shutil.copyfile(empty, db)
+        if not db.exists():
+            shutil.copyfile(make_empty_mlflow_store(self.cache.parent / "mlflow_empty_store"), db)
 
     def args(self, *overrides: str) -> list[str]:
         flags = [o for o in overrides if o.startswith("-")]  # e.g. -m must precede the overrides

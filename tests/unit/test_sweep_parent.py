@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -16,7 +17,8 @@ from framework.driver.compare import log_to_run
 
 
 @pytest.fixture()
-def store(tmp_path):
+def store(tmp_path, empty_mlflow_store):
+    shutil.copyfile(empty_mlflow_store, tmp_path / "mlruns.db")
     uri = f"sqlite:///{tmp_path}/mlruns.db"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("e", artifact_location=str(tmp_path / "artifacts"))
