@@ -20,7 +20,7 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (``make test-fast`` runs ``-n 2``) each worker caps torch at ``cores // workers``
+    """Under pytest-xdist (``make test-fast``: ``-n auto``, 2 workers on 2 cores) each worker caps torch at ``cores // workers``
     threads (at least 1), so that workers x threads <= cores: the workers' torch pools would otherwise
     oversubscribe the cores and thrash, as ranks would (framework.base.distributed.cap_threads)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
