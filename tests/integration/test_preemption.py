@@ -49,6 +49,10 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(runner, plugin):
     runner.run(*common, "experiment_name=ref", "tracking=none")
     ref = losses(runner.metrics(name, experiment="ref"))
 
+    # Steps 4-40 sleep 0.25 s on rank 0 (a slow_rank fault, no number changes) so that the signal lands
+    # in training even when this process is starved of CPU: unslowed, the 37 steps take ~2 s (the same
+    # race made test_train_e2e's Ctrl-C arrive after the last step in loaded suites).
+    common.append(f"fault.events=[{{kind:slow_rank,step:4,ranks:[0],delay_s:0.25,duration_steps:{MAX_STEPS - 3}}}]")
     proc = runner.start(*common)
     run_dir = runner.workdir / "outputs" / "default" / name
     wait_for(lambda: len(losses(runner.metrics(name))) >= 3, timeout=300, proc=proc)
