@@ -150,6 +150,9 @@ def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(
         "hydra/launcher=submitit_slurm",
         "parallelism=single,ddp",
         *PREEMPT,
+        # steps 4-30 sleep 0.25 s on rank 0 (no number changes) so that the signal lands in training even
+        # when this process or scancel is slow: unslowed, the 27 steps take ~1.5 s (test_preemption)
+        f"fault.events=[{{kind:slow_rank,step:4,ranks:[0],delay_s:0.25,duration_steps:{MAX_STEPS - 3}}}]",
         "experiment_name=requeue",
         "slurm.timeout_min=10",
     )
