@@ -11,19 +11,30 @@ import pytest
 pytestmark = pytest.mark.slow  # every test starts Python processes (the fast tier leaves them out)
 
 CHILD = """
-import signal
-from framework.rank.callbacks.preemption import install_handlers
+import os, signal
+from framework.rank.callbacks.preemption import install_handlers, raise_if_interrupted
 assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN, "the test starts the child with SIGINT ignored"
 install_handlers()
-print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+print(signal.getsignal(signal.SIGINT).__name__,
       signal.getsignal(signal.SIGTERM).__name__, signal.getsignal(signal.SIGUSR1).__name__)
+class Saved:  # Ctrl-C while a __del__ runs (in backward: the activation meter's saved tensors)
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # the handler runs here; its KeyboardInterrupt is printed and dropped
+Saved()
+print("went-on")
+try:
+    raise_if_interrupted()
+except KeyboardInterrupt:
+    print("raised-again")
 """
 
 
 def test_a_rank_started_with_sigint_ignored_still_stops_on_ctrl_c():
     """A shell's background job (and a rank forked from the preload server) starts with SIGINT ignored; the
     rank's handlers give it KeyboardInterrupt back (Lightning's graceful stop), and the preemption flag for
-    SIGTERM/SIGUSR1. Without it, a Ctrl-C'd run's ranks trained on until the agent killed them."""
+    SIGTERM/SIGUSR1. Without it, a Ctrl-C'd run's ranks trained on until the agent killed them. A KeyboardInterrupt
+    dropped inside a ``__del__`` is raised again at the next micro-batch's end (raise_if_interrupted)."""
     out = subprocess.run(
         [sys.executable, "-c", CHILD],
         capture_output=True,
@@ -32,7 +43,7 @@ def test_a_rank_started_with_sigint_ignored_still_stops_on_ctrl_c():
         check=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     ).stdout.split()
-    assert out == ["True", "_on_signal", "_on_signal"]
+    assert out == ["_on_interrupt", "_on_signal", "_on_signal", "went-on", "raised-again"]
 
 
 SERVER = """

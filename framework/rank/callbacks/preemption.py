@@ -59,6 +59,29 @@ def _on_signal(signum: int, frame: Any) -> None:
         _Received.signum, _Received.t, _Received.steps_done = signum, time.time(), _Received.progress
 
 
+class _Interrupt:
+    """When this process got SIGINT (Unix seconds), or None."""
+
+    t: float | None = None
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    _Interrupt.t = time.time()
+    raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """Raise ``KeyboardInterrupt`` when SIGINT arrived and training goes on: its exception was swallowed.
+
+    Python runs a signal handler at the next bytecode of the main thread; during backward that is
+    mostly inside a ``__del__`` (the activation meter's saved tensors, :mod:`framework.base.metrics.memory`),
+    where an exception is printed ("Exception ignored in ...") and dropped. Ranks Ctrl-C'd in backward
+    trained on to ``trainer.max_steps`` (the flaky KILLED run of test_train_e2e's Ctrl-C test).
+    """
+    if _Interrupt.t is not None:
+        raise KeyboardInterrupt("SIGINT (raised again: the first was dropped inside a __del__)")
+
+
 def install_handlers() -> None:
     """Make :data:`PREEMPT_SIGNALS` set this process's preemption flag instead of ending it.
 
@@ -66,13 +89,13 @@ def install_handlers() -> None:
     building its Trainer (a signal during start-up then stops it after its first step), and
     :class:`Preemption` again over Lightning's handlers.
 
-    It also gives SIGINT (Ctrl-C, or the elastic agent stopping the ranks) Python's default
-    handler, KeyboardInterrupt, which Lightning turns into a graceful stop: a process inherits an
+    It also gives SIGINT (Ctrl-C, or the elastic agent stopping the ranks) a handler raising
+    KeyboardInterrupt (raised again by :func:`raise_if_interrupted` if it was dropped), which Lightning turns into a graceful stop: a process inherits an
     ignored SIGINT (a shell's background job has SIGINT and SIGQUIT ignored, and ranks forked
     from the ``trainer.preload_ranks`` server inherit the server's disposition), and a rank that
     ignored it trained on after Ctrl-C until the agent killed it.
     """
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _on_interrupt)  # KeyboardInterrupt, remembered (raise_if_interrupted)
     for sig in PREEMPT_SIGNALS:
         signal.signal(sig, _on_signal)
 
@@ -121,6 +144,7 @@ class Preemption(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt was dropped in backward stops here
         if not self.clock.step_ended:
             return  # inside gradient accumulation: the step is finished first
         _Received.progress = trainer.global_step
