@@ -96,7 +96,7 @@ def _train(
     run = resolved.run
     resume = _choose_resume(resolved, run_dir)
     if resume is None:
-        return "FINISHED", "", None
+        return "FINISHED", "", _finish_interrupted_run(resolved, model, cache, run_dir)
     if nodes is not None:  # node 0: the endpoint is ours to listen on; the other nodes look for the marker
         from framework.driver.nodes import check_endpoint, mark_shared_folder
 
@@ -232,6 +232,46 @@ def _choose_resume(resolved: ResolvedRun, run_dir: Path) -> Any:
         )
         return None
     return resume
+
+
+def _finish_interrupted_run(resolved: ResolvedRun, model: Any, cache: Any, run_dir: Path) -> str | None:
+    """With nothing left to train, end the run's MLflow run FINISHED when it was left KILLED: the Ctrl-C or
+    preemption came after the save at ``trainer.max_steps``, while the ranks were exiting, and the driver
+    said "run the same command again". Logs the run's summary, clears the preempted tag, prints one line.
+    Returns that run's id, or None (tracking off, no such run, any other status); never raises."""
+    run = resolved.run
+    if not run.tracking.enabled:
+        return None
+    try:
+        from mlflow import MlflowClient
+
+        from framework.base.tracking import RUN_KEY_TAG
+
+        client = MlflowClient(tracking_uri=run.tracking.uri)
+        exp = client.get_experiment_by_name(run.experiment_name)
+        found = exp and client.search_runs(
+            [exp.experiment_id],
+            filter_string=f"tags.`{RUN_KEY_TAG}` = '{run.experiment_name}/{run.run_name}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        if not found or found[0].info.status != "KILLED":
+            return None
+    except Exception as err:  # tracking must not fail a finished run
+        _warn(f"could not read the run's MLflow status: {err}")
+        return None
+    from framework.base.faults.preemption import record_preemption
+    from framework.base.tracking import finish_driver_run
+
+    started_at = time.time()
+    tracker = _open_tracking(resolved, model, cache, resumed=True)
+    record_preemption(tracker, None)
+    _log_run_summary(tracker, resolved, run_dir)
+    finish_driver_run(tracker, "FINISHED", run_dir=run_dir, started_at=started_at, error=None, resumed=True)
+    print(
+        f"trainlab: MLflow run {tracker.run_id} was left KILLED after its last step was saved: FINISHED now", flush=True
+    )
+    return tracker.run_id
 
 
 def _open_tracking(resolved: ResolvedRun, model: Any, cache: Any, *, resumed: bool) -> Any:

@@ -144,6 +144,21 @@ def test_ctrl_c_run_resumes_to_the_same_losses(runner):
     # after the save (the resumed run starts at 11) loses none of them
     assert sorted(history) == list(range(1, 31))
 
+    # A Ctrl-C after the last step's save (while the ranks exit) leaves a complete run KILLED; the same
+    # command has nothing to train and ends it FINISHED (the reference run stands in for it, marked KILLED).
+    (done,) = client.search_runs([client.get_experiment_by_name("ref").experiment_id])
+    client.set_terminated(done.info.run_id, status="KILLED")
+    closed = runner.run(*common, "experiment_name=ref")
+    assert "nothing to train" in closed.stdout and f"MLflow run {done.info.run_id} was left KILLED" in closed.stdout
+    (closed_run,) = client.search_runs([client.get_experiment_by_name("ref").experiment_id])
+    assert closed_run.info.status == "FINISHED" and closed_run.info.end_time > done.info.end_time
+    done = closed_run
+    # a complete run that is FINISHED stays as it is
+    again = runner.run(*common, "experiment_name=ref")
+    assert "nothing to train" in again.stdout and "was left KILLED" not in again.stdout
+    (same,) = client.search_runs([client.get_experiment_by_name("ref").experiment_id])
+    assert same.info.end_time == done.info.end_time
+
 
 def test_bad_input_fails_before_any_rank_with_one_line(runner):
     proc = runner.run("parallelism.name=nope", check=False)
