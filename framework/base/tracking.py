@@ -110,13 +110,8 @@ class DriverRun:
 
     def find(self, run_key: str) -> str | None:
         """Id of the newest run tagged ``trainlab.run_key == run_key`` in this experiment, or None."""
-        runs = self.client.search_runs(
-            [self.experiment_id],
-            filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
-            order_by=["attributes.start_time DESC"],
-            max_results=1,
-        )
-        return runs[0].info.run_id if runs else None
+        run = find_run(self.client, self.experiment_id, run_key)
+        return run.info.run_id if run else None
 
     def start(self, *, run_name: str, run_key: str, resume_run_id: str | None) -> str:
         """Re-open ``resume_run_id`` (status back to RUNNING) or create a new run; returns its id."""
@@ -173,6 +168,17 @@ class DriverRun:
 
     def metric_history(self, key: str) -> list[tuple[int, float]]:
         return [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)]
+
+
+def find_run(client: Any, experiment_id: str, run_key: str) -> Any:
+    """The newest MLflow run of ``experiment_id`` tagged ``trainlab.run_key == run_key``, or None."""
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0] if runs else None
 
 
 def start_system_metrics(uri: str, run_id: str, interval_s: float, *, resume: bool) -> Any:

@@ -245,17 +245,12 @@ def _finish_interrupted_run(resolved: ResolvedRun, model: Any, cache: Any, run_d
     try:
         from mlflow import MlflowClient
 
-        from framework.base.tracking import RUN_KEY_TAG
+        from framework.base.tracking import find_run
 
         client = MlflowClient(tracking_uri=run.tracking.uri)
-        exp = client.get_experiment_by_name(run.experiment_name)
-        found = exp and client.search_runs(
-            [exp.experiment_id],
-            filter_string=f"tags.`{RUN_KEY_TAG}` = '{run.experiment_name}/{run.run_name}'",
-            order_by=["attributes.start_time DESC"],
-            max_results=1,
-        )
-        if not found or found[0].info.status != "KILLED":
+        exp = client.get_experiment_by_name(run.experiment_name)  # None: never tracked (not created here)
+        found = exp and find_run(client, exp.experiment_id, f"{run.experiment_name}/{run.run_name}")
+        if not found or found.info.status != "KILLED":
             return None
     except Exception as err:  # tracking must not fail a finished run
         _warn(f"could not read the run's MLflow status: {err}")

@@ -90,8 +90,8 @@ def install_handlers() -> None:
     :class:`Preemption` again over Lightning's handlers.
 
     It also gives SIGINT (Ctrl-C, or the elastic agent stopping the ranks) a handler raising
-    KeyboardInterrupt (raised again by :func:`raise_if_interrupted` if it was dropped), which Lightning turns into a graceful stop: a process inherits an
-    ignored SIGINT (a shell's background job has SIGINT and SIGQUIT ignored, and ranks forked
+    KeyboardInterrupt (raised again by :func:`raise_if_interrupted` if it was dropped), which
+    Lightning turns into a graceful stop: a process inherits an ignored SIGINT (a shell's background job has SIGINT and SIGQUIT ignored, and ranks forked
     from the ``trainer.preload_ranks`` server inherit the server's disposition), and a rank that
     ignored it trained on after Ctrl-C until the agent killed it.
     """
