@@ -36,6 +36,11 @@ PRELOAD_MODULES = [
 ]
 """What the forkserver imports once when ``trainer.preload_ranks`` is on (:func:`start_rank_server`)."""
 
+TRACKING_PRELOAD_MODULES = ["mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store"]
+"""What the forkserver imports as well when the run tracks to MLflow: rank 0's metric sink
+(:class:`~framework.base.tracking.MLflowMetricSink`) needs them, and importing them in rank 0 took ~2 s of
+its set-up (measured on the 2-core machine), during which rank 1 waited in the rendezvous."""
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -43,7 +48,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_rank_server(resolved=None) -> None:
+def start_rank_server(resolved=None, *, tracking: bool | None = None) -> None:
     """With ``trainer.preload_ranks`` (the default), start now the forkserver this node's ranks will fork from.
 
     The server imports :data:`PRELOAD_MODULES` (torch, Lightning, the worker: ~4 s of CPU on the
@@ -69,9 +74,13 @@ def start_rank_server(resolved=None) -> None:
     ``resolved``: the validated run (:class:`~framework.base.resolved.ResolvedRun`): nothing when its
     ``trainer.preload_ranks`` is off (a server started before the config was read then idles until
     :func:`stop_rank_server`); None: start regardless.
+    ``tracking``: whether the ranks will log to MLflow, so the server imports
+    :data:`TRACKING_PRELOAD_MODULES` too; None: as ``resolved`` says (``tracking.enabled``), True without it.
     """
     if resolved is not None and not resolved.run.trainer.preload_ranks:
         return
+    if tracking is None:
+        tracking = resolved is None or bool(resolved.run.tracking.enabled)
     import multiprocessing
     import signal
     import threading
@@ -79,7 +88,7 @@ def start_rank_server(resolved=None) -> None:
 
     from framework.base.faults.preemption import PREEMPT_SIGNALS
 
-    multiprocessing.set_forkserver_preload(PRELOAD_MODULES)
+    multiprocessing.set_forkserver_preload(PRELOAD_MODULES + (TRACKING_PRELOAD_MODULES if tracking else []))
     if threading.current_thread() is not threading.main_thread():  # signal dispositions are the main thread's
         forkserver.ensure_running()
         return
@@ -129,7 +138,22 @@ def start_rank_server_early(argv: list[str]) -> None:
     for key, value in DRIVER_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     if preload_on_command_line(argv):
-        start_rank_server()
+        start_rank_server(tracking=not tracking_off_on_command_line(argv))
+
+
+def tracking_off_on_command_line(argv: list[str]) -> bool:
+    """Whether the command line ``argv`` turns MLflow off (``tracking=none``, ``tracking.enabled=false``), so
+    that the early rank server need not import MLflow (:func:`start_rank_server`); a preset that turns it
+    off leaves the import unused (its cost: ~2 s on the server's core, before any rank forks)."""
+    off = False
+    for arg in argv:  # the last word on a key wins, as in Hydra
+        key, _, value = arg.lstrip("+~").partition("=")
+        value = value.strip().lower()
+        if key == "tracking":
+            off = value == "none"
+        elif key == "tracking.enabled":
+            off = value in ("false", "0", "no", "off")
+    return off
 
 
 def stop_rank_server() -> None:
