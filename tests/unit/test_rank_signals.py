@@ -52,7 +52,7 @@ from multiprocessing import forkserver
 from framework.driver.launcher import start_rank_server, stop_rank_server
 signal.signal(signal.SIGTERM, lambda *a: None)
 before = signal.getsignal(signal.SIGTERM)
-run = types.SimpleNamespace(trainer=types.SimpleNamespace(preload_ranks=True, threads_per_rank=1))
+run = types.SimpleNamespace(trainer=types.SimpleNamespace(preload_ranks=True, threads_per_rank=1), tracking=types.SimpleNamespace(enabled=False))
 start_rank_server(types.SimpleNamespace(run=run, nproc_per_node=1, threads_per_rank=1))
 pid = forkserver._forkserver._forkserver_pid
 ignored = int(open(f"/proc/{pid}/status").read().split("SigIgn:")[1].split()[0], 16)
