@@ -109,17 +109,26 @@ def preload_on_command_line(argv: list[str]) -> bool:
     (``--help``, ``--cfg``: nothing runs). A preset that turns preloading off leaves an idle server
     (its cost: the imports, on the other core).
     """
+    if any(arg.startswith("-") and arg not in ("-m", "--multirun") for arg in argv):
+        return False
+    preload = _override(argv, "trainer.preload_ranks")
+    launcher = _override(argv, "hydra/launcher")
+    return (preload is None or preload.lower() not in _FALSE) and (launcher is None or launcher == "basic")
+
+
+_FALSE = ("false", "0", "no", "off", "null")
+"""Override values that turn a boolean key off."""
+
+
+def _override(argv: list[str], key: str) -> str | None:
+    """The value the command line ``argv`` gives ``key`` (``key=v``, ``+key=v``, ``~key=v``), stripped; the last
+    one wins, as in Hydra; None when no override names ``key``."""
+    value = None
     for arg in argv:
-        if arg.startswith("-"):
-            if arg not in ("-m", "--multirun"):
-                return False
-            continue
-        key, _, value = arg.lstrip("+~").partition("=")
-        if key == "trainer.preload_ranks" and value.strip().lower() in ("false", "0", "no", "off", "null"):
-            return False
-        if key == "hydra/launcher" and value.strip() != "basic":
-            return False
-    return True
+        k, eq, v = arg.lstrip("+~").partition("=")
+        if eq and k == key:
+            value = v.strip()
+    return value
 
 
 DRIVER_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
@@ -145,15 +154,8 @@ def tracking_off_on_command_line(argv: list[str]) -> bool:
     """Whether the command line ``argv`` turns MLflow off (``tracking=none``, ``tracking.enabled=false``), so
     that the early rank server need not import MLflow (:func:`start_rank_server`); a preset that turns it
     off leaves the import unused (its cost: ~2 s on the server's core, before any rank forks)."""
-    off = False
-    for arg in argv:  # the last word on a key wins, as in Hydra
-        key, _, value = arg.lstrip("+~").partition("=")
-        value = value.strip().lower()
-        if key == "tracking":
-            off = value == "none"
-        elif key == "tracking.enabled":
-            off = value in ("false", "0", "no", "off")
-    return off
+    group, enabled = _override(argv, "tracking"), _override(argv, "tracking.enabled")
+    return group == "none" or (enabled is not None and enabled.lower() in _FALSE)
 
 
 def stop_rank_server() -> None:
