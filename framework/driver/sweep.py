@@ -171,7 +171,7 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
     from hydra import compose
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from framework.base.config import CONF_DIR, fail
+    from framework.base.config import fail
     from framework.base.config.schema import ConfigError
     from framework.base.tracking import flatten
     from framework.driver.validate import load_run_config
@@ -194,17 +194,16 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
             " (leave run_name out, or run the jobs one by one)"
         )
     plugins = [str(v) for v in _sweep_values(swept["parallelism"])] if "parallelism" in swept else [None]
+    searchpath = _searchpath_overrides(config)
     bases = {}
     for plugin in plugins:
         extra = [f"parallelism={plugin}"] if plugin else []
         try:
-            bases[plugin] = compose(config_name="config", overrides=[*fixed, *extra, "run_name=check"])
+            bases[plugin] = compose(config_name="config", overrides=[*searchpath, *fixed, *extra, "run_name=check"])
         except Exception as err:
             fail(f"sweep: {_one_line(err)}")
     for key, o in swept.items():
-        if (
-            CONF_DIR / key
-        ).is_dir() or "/" in key:  # a config group: its options were checked by cli.check_group_choices
+        if is_config_group(key, searchpath):  # options checked by cli.check_group_choices or by composing
             continue
         values = _sweep_values(o)
         known = [p for p, base in bases.items() if OmegaConf.select(base, key, default=_ABSENT) is not _ABSENT]
@@ -239,7 +238,7 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
                     errors.append(str(err))
             else:
                 fail(f"swept value {key}={value!r} ({type(value).__name__}): {errors[0]}")
-    every_job_refused = check_jobs(fixed, swept)
+    every_job_refused = check_jobs(fixed, swept, searchpath)
     if every_job_refused:
         fail(every_job_refused)
 
@@ -248,7 +247,7 @@ MAX_CHECKED_JOBS = 256
 """Up to this many jobs of a sweep are validated before the first starts (:func:`check_jobs`)."""
 
 
-def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
+def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any], searchpath: Sequence[str] = ()) -> str:
     """Validate the jobs of a sweep as a single run is validated (:func:`framework.driver.validate.validate`
     and the first shrink), before any job starts; returns the one-line refusal when every job is refused
     (a bad value in a key the sweep does not sweep, or a sweep none of whose points holds), else "" (at
@@ -258,24 +257,21 @@ def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
 
     from hydra import compose
 
-    from framework.base.config import CONF_DIR
     from framework.base.config.schema import ConfigError
     from framework.driver.runs import resolve_run
 
     if any(o.is_interval_sweep() for o in swept.values()):
         return ""
-    values = {
-        k: [str(v) if (CONF_DIR / k.lstrip("+~")).is_dir() else v for v in _sweep_values(o)] for k, o in swept.items()
-    }
+    groups = [k for k in swept if is_config_group(k, searchpath)]
+    values = {k: [str(v) if k in groups else v for v in _sweep_values(o)] for k, o in swept.items()}
     if math.prod(len(v) for v in values.values()) > MAX_CHECKED_JOBS:
         return ""
-    groups = [k for k in values if (CONF_DIR / k.lstrip("+~")).is_dir() or "/" in k]
     refused: list[tuple[str, str]] = []
     total = 0
     for group_choice in itertools.product(*(values[g] for g in groups)):
-        picked = [f"{g}={v}" for g, v in zip(groups, group_choice)]
+        picked = [f"{swept[g].get_key_element()}={v}" for g, v in zip(groups, group_choice)]
         try:
-            base = compose(config_name="config", overrides=[*fixed, *picked, "run_name=check"])
+            base = compose(config_name="config", overrides=[*searchpath, *fixed, *picked, "run_name=check"])
         except Exception as err:
             refused.append((",".join(picked), _one_line(err)))
             total += 1
@@ -301,6 +297,30 @@ def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any]) -> str:
 
 
 _ABSENT = object()
+
+
+def is_config_group(key: str, searchpath: Sequence[str] = ()) -> bool:
+    """Whether the override key ``key`` (``+``/``~`` prefixes allowed) picks an option of a config group rather than
+    setting a value: a folder of ``conf/``, a nested group (``hydra/launcher``), or a group on the search path that the
+    command line adds (``searchpath``: its ``hydra.searchpath=[file://...]`` overrides; e.g. a folder of one's own run
+    variants, each a ``# @package _global_`` file, swept as ``+variant=a,b``). Asks Hydra (which must be initialized)
+    only for the last."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from framework.base.config import CONF_DIR
+
+    key = key.lstrip("+~")
+    if (CONF_DIR / key).is_dir() or "/" in key:
+        return True
+    if "." in key or not searchpath:
+        return False
+    loader = GlobalHydra.instance().config_loader()
+    return bool(loader.get_group_options(key, config_name="config", overrides=list(searchpath)))
+
+
+def _searchpath_overrides(config: DictConfig) -> list[str]:
+    """The command line's ``hydra.searchpath`` overrides (their composition sees the groups they add)."""
+    return [o for o in config.hydra.overrides.hydra if o.lstrip("+~").startswith("hydra.searchpath")]
 
 
 def _sweeper_params(config: DictConfig) -> dict[str, Any]:

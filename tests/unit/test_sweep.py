@@ -282,3 +282,31 @@ def test_more_than_one_task_per_node_is_refused_before_submitting(tmp_path):
         " parallelism.nproc_per_node)"
     ], proc.stderr
     assert not list(tmp_path.rglob(".submitit")) and not list(tmp_path.rglob("*.pkl"))
+
+
+def test_a_sweep_of_a_config_group_on_the_search_path_is_checked_by_its_options(tmp_path, capsys):
+    """``hydra.searchpath=[file://<folder>] +variant=a,b``: each option of the folder's own group ``variant`` (a
+    ``_global_`` file choosing groups and setting keys) is a job. The sweep's check composes each option; a value in
+    one that the validation refuses is that job's refusal, and a sweep whose every option is refused stops before any
+    job (the conformance suite's batches run this way: framework/base/testing/conformance.py)."""
+    from hydra import compose, initialize_config_dir
+
+    from framework.driver.cli import CONF_DIR
+    from framework.driver.sweep import check_sweep, is_config_group
+
+    group = tmp_path / "variant"
+    group.mkdir()
+    (group / "a.yaml").write_text("# @package _global_\ndefaults:\n  - override /parallelism: fsdp\n  - _self_\n")
+    (group / "b.yaml").write_text("# @package _global_\ntrainer:\n  micro_batch_size: 3\n")  # 16 % 3 != 0
+    searchpath = f"hydra.searchpath=[file://{tmp_path}]"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["run_name=x", searchpath], return_hydra_config=True)
+        assert is_config_group("+variant", [searchpath]) and not is_config_group("+variant")
+        assert not is_config_group("trainer.max_steps", [searchpath])
+        check_sweep(cfg, ["+variant=a,b"])  # a holds: the sweep runs (b is its FAILED job)
+        with pytest.raises(SystemExit) as done:
+            check_sweep(cfg, ["+variant=b,b"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith(
+        "trainlab: error: every job of this sweep is refused: trainer.global_batch_size=16 is not divisible"
+    ), err
