@@ -47,6 +47,7 @@ each plugin's main run is shared by its four checks. Use from a test module::
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -116,13 +117,17 @@ def conformance_params(cases: list[PluginCase]) -> list[Any]:
 
 @dataclass
 class RunResult:
-    """One finished driver run: its losses by step and metric records."""
+    """One finished driver run: its losses by step and metric records.
+
+    ``run_dir``: its output folder (``metrics.jsonl``, ``faults.jsonl``); ``stdout``: the driver's output (a run of a
+    batch, :meth:`Conformance.prefetch`: its ``train.log``)."""
 
     run_name: str
     ckpt_dir: Path
     losses: dict[int, float]
     records: list[dict]
     stdout: str = ""
+    run_dir: Path | None = None
 
 
 class Conformance:
@@ -137,6 +142,7 @@ class Conformance:
         self.workdir = Path(workdir)
         self.cache_dir = Path(cache_dir)
         self._runs: dict[str, RunResult] = {}
+        self._collect: dict[str, dict[str, Any]] | None = None  # prefetch: the runs asked for, not run
 
     # -- running the driver --------------------------------------------------------------------
     def run(
@@ -159,22 +165,18 @@ class Conformance:
         if run_name in self._runs:
             return self._runs[run_name]
         ckpt = ckpt_dir or self.workdir / "checkpoints" / run_name
+        varying = _run_overrides(model, overrides, max_steps, save_every, resume)
+        if self._collect is not None:  # Conformance.prefetch: note the run, run it later in a batch
+            self._collect[run_name] = dict(varying=varying, env=env or {}, ckpt=ckpt)
+            return None
         args = [
             sys.executable,
             "-m",
             "framework.train",
-            *SMALL_DATA,
-            f"data.cache_dir={self.cache_dir}",
-            *COMMON,
-            f"model={model}",
-            *BATCH,
-            *overrides,
-            f"trainer.max_steps={max_steps}",
-            f"checkpoint.every_n_steps={save_every}",
-            "checkpoint.keep_last_k=10",
-            f"checkpoint.dir={ckpt}",
+            *self._fixed(),
+            *varying,
+            f"checkpoint.dir='{ckpt}'",
             f"run_name={run_name}",
-            f"resume={resume if resume is not None else 'never'}",
         ]
         proc = subprocess.run(
             args, cwd=self.workdir, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})}
@@ -184,13 +186,13 @@ class Conformance:
                 f"driver exited {proc.returncode}: {' '.join(args[2:])}\n"
                 f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
             )
-        from framework.base.tracking import read_jsonl_metrics
-
-        records = read_jsonl_metrics(self.workdir / "outputs" / "default" / run_name / "metrics.jsonl")
-        losses = {int(r["step"]): r["train/loss"] for r in records if "train/loss" in r}
-        result = RunResult(run_name, ckpt, losses, records, proc.stdout)
+        result = _result(run_name, self.workdir / "outputs" / "default" / run_name, ckpt, proc.stdout)
         self._runs[run_name] = result
         return result
+
+    def _fixed(self) -> list[str]:
+        """The overrides every run shares (data, batch, logging, validation, checkpoints kept)."""
+        return [*SMALL_DATA, f"data.cache_dir={self.cache_dir}", *COMMON, *BATCH, "checkpoint.keep_last_k=10"]
 
     def reference(self, model: str = MODEL) -> RunResult:
         """``single`` at the same global batch, checkpointed at ``SAVE_AT`` (shared by every plugin of ``model``)."""
@@ -251,21 +253,23 @@ class Conformance:
         )
 
     def prefetch(self, checks: list[tuple[PluginCase, str]], lanes: int = 2) -> None:
-        """Run ahead, ``lanes`` at a time, the driver runs that ``checks`` (``(case, check)`` pairs) will ask for.
+        """Run ahead the driver runs that ``checks`` (``(case, check)`` pairs) will ask for, in batches.
 
-        Independent runs go side by side in two waves: the references and the plugins' uninterrupted runs,
-        then the resumes from their checkpoints. Every run keeps its own run name and folders, and a run's
-        numbers do not depend on what else runs (threads per rank come from the config, not the load), so the
-        checks then read the same results they would have run one at a time. A run that fails here is not
-        kept: its check runs it again and reports the failure itself.
+        Two waves: the references and the plugins' uninterrupted and skip runs, then the resumes from their
+        checkpoints. A wave's runs go in ``lanes`` Hydra sweeps side by side (:meth:`_run_batch`): one driver and one
+        rank server per sweep instead of one per run, which on the 2-core machine is about half the CPU of a run
+        (the imports of torch, Lightning and Hydra are paid once per sweep). Every run keeps its own config, so its
+        numbers are those it gives alone; the checks then read them. A run that fails here is not kept: its check
+        runs it again alone and reports the failure itself. Runs with their own environment (an outside plugin's
+        ``PYTHONPATH``) are left to their checks.
         """
-        from concurrent.futures import ThreadPoolExecutor
-
         first: dict[tuple[str, str], Any] = {}
         then: dict[tuple[str, str], Any] = {}
         for case, check in checks:
             if check not in CHECKS:
                 raise ValueError(f"check={check!r}; allowed: {', '.join(CHECKS)}")
+            if case.env:
+                continue
             if check in ("loss_parity", "resume_other_world_size"):
                 first[("ref", case.model)] = lambda m=case.model: self.reference(m)
             if check in ("loss_parity", "checkpoint_round_trip", "resume_other_world_size", "bytes"):
@@ -282,19 +286,69 @@ class Conformance:
                     (_ref_name("ref-single", case.model),),
                     lambda c=case: self.from_single_run(c),
                 )
+        self._run_batch(self._collected(first.values()), lanes)
+        ready = [task for needs, task in then.values() if all(n in self._runs for n in needs)]  # no re-runs of failures
+        self._run_batch(self._collected(ready), lanes)
 
-        def attempt(task) -> None:
-            try:
+    def _collected(self, tasks) -> dict[str, dict[str, Any]]:
+        """The runs that ``tasks`` (callables of this object's run methods) would start, by run name, not started."""
+        self._collect = {}
+        try:
+            for task in tasks:
                 task()
-            except Exception:  # reported by the check that needs the run (it runs it again)
-                pass
+            return self._collect
+        finally:
+            self._collect = None
 
-        with ThreadPoolExecutor(max_workers=max(1, lanes)) as pool:
-            list(pool.map(attempt, first.values()))
-            ready = [
-                task for needs, task in then.values() if all(n in self._runs for n in needs)
-            ]  # no re-runs of failures
-            list(pool.map(attempt, ready))
+    def _run_batch(self, runs: dict[str, dict[str, Any]], lanes: int) -> None:
+        """Run ``runs`` (run name -> what :meth:`run` noted) as ``lanes`` Hydra sweeps at once, and keep the runs
+        that finished.
+
+        Each run becomes a config file ``<name>.yaml`` (package ``_global_``: its group choices as ``defaults``
+        overrides, its keys as values) of a config group ``variant`` in a folder on Hydra's search path, and a lane
+        sweeps ``+variant=<its runs>``. A sweep names its jobs itself, so a run's output folder is
+        ``outputs/<experiment>/<sweep>/variant=<name>`` and its checkpoints a subfolder of its ``checkpoint.dir``
+        (read back from the job's ``launch.json``). A lane's failure (or a failed job) leaves its runs to the checks.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        names = [n for n, spec in runs.items() if not spec["env"]]
+        if not names:
+            return
+        batch = len(list(self.workdir.glob("batch*")))
+        lane_runs = [names[i :: max(1, lanes)] for i in range(max(1, lanes))]
+
+        def sweep(lane: int, lane_names: list[str]) -> None:
+            folder = self.workdir / f"batch{batch}-{lane}"
+            variants = folder / "variant"
+            variants.mkdir(parents=True)
+            for name in lane_names:
+                (variants / f"{name}.yaml").write_text(_variant_yaml(runs[name]["varying"], runs[name]["ckpt"]))
+            experiment = folder.name
+            args = [
+                sys.executable,
+                "-m",
+                "framework.train",
+                "-m",
+                *self._fixed(),
+                f"experiment_name={experiment}",
+                f"hydra.searchpath=[file://{folder}]",
+                f"+variant=choice({','.join(lane_names)})",  # a sweep even of one run (its folder: variant=<name>)
+            ]
+            proc = subprocess.run(args, cwd=self.workdir, capture_output=True, text=True, timeout=1800)
+            (folder / "sweep.log").write_text(proc.stdout + proc.stderr)
+            for name in lane_names:
+                found = list((self.workdir / "outputs" / experiment).glob(f"*/variant={name}"))
+                outcome = found[0] / "sweep_outcome.json" if found else None
+                if not outcome or not outcome.is_file() or json.loads(outcome.read_text()).get("status") != "FINISHED":
+                    continue
+                launch = json.loads((found[0] / "launch.json").read_text())
+                ckpt = Path(launch["resolved"]["run"]["checkpoint"]["dir"])
+                log = found[0] / "train.log"
+                self._runs[name] = _result(name, found[0], ckpt, log.read_text() if log.is_file() else "")
+
+        with ThreadPoolExecutor(max_workers=len(lane_runs)) as pool:
+            list(pool.map(lambda a: sweep(*a), [(i, r) for i, r in enumerate(lane_runs) if r]))
 
     # -- the checks ----------------------------------------------------------------------------
     def check(self, case: PluginCase, check: str) -> None:
@@ -375,7 +429,7 @@ class Conformance:
         from framework.base.faults.events import FaultLog
 
         ref, got = self.skip_reference(case.model), self.skip_run(case)
-        log = FaultLog(self.workdir / "outputs" / "default" / got.run_name).read()
+        log = FaultLog(got.run_dir).read()
         (start,) = [r for r in log if r["ev"] == "start"]
         audits = {r["rank"]: r for r in log if r["ev"] == "skip_audit"}
         assert sorted(audits) == list(range(start["world_size"])), f"{case.name}: skip audits of ranks {sorted(audits)}"
@@ -397,6 +451,49 @@ class Conformance:
         _assert_losses(
             got.losses, ref.losses, steps, case.parity_rtol, f"{case.name} vs single, step {SKIP_AT} skipped"
         )
+
+
+def _run_overrides(
+    model: str, overrides: tuple[str, ...], max_steps: int, save_every: int, resume: Path | str | None
+) -> list[str]:
+    """The overrides of one run besides :meth:`Conformance._fixed`, its ``checkpoint.dir`` and its name."""
+    return [
+        f"model={model}",
+        *overrides,
+        f"trainer.max_steps={max_steps}",
+        f"checkpoint.every_n_steps={save_every}",
+        f"resume='{resume}'" if resume is not None else "resume=never",  # quoted: a batch's folders hold "=" and ","
+    ]
+
+
+def _variant_yaml(overrides: list[str], ckpt: Path) -> str:
+    """A ``# @package _global_`` config file that sets what the command-line ``overrides`` (``group=option``,
+    ``key=value``) and ``checkpoint.dir=<ckpt>`` set: group choices as ``override /<group>: <option>`` in its defaults
+    list (before ``_self_``, so its values win), values by key."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from framework.base.config import CONF_DIR
+
+    groups: list[dict[str, str]] = []
+    values = OmegaConf.create({})
+    for o in OverridesParser.create().parse_overrides([*overrides, f"checkpoint.dir='{ckpt}'"]):
+        key = o.key_or_group
+        if (CONF_DIR / key).is_dir():
+            groups.append({f"override /{key}": str(o.value())})
+        else:
+            OmegaConf.update(values, key, o.value(), merge=True)
+    body = OmegaConf.to_container(values)
+    return "# @package _global_\n" + OmegaConf.to_yaml({"defaults": [*groups, "_self_"], **body})
+
+
+def _result(run_name: str, run_dir: Path, ckpt: Path, stdout: str) -> RunResult:
+    """A finished run's :class:`RunResult` from its output folder ``run_dir`` (``metrics.jsonl``)."""
+    from framework.base.tracking import read_jsonl_metrics
+
+    records = read_jsonl_metrics(run_dir / "metrics.jsonl")
+    losses = {int(r["step"]): r["train/loss"] for r in records if "train/loss" in r}
+    return RunResult(run_name, Path(ckpt), losses, records, stdout, Path(run_dir))
 
 
 def _ref_name(prefix: str, model: str) -> str:
