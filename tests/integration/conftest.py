@@ -95,6 +95,27 @@ class Runner:
     def metrics(self, run_name: str, experiment: str = "default") -> list[dict]:
         return read_jsonl_metrics(self.workdir / "outputs" / experiment / run_name / "metrics.jsonl")
 
+    def run_variants(self, variants: dict[str, list[str]], lanes: int = 2) -> dict[str, list[dict]]:
+        """Run independent runs (name -> overrides) as ``lanes`` Hydra sweeps, one driver and rank server per lane
+        instead of per run (framework/base/testing/variants.py); returns name -> metric records.
+
+        Raises:
+            AssertionError: a run did not finish (its error, or the lane's output).
+        """
+        from framework.base.testing.variants import job_folder, run_variants
+
+        self._seed_mlflow_store()
+        done = run_variants(self.workdir, self.args()[3:], variants, lanes=lanes)
+        failed = []
+        for name in (n for n in variants if n not in done):
+            lane = next(p for p in self.workdir.glob("variants*-*") if (p / "variant" / f"{name}.yaml").is_file())
+            run_dir = job_folder(self.workdir, lane.name, name)
+            error = run_dir / "error.txt" if run_dir else None
+            why = error.read_text() if error and error.is_file() else (lane / "sweep.log").read_text()[-4000:]
+            failed.append(f"{name}: {why}")
+        assert not failed, "runs that did not finish:\n" + "\n".join(failed)
+        return {name: read_jsonl_metrics(run_dir / "metrics.jsonl") for name, run_dir in done.items()}
+
 
 def job_runs(client, experiment: str) -> list:
     """The experiment's training runs: a sweep's parent run (tag ``trainlab.sweep=parent``) left out."""

@@ -32,17 +32,44 @@ COMMON = [
 B, S, H, L, V = 8, 64, 128, 4, 1024  # global batch, seq_len (SMALL_DATA), gpt_tiny's d_model / n_layer, vocab
 
 
+LAYOUTS = {
+    "tp2": ["parallelism=tp", "trainer.micro_batch_size=4"],
+    "tp2sp": ["parallelism=tp", "parallelism.sequence_parallel=true", "trainer.micro_batch_size=4"],
+    **{
+        f"pp2-{schedule}": [
+            "parallelism=pp",
+            f"parallelism.schedule={schedule}",
+            f"parallelism.virtual_stages={v}",
+            f"trainer.micro_batch_size={mbs}",
+        ]
+        for schedule, v, mbs in (("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 2))
+    },
+    "dp2pp2": ["parallelism=pp", "trainer.micro_batch_size=2", "parallelism.world_size=4"],
+    "tp4": ["parallelism=tp", "parallelism.world_size=4", "parallelism.tp_degree=4", "trainer.micro_batch_size=4"],
+}
+"""The layouts this module trains with :data:`COMMON` (run name -> overrides)."""
+
+# dp 2 x tp 2, every step logged and every other one with a validation pass
+DP2TP2 = [
+    "parallelism=tp",
+    "parallelism.world_size=4",
+    "trainer.micro_batch_size=2",
+    *[o for o in COMMON if not o.startswith(("trainer.log_every", "trainer.val_every"))],
+    "trainer.log_every_n_steps=1",
+    "trainer.val_every_n_steps=2",
+    "trainer.warmup_steps_excluded=1",
+]
+
+
 @pytest.fixture(scope="module")
 def mrun(tmp_path_factory, data_cache, single_ref) -> Runner:
-    """One scratch folder for the module; ``ref``: the `single` reference run's records."""
+    """The module's layouts, run once as two Hydra sweeps side by side (``Runner.run_variants``: one driver and rank
+    server per lane), in one scratch folder; ``records``: run name -> metric records; ``ref``: the `single`
+    reference run's records."""
     r = Runner(tmp_path_factory.mktemp("megatron"), data_cache)
+    r.records = r.run_variants({**{n: [*o, *COMMON] for n, o in LAYOUTS.items()}, "dp2tp2": DP2TP2})
     r.ref = single_ref
     return r
-
-
-def _train(r: Runner, name: str, *overrides: str) -> list[dict]:
-    r.run(*overrides, f"run_name={name}", *COMMON)
-    return r.metrics(name)
 
 
 def _assert_parity(r: Runner, name: str, records: list[dict], steps: tuple[int, ...] = (5, 10, 15)) -> None:
@@ -74,12 +101,12 @@ def _comm(records: list[dict]) -> list[dict]:
 
 def test_tp2_with_and_without_sequence_parallel(mrun):
     act = 4 * S * H * 4  # one micro-batch's b*s*h activations in fp32 bytes (micro-batch 4, 2 per step)
-    recs = _train(mrun, "tp2", "parallelism=tp", "trainer.micro_batch_size=4")
+    recs = mrun.records["tp2"]
     _assert_parity(mrun, "tp2", recs)
     for r in _comm(recs):
         assert r["perf/comm_bytes_allreduce"] == 2 * 4 * L * act  # 2 micro-batches x 4 all-reduces per layer
         assert r["perf/comm_bytes_wire"] == r["perf/comm_bytes"]  # ring all-reduce on 2 ranks: 2(n-1)/n = 1
-    recs = _train(mrun, "tp2sp", "parallelism=tp", "parallelism.sequence_parallel=true", "trainer.micro_batch_size=4")
+    recs = mrun.records["tp2sp"]
     _assert_parity(mrun, "tp2sp", recs)
     for r in _comm(recs):
         assert r["perf/comm_bytes_allgather"] == 2 * (4 * L + 2) * act
@@ -90,14 +117,7 @@ def test_tp2_with_and_without_sequence_parallel(mrun):
 @pytest.mark.parametrize("schedule, v, mbs", [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 2)])
 def test_pp2_schedules(mrun, schedule, v, mbs):
     name = f"pp2-{schedule}"
-    recs = _train(
-        mrun,
-        name,
-        "parallelism=pp",
-        f"parallelism.schedule={schedule}",
-        f"parallelism.virtual_stages={v}",
-        f"trainer.micro_batch_size={mbs}",
-    )
+    recs = mrun.records[name]
     _assert_parity(mrun, name, recs)
     m = B // mbs
     for r in _comm(recs):
@@ -112,9 +132,8 @@ def test_pp2_schedules(mrun, schedule, v, mbs):
 
 
 def test_four_rank_layouts(mrun):
-    four = ["parallelism.world_size=4"]
     # (dp2 x tp2: the next test; tp2 x pp2: the conformance suite's tp2pp2 case, loss_parity and bytes)
-    recs = _train(mrun, "dp2pp2", "parallelism=pp", "trainer.micro_batch_size=2", *four)
+    recs = mrun.records["dp2pp2"]
     _assert_parity(mrun, "dp2pp2", recs)
     logged = _comm(recs)
     # The run's record (written after the last validation, which leaves the first stage's FSDP2 root
@@ -122,11 +141,11 @@ def test_four_rank_layouts(mrun):
     (end,) = [r for r in recs if "mem/model_states_bytes" in r and "mem/model_states_bytes_model" not in r]
     assert end["mem/model_states_bytes"] == logged[-1]["mem/model_states_bytes_model"]
     # TP 4: the same payload per rank as TP 2, 1.5x the ring bytes on the wire (2(t-1)/t).
-    recs = _train(mrun, "tp4", "parallelism=tp", *four, "parallelism.tp_degree=4", "trainer.micro_batch_size=4")
+    recs = mrun.records["tp4"]
     _assert_parity(mrun, "tp4", recs)
     recs = _comm(recs)
-    tp2 = [r for r in mrun.metrics("tp2") if "perf/comm_bytes" in r]
-    assert tp2, "test_tp2_with_and_without_sequence_parallel runs first and leaves its metrics"
+    tp2 = [r for r in mrun.records["tp2"] if "perf/comm_bytes" in r]
+    assert tp2
     for r, r2 in zip(recs, tp2):
         assert r["perf/comm_bytes"] == r2["perf/comm_bytes"]
         assert r["perf/comm_bytes_wire"] == 1.5 * r2["perf/comm_bytes_wire"]
@@ -137,17 +156,7 @@ def test_dp2tp2_parity_and_fsdp_bytes_on_steps_with_validation_equal_the_model(m
     validation pass. FSDP2 keeps its root unit (embeddings, ln_f) gathered after a forward; after a validation
     pass the next step skipped that all-gather (656,384 bytes under the model) until the root was resharded
     after evaluation forwards. Validation every 2 steps, so every step from 2 on follows or holds one."""
-    mrun.run(
-        "parallelism=tp",
-        "parallelism.world_size=4",
-        "trainer.micro_batch_size=2",
-        "run_name=dp2tp2",
-        *[o for o in COMMON if not o.startswith(("trainer.log_every", "trainer.val_every"))],
-        "trainer.log_every_n_steps=1",
-        "trainer.val_every_n_steps=2",
-        "trainer.warmup_steps_excluded=1",
-    )
-    recs = mrun.metrics("dp2tp2")
+    recs = mrun.records["dp2tp2"]
     _assert_parity(mrun, "dp2tp2", recs, steps=tuple(range(1, 16)))
     assert set(range(2, 15, 2)) <= {int(r["step"]) for r in recs if "val/loss" in r}
     assert sorted(int(r["step"]) for r in _comm(recs)) == list(range(2, 16))

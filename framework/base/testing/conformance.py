@@ -47,7 +47,6 @@ each plugin's main run is shared by its four checks. Use from a test module::
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -301,54 +300,19 @@ class Conformance:
             self._collect = None
 
     def _run_batch(self, runs: dict[str, dict[str, Any]], lanes: int) -> None:
-        """Run ``runs`` (run name -> what :meth:`run` noted) as ``lanes`` Hydra sweeps at once, and keep the runs
-        that finished.
+        """Run ``runs`` (run name -> what :meth:`run` noted) as ``lanes`` Hydra sweeps at once
+        (:func:`~framework.base.testing.variants.run_variants`) and keep the runs that finished, with the output
+        and checkpoint folders their sweep gave them. A failed run is left to its check."""
+        from framework.base.testing.variants import checkpoint_dir, run_variants
 
-        Each run becomes a config file ``<name>.yaml`` (package ``_global_``: its group choices as ``defaults``
-        overrides, its keys as values) of a config group ``variant`` in a folder on Hydra's search path, and a lane
-        sweeps ``+variant=<its runs>``. A sweep names its jobs itself, so a run's output folder is
-        ``outputs/<experiment>/<sweep>/variant=<name>`` and its checkpoints a subfolder of its ``checkpoint.dir``
-        (read back from the job's ``launch.json``). A lane's failure (or a failed job) leaves its runs to the checks.
-        """
-        from concurrent.futures import ThreadPoolExecutor
-
-        names = [n for n, spec in runs.items() if not spec["env"]]
-        if not names:
-            return
-        batch = len(list(self.workdir.glob("batch*")))
-        lane_runs = [names[i :: max(1, lanes)] for i in range(max(1, lanes))]
-
-        def sweep(lane: int, lane_names: list[str]) -> None:
-            folder = self.workdir / f"batch{batch}-{lane}"
-            variants = folder / "variant"
-            variants.mkdir(parents=True)
-            for name in lane_names:
-                (variants / f"{name}.yaml").write_text(_variant_yaml(runs[name]["varying"], runs[name]["ckpt"]))
-            experiment = folder.name
-            args = [
-                sys.executable,
-                "-m",
-                "framework.train",
-                "-m",
-                *self._fixed(),
-                f"experiment_name={experiment}",
-                f"hydra.searchpath=[file://{folder}]",
-                f"+variant=choice({','.join(lane_names)})",  # a sweep even of one run (its folder: variant=<name>)
-            ]
-            proc = subprocess.run(args, cwd=self.workdir, capture_output=True, text=True, timeout=1800)
-            (folder / "sweep.log").write_text(proc.stdout + proc.stderr)
-            for name in lane_names:
-                found = list((self.workdir / "outputs" / experiment).glob(f"*/variant={name}"))
-                outcome = found[0] / "sweep_outcome.json" if found else None
-                if not outcome or not outcome.is_file() or json.loads(outcome.read_text()).get("status") != "FINISHED":
-                    continue
-                launch = json.loads((found[0] / "launch.json").read_text())
-                ckpt = Path(launch["resolved"]["run"]["checkpoint"]["dir"])
-                log = found[0] / "train.log"
-                self._runs[name] = _result(name, found[0], ckpt, log.read_text() if log.is_file() else "")
-
-        with ThreadPoolExecutor(max_workers=len(lane_runs)) as pool:
-            list(pool.map(lambda a: sweep(*a), [(i, r) for i, r in enumerate(lane_runs) if r]))
+        variants = {
+            name: [*spec["varying"], f"checkpoint.dir='{spec['ckpt']}'"]
+            for name, spec in runs.items()
+            if not spec["env"]
+        }
+        for name, run_dir in run_variants(self.workdir, self._fixed(), variants, lanes=lanes).items():
+            log = run_dir / "train.log"
+            self._runs[name] = _result(name, run_dir, checkpoint_dir(run_dir), log.read_text() if log.is_file() else "")
 
     # -- the checks ----------------------------------------------------------------------------
     def check(self, case: PluginCase, check: str) -> None:
@@ -464,27 +428,6 @@ def _run_overrides(
         f"checkpoint.every_n_steps={save_every}",
         f"resume='{resume}'" if resume is not None else "resume=never",  # quoted: a batch's folders hold "=" and ","
     ]
-
-
-def _variant_yaml(overrides: list[str], ckpt: Path) -> str:
-    """A ``# @package _global_`` config file that sets what the command-line ``overrides`` (``group=option``,
-    ``key=value``) and ``checkpoint.dir=<ckpt>`` set: group choices as ``override /<group>: <option>`` in its defaults
-    list (before ``_self_``, so its values win), values by key."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
-
-    from framework.base.config import CONF_DIR
-
-    groups: list[dict[str, str]] = []
-    values = OmegaConf.create({})
-    for o in OverridesParser.create().parse_overrides([*overrides, f"checkpoint.dir='{ckpt}'"]):
-        key = o.key_or_group
-        if (CONF_DIR / key).is_dir():
-            groups.append({f"override /{key}": str(o.value())})
-        else:
-            OmegaConf.update(values, key, o.value(), merge=True)
-    body = OmegaConf.to_container(values)
-    return "# @package _global_\n" + OmegaConf.to_yaml({"defaults": [*groups, "_self_"], **body})
 
 
 def _result(run_name: str, run_dir: Path, ckpt: Path, stdout: str) -> RunResult:
