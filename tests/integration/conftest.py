@@ -95,9 +95,10 @@ class Runner:
     def metrics(self, run_name: str, experiment: str = "default") -> list[dict]:
         return read_jsonl_metrics(self.workdir / "outputs" / experiment / run_name / "metrics.jsonl")
 
-    def run_variants(self, variants: dict[str, list[str]], lanes: int = 2) -> dict[str, list[dict]]:
+    def run_variants(self, variants: dict[str, list[str]], lanes: int = 2) -> dict[str, Path]:
         """Run independent runs (name -> overrides) as ``lanes`` Hydra sweeps, one driver and rank server per lane
-        instead of per run (framework/base/testing/variants.py); returns name -> metric records.
+        instead of per run (framework/base/testing/variants.py); returns name -> the run's output folder
+        (:func:`records` reads its metrics, ``variants.checkpoint_dir`` its checkpoint folder).
 
         Raises:
             AssertionError: a run did not finish (its error, or the lane's output).
@@ -114,7 +115,12 @@ class Runner:
             why = error.read_text() if error and error.is_file() else (lane / "sweep.log").read_text()[-4000:]
             failed.append(f"{name}: {why}")
         assert not failed, "runs that did not finish:\n" + "\n".join(failed)
-        return {name: read_jsonl_metrics(run_dir / "metrics.jsonl") for name, run_dir in done.items()}
+        return done
+
+
+def records(run_dir: Path) -> list[dict]:
+    """The metric records of the run whose output folder is ``run_dir``."""
+    return read_jsonl_metrics(run_dir / "metrics.jsonl")
 
 
 def job_runs(client, experiment: str) -> list:

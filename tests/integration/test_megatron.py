@@ -14,7 +14,7 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.integration.conftest import Runner, job_runs, losses
+from tests.integration.conftest import Runner, job_runs, losses, records
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,8 @@ def mrun(tmp_path_factory, data_cache, single_ref) -> Runner:
     server per lane), in one scratch folder; ``records``: run name -> metric records; ``ref``: the `single`
     reference run's records."""
     r = Runner(tmp_path_factory.mktemp("megatron"), data_cache)
-    r.records = r.run_variants({**{n: [*o, *COMMON] for n, o in LAYOUTS.items()}, "dp2tp2": DP2TP2})
+    runs = r.run_variants({**{n: [*o, *COMMON] for n, o in LAYOUTS.items()}, "dp2tp2": DP2TP2})
+    r.records = {name: records(run_dir) for name, run_dir in runs.items()}
     r.ref = single_ref
     return r
 

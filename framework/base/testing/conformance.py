@@ -312,7 +312,9 @@ class Conformance:
         }
         for name, run_dir in run_variants(self.workdir, self._fixed(), variants, lanes=lanes).items():
             log = run_dir / "train.log"
-            self._runs[name] = _result(name, run_dir, checkpoint_dir(run_dir), log.read_text() if log.is_file() else "")
+            self._runs[name] = _result(
+                name, run_dir, checkpoint_dir(run_dir, self.workdir), log.read_text() if log.is_file() else ""
+            )
 
     # -- the checks ----------------------------------------------------------------------------
     def check(self, case: PluginCase, check: str) -> None:

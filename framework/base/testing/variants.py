@@ -65,8 +65,8 @@ def run_variants(
     Each run's numbers are those it gives alone (its config is the same; only its run name, output and
     checkpoint folders differ): a sweep names its jobs, so run ``name``'s output folder is
     ``outputs/<experiment>/<sweep>/variant=<name>`` (``<experiment>``: ``variants<k>-<lane>``, new for each
-    call) and an explicit ``checkpoint.dir`` gets ``<sweep>/variant=<name>`` appended (its ``launch.json``
-    holds the one it used). A lane's output is kept in ``variants<k>-<lane>/sweep.log``. ``lanes`` > 1 runs
+    call) and an explicit ``checkpoint.dir`` gets ``<sweep>/variant=<name>`` appended (:func:`checkpoint_dir`
+    reads the one it used). A lane's output is kept in ``variants<k>-<lane>/sweep.log``. ``lanes`` > 1 runs
     lanes side by side: use 1 where a run's timing is what is checked.
 
     Returns:
@@ -118,6 +118,7 @@ def job_folder(workdir: Path, experiment: str, name: str) -> Path | None:
     return found[0] if found else None
 
 
-def checkpoint_dir(run_dir: Path) -> Path:
-    """The ``checkpoint.dir`` a run used, from its output folder's ``launch.json``."""
-    return Path(json.loads((Path(run_dir) / "launch.json").read_text())["resolved"]["run"]["checkpoint"]["dir"])
+def checkpoint_dir(run_dir: Path, workdir: Path) -> Path:
+    """The checkpoint folder a run used (its ``launch.json``: the resolved ``checkpoint.dir``, relative to the
+    driver's ``workdir`` unless absolute)."""
+    return Path(workdir) / json.loads((Path(run_dir) / "launch.json").read_text())["resolved"]["checkpoint_dir"]
