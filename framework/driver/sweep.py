@@ -202,8 +202,9 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
             bases[plugin] = compose(config_name="config", overrides=[*searchpath, *fixed, *extra, "run_name=check"])
         except Exception as err:
             fail(f"sweep: {_one_line(err)}")
+    groups = [k for k in swept if is_config_group(k, searchpath)]
     for key, o in swept.items():
-        if is_config_group(key, searchpath):  # options checked by cli.check_group_choices or by composing
+        if key in groups:  # options checked by cli.check_group_choices or by composing
             continue
         values = _sweep_values(o)
         known = [p for p, base in bases.items() if OmegaConf.select(base, key, default=_ABSENT) is not _ABSENT]
@@ -238,7 +239,7 @@ def check_sweep(config: DictConfig, task_overrides: Sequence[str]) -> None:
                     errors.append(str(err))
             else:
                 fail(f"swept value {key}={value!r} ({type(value).__name__}): {errors[0]}")
-    every_job_refused = check_jobs(fixed, swept, searchpath)
+    every_job_refused = check_jobs(fixed, swept, searchpath, groups)
     if every_job_refused:
         fail(every_job_refused)
 
@@ -247,12 +248,16 @@ MAX_CHECKED_JOBS = 256
 """Up to this many jobs of a sweep are validated before the first starts (:func:`check_jobs`)."""
 
 
-def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any], searchpath: Sequence[str] = ()) -> str:
+def check_jobs(
+    fixed: Sequence[str], swept: Mapping[str, Any], searchpath: Sequence[str] = (), groups: Sequence[str] | None = None
+) -> str:
     """Validate the jobs of a sweep as a single run is validated (:func:`framework.driver.validate.validate`
     and the first shrink), before any job starts; returns the one-line refusal when every job is refused
     (a bad value in a key the sweep does not sweep, or a sweep none of whose points holds), else "" (at
     the first job that holds). A sweep some of whose jobs are refused (a grid's invalid layouts) runs:
-    those are its FAILED jobs. Skipped for a search over an interval, or more than :data:`MAX_CHECKED_JOBS` jobs."""
+    those are its FAILED jobs. Skipped for a search over an interval, or more than :data:`MAX_CHECKED_JOBS` jobs.
+    ``searchpath``: the command line's ``hydra.searchpath`` overrides (:func:`is_config_group`); ``groups``: the swept
+    keys that pick a config group's option, when the caller has found them already."""
     import itertools
 
     from hydra import compose
@@ -262,7 +267,8 @@ def check_jobs(fixed: Sequence[str], swept: Mapping[str, Any], searchpath: Seque
 
     if any(o.is_interval_sweep() for o in swept.values()):
         return ""
-    groups = [k for k in swept if is_config_group(k, searchpath)]
+    if groups is None:
+        groups = [k for k in swept if is_config_group(k, searchpath)]
     values = {k: [str(v) if k in groups else v for v in _sweep_values(o)] for k, o in swept.items()}
     if math.prod(len(v) for v in values.values()) > MAX_CHECKED_JOBS:
         return ""

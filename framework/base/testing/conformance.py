@@ -141,7 +141,7 @@ class Conformance:
         self.workdir = Path(workdir)
         self.cache_dir = Path(cache_dir)
         self._runs: dict[str, RunResult] = {}
-        self._collect: dict[str, dict[str, Any]] | None = None  # prefetch: the runs asked for, not run
+        self._collect: dict[str, list[str]] | None = None  # prefetch: the runs asked for (their overrides), not run
 
     # -- running the driver --------------------------------------------------------------------
     def run(
@@ -166,7 +166,8 @@ class Conformance:
         ckpt = ckpt_dir or self.workdir / "checkpoints" / run_name
         varying = _run_overrides(model, overrides, max_steps, save_every, resume)
         if self._collect is not None:  # Conformance.prefetch: note the run, run it later in a batch
-            self._collect[run_name] = dict(varying=varying, env=env or {}, ckpt=ckpt)
+            if not env:  # (a run with its own environment is left to its check)
+                self._collect[run_name] = [*varying, f"checkpoint.dir='{ckpt}'"]
             return None
         args = [
             sys.executable,
@@ -289,7 +290,7 @@ class Conformance:
         ready = [task for needs, task in then.values() if all(n in self._runs for n in needs)]  # no re-runs of failures
         self._run_batch(self._collected(ready), lanes)
 
-    def _collected(self, tasks) -> dict[str, dict[str, Any]]:
+    def _collected(self, tasks) -> dict[str, list[str]]:
         """The runs that ``tasks`` (callables of this object's run methods) would start, by run name, not started."""
         self._collect = {}
         try:
@@ -302,18 +303,13 @@ class Conformance:
         finally:
             self._collect = None
 
-    def _run_batch(self, runs: dict[str, dict[str, Any]], lanes: int) -> None:
-        """Run ``runs`` (run name -> what :meth:`run` noted) as ``lanes`` Hydra sweeps at once
+    def _run_batch(self, runs: dict[str, list[str]], lanes: int) -> None:
+        """Run ``runs`` (run name -> the overrides :meth:`run` noted) as ``lanes`` Hydra sweeps at once
         (:func:`~framework.base.testing.variants.run_variants`) and keep the runs that finished, with the output
         and checkpoint folders their sweep gave them. A failed run is left to its check."""
         from framework.base.testing.variants import checkpoint_dir, run_variants
 
-        variants = {
-            name: [*spec["varying"], f"checkpoint.dir='{spec['ckpt']}'"]
-            for name, spec in runs.items()
-            if not spec["env"]
-        }
-        for name, run_dir in run_variants(self.workdir, self._fixed(), variants, lanes=lanes).items():
+        for name, run_dir in run_variants(self.workdir, self._fixed(), runs, lanes=lanes).items():
             log = run_dir / "train.log"
             self._runs[name] = _result(
                 name, run_dir, checkpoint_dir(run_dir, self.workdir), log.read_text() if log.is_file() else ""

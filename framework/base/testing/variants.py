@@ -15,7 +15,6 @@ the integration tests' runner (``tests/integration/conftest.py``).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -56,7 +55,6 @@ def run_variants(
     variants: Mapping[str, Sequence[str]],
     *,
     lanes: int = 2,
-    env: Mapping[str, str] | None = None,
     timeout: float = 1800,
 ) -> dict[str, Path]:
     """Run ``variants`` (run name -> its overrides) with the overrides ``fixed`` common to all, as ``lanes``
@@ -97,9 +95,7 @@ def run_variants(
             f"hydra.searchpath=[file://{folder}]",
             f"+variant=choice({','.join(mine)})",  # a sweep even of one run (its folder: variant=<name>)
         ]
-        proc = subprocess.run(
-            args, cwd=workdir, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-        )
+        proc = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=timeout)
         (folder / "sweep.log").write_text(proc.stdout + proc.stderr)
         for name in mine:
             run_dir = job_folder(workdir, folder.name, name)
