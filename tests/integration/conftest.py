@@ -95,27 +95,103 @@ class Runner:
     def metrics(self, run_name: str, experiment: str = "default") -> list[dict]:
         return read_jsonl_metrics(self.workdir / "outputs" / experiment / run_name / "metrics.jsonl")
 
-    def run_variants(self, variants: dict[str, list[str]], lanes: int = 2) -> dict[str, Path]:
+    def run_variants(self, variants: dict[str, list[str]], lanes: int = 2, check: bool = True) -> dict[str, Path]:
         """Run independent runs (name -> overrides) as ``lanes`` Hydra sweeps, one driver and rank server per lane
         instead of per run (framework/base/testing/variants.py); returns name -> the run's output folder
-        (:func:`records` reads its metrics, ``variants.checkpoint_dir`` its checkpoint folder).
+        (:func:`records` reads its metrics, ``variants.checkpoint_dir`` its checkpoint folder) for the runs that
+        finished; :meth:`why_not_finished` says why another did not.
 
         Raises:
-            AssertionError: a run did not finish (its error, or the lane's output).
+            AssertionError: with ``check``, a run did not finish (its error, or the lane's output).
         """
-        from framework.base.testing.variants import job_folder, run_variants
+        from framework.base.testing.variants import run_variants
 
         self._seed_mlflow_store()
         done = run_variants(self.workdir, self.args()[3:], variants, lanes=lanes)
-        failed = []
-        for name in (n for n in variants if n not in done):
-            lane = next(p for p in self.workdir.glob("variants*-*") if (p / "variant" / f"{name}.yaml").is_file())
-            run_dir = job_folder(self.workdir, lane.name, name)
-            error = run_dir / "error.txt" if run_dir else None
-            why = error.read_text() if error and error.is_file() else (lane / "sweep.log").read_text()[-4000:]
-            failed.append(f"{name}: {why}")
-        assert not failed, "runs that did not finish:\n" + "\n".join(failed)
+        failed = [f"{name}: {self.why_not_finished(name)}" for name in variants if name not in done]
+        assert not (check and failed), "runs that did not finish:\n" + "\n".join(failed)
         return done
+
+    def why_not_finished(self, name: str) -> str:
+        """The error of variant ``name`` of :meth:`run_variants` that did not finish (its ``error.txt``), or the end
+        of its lane's output."""
+        from framework.base.testing.variants import job_folder
+
+        lane = next(p for p in self.workdir.glob("variants*-*") if (p / "variant" / f"{name}.yaml").is_file())
+        run_dir = job_folder(self.workdir, lane.name, name)
+        error = run_dir / "error.txt" if run_dir else None
+        return error.read_text() if error and error.is_file() else (lane / "sweep.log").read_text()[-4000:]
+
+
+SHARED_RUNS: dict[str, tuple[str, tuple[str, ...]]] = {}
+"""The session's shared runs (:func:`shared_run`): name -> (who reads it, its overrides)."""
+
+
+def shared_run(name: str, *overrides: str, used_by: str) -> str:
+    """Declare, when a test module is imported, an independent run (no signal, no second node, nothing started
+    while it runs) whose records or checkpoints its tests read. The session runs every declared run that a
+    selected test needs in one batch of Hydra sweeps (:class:`SharedRuns`), one driver and one rank server per
+    lane instead of one per run: a run started alone spends ~7 of its ~8 s starting up (the driver's and the
+    rank server's imports, measured on the 2-core machine), a job of a sweep ~1 s of it.
+
+    ``used_by``: the declaring module's ``__name__`` or a fixture's name: the run is made when a selected test is
+    in that module or uses that fixture. Returns ``name`` (unique in the session).
+
+    Raises:
+        ValueError: ``name`` was declared already with other overrides.
+    """
+    if SHARED_RUNS.get(name, (used_by, overrides)) != (used_by, overrides):
+        raise ValueError(f"shared run {name!r} is declared twice with different overrides")
+    SHARED_RUNS[name] = (used_by, overrides)
+    return name
+
+
+class SharedRuns:
+    """The session's shared runs (:func:`shared_run`), made together on first use, in one scratch folder.
+
+    Each run's numbers are those it gives alone (framework/base/testing/variants.py); its output and checkpoint
+    folders are its sweep job's, so tests find them here, not under ``outputs/<experiment>/<run_name>``.
+    """
+
+    def __init__(self, runner: Runner, wanted: dict[str, tuple[str, ...]]) -> None:
+        self.runner, self.wanted = runner, wanted
+        self._done: dict[str, Path] | None = None
+
+    def run_dir(self, name: str) -> Path:
+        """The output folder of shared run ``name``; the first call makes every wanted run (two lanes).
+
+        Raises:
+            KeyError: no selected test needs a run of that name (not declared, or ``used_by`` does not match).
+            AssertionError: the run did not finish (its error).
+        """
+        if name not in self.wanted:
+            raise KeyError(f"no shared run {name!r} is declared for the selected tests: {sorted(self.wanted)}")
+        if self._done is None:
+            self._done = self.runner.run_variants({n: list(o) for n, o in self.wanted.items()}, check=False)
+        if name not in self._done:
+            raise AssertionError(f"shared run {name} did not finish: {self.runner.why_not_finished(name)}")
+        return self._done[name]
+
+    def records(self, name: str) -> list[dict]:
+        """The metric records of shared run ``name`` (:meth:`run_dir`)."""
+        return records(self.run_dir(name))
+
+    def checkpoint_dir(self, name: str) -> Path:
+        """The checkpoint folder shared run ``name`` wrote (:meth:`run_dir`)."""
+        from framework.base.testing.variants import checkpoint_dir
+
+        return checkpoint_dir(self.run_dir(name), self.runner.workdir)
+
+
+@pytest.fixture(scope="session")
+def shared_runs(request, tmp_path_factory, data_cache) -> SharedRuns:
+    """The shared runs (:func:`shared_run`) that the session's selected tests need."""
+    items = request.session.items
+    users = {getattr(getattr(i, "module", None), "__name__", "") for i in items} | {
+        f for i in items for f in i.fixturenames
+    }
+    wanted = {name: overrides for name, (used_by, overrides) in SHARED_RUNS.items() if used_by in users}
+    return SharedRuns(Runner(tmp_path_factory.mktemp("shared_runs"), data_cache), wanted)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -161,22 +237,24 @@ def runner(tmp_path, data_cache) -> Runner:
 REF_STEPS = 20
 
 
+REF = shared_run(
+    "ref",
+    "parallelism=single",
+    "trainer.micro_batch_size=8",
+    "trainer.global_batch_size=8",
+    "trainer.grad_accum_steps=null",
+    f"trainer.max_steps={REF_STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_every_n_steps=1000",
+    "trainer.val_sequences=16",
+    "checkpoint=none",
+    "tracking=none",
+    used_by="single_ref",
+)
+
+
 @pytest.fixture(scope="session")
-def single_ref(tmp_path_factory, data_cache) -> list[dict]:
+def single_ref(shared_runs) -> list[dict]:
     """The metric records of `single` with one micro-batch of 8 (global batch 8) for ``REF_STEPS`` steps, every
     step logged: the one reference run of the layout-parity tests (test_train_e2e, test_megatron, test_deepspeed)."""
-    r = Runner(tmp_path_factory.mktemp("single_ref"), data_cache)
-    r.run(
-        "parallelism=single",
-        "trainer.micro_batch_size=8",
-        "trainer.global_batch_size=8",
-        "trainer.grad_accum_steps=null",
-        f"trainer.max_steps={REF_STEPS}",
-        "trainer.log_every_n_steps=1",
-        "trainer.val_every_n_steps=1000",
-        "trainer.val_sequences=16",
-        "checkpoint=none",
-        "tracking=none",
-        "run_name=ref",
-    )
-    return r.metrics("ref")
+    return shared_runs.records(REF)

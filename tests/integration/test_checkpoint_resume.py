@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from framework.base.checkpoint.format import TEST_PAUSE_ENV, load_state
-from tests.integration.conftest import kill_group, losses, wait_for
+from tests.integration.conftest import kill_group, losses, records, shared_run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -74,9 +74,10 @@ def assert_bitwise_equal(got_dir, ref_dir):
     assert got["lr_schedulers"][0]["last_epoch"] == ref["lr_schedulers"][0]["last_epoch"]
 
 
-def assert_converted_gives_the_next_step_loss(runner, name: str, ckpt_dir, step: int) -> None:
-    """``python -m framework.checkpoint convert`` of step ``step`` loads into a plain GPT whose loss on
-    step ``step + 1``'s global batch is the ``train/loss`` the run logged for that step."""
+def assert_converted_gives_the_next_step_loss(run_dir, ckpt_dir, step: int, scratch) -> None:
+    """``python -m framework.checkpoint convert`` of step ``step`` of the run whose output folder is ``run_dir``
+    (checkpoints in ``ckpt_dir``; the converted file in the folder ``scratch``) loads into a plain GPT whose loss
+    on step ``step + 1``'s global batch is the ``train/loss`` the run logged for that step."""
     import json
     import subprocess
     import sys
@@ -87,13 +88,13 @@ def assert_converted_gives_the_next_step_loss(runner, name: str, ckpt_dir, step:
     from framework.base.model import GPT
     from framework.rank.data.sampler import StepBatchSampler
 
-    out = runner.workdir / "model.pt"
+    out = scratch / "model.pt"
     subprocess.run(
         [sys.executable, "-m", "framework.checkpoint", "convert", str(ckpt_dir / f"step{step:08d}"), "--out", str(out)],
         check=True,
         capture_output=True,
     )
-    launch = json.loads((runner.workdir / "outputs" / "ref" / name / "launch.json").read_text())
+    launch = json.loads((run_dir / "launch.json").read_text())
     run = launch["resolved"]["run"]
     cache = TokenCache.open(launch["token_cache_dir"])
     model = GPT(ModelConfig(**run["model"]), vocab_size=cache.vocab_size)
@@ -112,7 +113,7 @@ def assert_converted_gives_the_next_step_loss(runner, name: str, ckpt_dir, step:
     x, y = (torch.stack(t) for t in zip(*(ds[i] for i in sampler.step_windows(step))))  # 0-based: step k+1's batch
     with torch.no_grad():
         loss = float(model(x, y))
-    logged = losses(runner.metrics(name, experiment="ref"))[step + 1]
+    logged = losses(records(run_dir))[step + 1]
     assert loss == pytest.approx(logged, rel=1e-5)  # one batch of 8 vs 2 micro-batches of 4: summation order only
 
 
@@ -128,24 +129,27 @@ def _kill_after(proc, ready) -> str:
     return proc.stdout.read()
 
 
+for _plugin, _overrides in LAYOUT.items():  # the uninterrupted runs: the session's shared runs (conftest)
+    shared_run(f"exact-ref-{_plugin}", *SMALL, *_overrides, used_by=__name__)
+
+
 @pytest.mark.parametrize("plugin", ["single", "ddp"])
-def test_sigkilled_runs_resume_bitwise(runner, plugin):
+def test_sigkilled_runs_resume_bitwise(runner, shared_runs, plugin):
     name = f"exact_{plugin}"
     common = [*SMALL, *LAYOUT[plugin], f"run_name={name}"]
-    runner.run(*common, "experiment_name=ref")
-    ref_dir = runner.workdir / "checkpoints" / "ref" / name
-    ckpt_metrics = {r["step"]: r for r in runner.metrics(name, experiment="ref") if "ckpt/save_s" in r}
+    ref_run, ref_records = shared_runs.run_dir(f"exact-ref-{plugin}"), shared_runs.records(f"exact-ref-{plugin}")
+    ref_dir = shared_runs.checkpoint_dir(f"exact-ref-{plugin}")
+    ckpt_metrics = {r["step"]: r for r in ref_records if "ckpt/save_s" in r}
     assert sorted(ckpt_metrics) == [5, 10, 15, 20]
-    for r in runner.metrics(name, experiment="ref"):
+    for r in ref_records:
         if "ckpt/blocking_s" in r:
             assert r["ckpt/interval_steps"] == 5 and r["ckpt/blocking_s"] > 0
     assert all(r["ckpt/bytes"] > 0 for r in ckpt_metrics.values())
     if plugin == "single":  # full, delta, delta, full
         assert [("ckpt/delta_ratio" in ckpt_metrics[s]) for s in (5, 10, 15, 20)] == [False, True, True, False]
         assert 0 < ckpt_metrics[10]["ckpt/delta_ratio"] < 1
-        assert_converted_gives_the_next_step_loss(
-            runner, name, ref_dir, 15
-        )  # step 15 is a delta: rebuilt, then converted
+        # step 15 is a delta: rebuilt, then converted
+        assert_converted_gives_the_next_step_loss(ref_run, ref_dir, 15, runner.workdir)
     ckpt = runner.workdir / "checkpoints" / "default" / name
     done = lambda step: (ckpt / f"step{step:08d}" / "manifest.json").exists()  # noqa: E731
     resumed = []
@@ -180,7 +184,7 @@ def test_sigkilled_runs_resume_bitwise(runner, plugin):
         resumed.append(_resumed_step(runner.run(*common).stdout))
 
     assert len(set(resumed)) == 2, f"two different resume steps, got {resumed}"
-    ref, got = losses(runner.metrics(name, experiment="ref")), losses(runner.metrics(name))
+    ref, got = losses(ref_records), losses(runner.metrics(name))
     assert sorted(got) == sorted(ref) == list(range(1, MAX_STEPS + 1))
     # every execution of every step (the killed runs' too, in the order they ran) has the uninterrupted loss:
     # a mismatch names the first step (and so the run) that went off

@@ -15,34 +15,38 @@ import json
 
 import pytest
 
-from tests.integration.conftest import Runner
+from tests.integration.conftest import shared_run
 
 pytestmark = pytest.mark.slow
 
 LOG_EVERY, VAL_EVERY, STEPS = 4, 3, 8
 
 
-@pytest.mark.parametrize("plugin", ["single", "fsdp"])
-def test_steps_without_logging_read_nothing_back(tmp_path, data_cache, plugin):
-    name = f"syncs-{plugin}"
-    runner = Runner(tmp_path, data_cache)
-    runner.run(
-        f"parallelism={plugin}",
+PLUGINS = ("single", "fsdp")
+for _plugin in PLUGINS:
+    shared_run(
+        f"syncs-{_plugin}",
+        f"parallelism={_plugin}",
         "model=llama_tiny",
         "tracking=none",
         "checkpoint=none",
-        f"run_name={name}",
         "trainer.global_batch_size=8",
-        "trainer.micro_batch_size=2" if plugin == "single" else "trainer.micro_batch_size=1",
+        "trainer.micro_batch_size=2" if _plugin == "single" else "trainer.micro_batch_size=1",
         "trainer.grad_accum_steps=null",
         f"trainer.max_steps={STEPS}",
         f"trainer.log_every_n_steps={LOG_EVERY}",
         f"trainer.val_every_n_steps={VAL_EVERY}",
         "trainer.val_sequences=16",
         "trainer.count_host_syncs=true",
-        "trainer.precision=bf16-mixed" if plugin == "single" else "trainer.precision=32-true",
+        "trainer.precision=bf16-mixed" if _plugin == "single" else "trainer.precision=32-true",
+        used_by=__name__,
     )
-    doc = json.loads((tmp_path / "outputs" / "default" / name / "host_syncs.json").read_text())
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_steps_without_logging_read_nothing_back(shared_runs, plugin):
+    name = f"syncs-{plugin}"
+    doc = json.loads((shared_runs.run_dir(name) / "host_syncs.json").read_text())
     counts = {int(s): v["count"] for s, v in doc.items()}
     assert sorted(counts) == list(range(1, STEPS + 1))
     quiet = [s for s in counts if s % LOG_EVERY and s % VAL_EVERY]
@@ -53,7 +57,7 @@ def test_steps_without_logging_read_nothing_back(tmp_path, data_cache, plugin):
     for s in (LOG_EVERY, 2 * LOG_EVERY):  # the logged loss and gradient norm are read back there
         sites = " ".join(doc[str(s)]["sites"])
         assert counts[s] >= 2 and "step_metrics.py" in sites, doc[str(s)]
-    logged = [r for r in runner.metrics(name) if "train/grad_norm" in r]
+    logged = [r for r in shared_runs.records(name) if "train/grad_norm" in r]
     assert [int(r["step"]) for r in logged] == [LOG_EVERY, 2 * LOG_EVERY]
     assert (
         all(0 < r["train/grad_norm"] < float("inf") for r in logged)

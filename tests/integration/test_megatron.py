@@ -10,11 +10,12 @@ model byte for byte at every logged step.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.integration.conftest import Runner, job_runs, losses, records
+from tests.integration.conftest import job_runs, losses, shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -61,19 +62,19 @@ DP2TP2 = [
 ]
 
 
+for _name, _overrides in {**{n: [*o, *COMMON] for n, o in LAYOUTS.items()}, "dp2tp2": DP2TP2}.items():
+    shared_run(_name, *_overrides, used_by=__name__)  # the session's batch runs them (conftest.shared_run)
+
+
 @pytest.fixture(scope="module")
-def mrun(tmp_path_factory, data_cache, single_ref) -> Runner:
-    """The module's layouts, run once as two Hydra sweeps side by side (``Runner.run_variants``: one driver and rank
-    server per lane), in one scratch folder; ``records``: run name -> metric records; ``ref``: the `single`
-    reference run's records."""
-    r = Runner(tmp_path_factory.mktemp("megatron"), data_cache)
-    runs = r.run_variants({**{n: [*o, *COMMON] for n, o in LAYOUTS.items()}, "dp2tp2": DP2TP2})
-    r.records = {name: records(run_dir) for name, run_dir in runs.items()}
-    r.ref = single_ref
-    return r
+def mrun(shared_runs, single_ref) -> SimpleNamespace:
+    """The module's layouts (the session's shared runs: ``conftest.shared_run``, one driver and rank server per lane
+    of the batch instead of per run): ``records``: run name -> metric records; ``ref``: the `single` reference
+    run's records."""
+    return SimpleNamespace(records={n: shared_runs.records(n) for n in [*LAYOUTS, "dp2tp2"]}, ref=single_ref)
 
 
-def _assert_parity(r: Runner, name: str, records: list[dict], steps: tuple[int, ...] = (5, 10, 15)) -> None:
+def _assert_parity(r: SimpleNamespace, name: str, records: list[dict], steps: tuple[int, ...] = (5, 10, 15)) -> None:
     ref = losses(r.ref)
     got = losses(records)
     assert sorted(got) == list(steps)

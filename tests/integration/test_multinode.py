@@ -20,7 +20,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from framework.base.checkpoint.format import find_latest_valid
-from tests.integration.conftest import Runner, losses
+from tests.integration.conftest import Runner, losses, shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -76,19 +76,24 @@ def _two_nodes(runner, overrides: list[str], shared, node1_cwd) -> tuple[subproc
     return node0, out1
 
 
+for _plugin in PLUGINS:  # the one-node references: the session's shared runs (conftest.shared_run)
+    shared_run(f"one_node-{_plugin}", *COMMON, f"parallelism={_plugin}", "tracking=none", used_by=__name__)
+
+
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory, data_cache):
-    """Per plugin: the losses of one node with 4 ranks (experiment one_node) and of two loopback nodes x 2 ranks
-    (experiment default, run ``nodes_<plugin>``), one scratch folder."""
+def parity(tmp_path_factory, data_cache, shared_runs):
+    """Per plugin: the losses of one node with 4 ranks (the shared run ``one_node-<plugin>``) and of two loopback
+    nodes x 2 ranks (experiment default, run ``nodes_<plugin>``), one scratch folder."""
     runner = Runner(tmp_path_factory.mktemp("multinode"), data_cache)
     out = {}
     for plugin in PLUGINS:
         common = [*COMMON, f"parallelism={plugin}", f"run_name=nodes_{plugin}"]
-        runner.run(*common, "experiment_name=one_node", "tracking=none")
         shared = runner.workdir / f"shared_{plugin}"
         node0, out1 = _two_nodes(runner, common, shared, runner.workdir / f"node1_{plugin}")
+        one_node = shared_runs.records(f"one_node-{plugin}")
         out[plugin] = dict(
-            ref=losses(runner.metrics(f"nodes_{plugin}", experiment="one_node")),
+            ref=losses(one_node),
+            one_node=one_node,
             got=losses(runner.metrics(f"nodes_{plugin}")),
             node0=node0,
             out1=out1,
@@ -127,8 +132,7 @@ def test_two_loopback_nodes_match_one_node_with_four_ranks(parity, plugin):
             )
         else:
             assert m["perf/comm_bytes_intra_node"] == 0
-    one_node = runner.metrics(f"nodes_{plugin}", experiment="one_node")
-    assert not [m for m in one_node if "perf/comm_bytes_inter_node" in m]  # one node: no split
+    assert not [m for m in r["one_node"] if "perf/comm_bytes_inter_node" in m]  # one node: no split
     assert [p.name for p in (runner.workdir / f"node1_{plugin}").iterdir()] == []
     assert sorted(p.name for p in r["shared"].glob("step*")) == ["step00000009", "step00000010"]
     assert (r["shared"] / "nodes" / "node1" / "launch.json").is_file()

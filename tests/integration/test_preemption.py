@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from framework.base.faults.preemption import EXIT_PREEMPTED, PREEMPTED_TAG
-from tests.integration.conftest import losses, wait_for
+from tests.integration.conftest import losses, shared_run, wait_for
 from tests.integration.test_checkpoint_resume import assert_bitwise_equal
 
 pytestmark = pytest.mark.slow
@@ -41,13 +41,16 @@ LAYOUT = {
 }
 
 
+for _plugin, (_overrides, _) in LAYOUT.items():  # the uninterrupted runs: the session's shared runs (conftest)
+    shared_run(f"preempt-ref-{_plugin}", *COMMON, *_overrides, "tracking=none", used_by=__name__)
+
+
 @pytest.mark.parametrize("plugin", ["single", "ddp"])
-def test_preempted_run_saves_its_step_and_resumes_exactly(runner, plugin):
+def test_preempted_run_saves_its_step_and_resumes_exactly(runner, shared_runs, plugin):
     overrides, sig = LAYOUT[plugin]
     name = f"preempt_{plugin}"
     common = [*COMMON, *overrides, f"run_name={name}"]
-    runner.run(*common, "experiment_name=ref", "tracking=none")
-    ref = losses(runner.metrics(name, experiment="ref"))
+    ref = losses(shared_runs.records(f"preempt-ref-{plugin}"))
 
     # Steps 4-40 sleep 0.25 s on rank 0 (a slow_rank fault, no number changes) so that the signal lands
     # in training even when this process is starved of CPU: unslowed, the 37 steps take ~2 s (the same
@@ -84,9 +87,8 @@ def test_preempted_run_saves_its_step_and_resumes_exactly(runner, plugin):
     got = losses(runner.metrics(name))
     for step in range(steps_run + 1, MAX_STEPS + 1):
         assert got[step] == ref[step], f"step {step} after the resume"
-    assert_bitwise_equal(
-        ckpt / f"step{MAX_STEPS:08d}", runner.workdir / "checkpoints" / "ref" / name / f"step{MAX_STEPS:08d}"
-    )
+    ref_ckpt = shared_runs.checkpoint_dir(f"preempt-ref-{plugin}")
+    assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", ref_ckpt / f"step{MAX_STEPS:08d}")
     (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert run.info.status == "FINISHED" and PREEMPTED_TAG not in run.data.tags
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.integration.conftest import Runner
+from tests.integration.conftest import Runner, shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -127,9 +127,14 @@ PREEMPT = [
     "trainer.global_batch_size=8",
     "trainer.micro_batch_size=2",
 ]  # 4 / 2 micro-batches per step
+if shutil.which("sbatch"):  # the uninterrupted runs, not under Slurm: the session's shared runs (conftest.shared_run)
+    for _plugin in ("single", "ddp"):
+        shared_run(f"requeue-ref-{_plugin}", f"parallelism={_plugin}", *PREEMPT, "tracking=none", used_by=__name__)
 
 
-def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(slurm, tmp_path, data_cache):
+def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(
+    slurm, tmp_path, data_cache, shared_runs
+):
     """Each job of a 2-job sweep (single, ddp) gets submitit's preemption signal (SIGUSR2, what Slurm's
     ``--signal=USR2@<slurm.signal_delay_s>`` sends before the time limit) from ``scancel --signal`` a few
     steps in: its ranks finish the step and save it, then submitit requeues the job (``scontrol
@@ -143,8 +148,8 @@ def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(
     from tests.integration.test_checkpoint_resume import assert_bitwise_equal
 
     runner = Runner(tmp_path, data_cache)
-    for plugin in ("single", "ddp"):  # the uninterrupted runs, here (not under Slurm)
-        runner.run(f"parallelism={plugin}", *PREEMPT, "experiment_name=ref", "tracking=none", f"run_name={plugin}")
+    for plugin in ("single", "ddp"):  # the uninterrupted runs (made before the sweep takes the node's CPUs)
+        shared_runs.run_dir(f"requeue-ref-{plugin}")
     sweep = runner.start(
         "-m",
         "hydra/launcher=submitit_slurm",
@@ -194,14 +199,13 @@ def test_submitit_signal_saves_the_step_requeues_the_job_and_it_resumes_exactly(
         assert "submitit requeues the Slurm job" in err and "(0 finished steps lost)" in err, err[-3000:]
         (line,) = job_lines([job_id])
         assert "JobState=COMPLETED" in line and "Restarts=1" in line, line
-        ref = losses(read_jsonl_metrics(tmp_path / "outputs" / "ref" / plugin / "metrics.jsonl"))
+        ref = losses(shared_runs.records(f"requeue-ref-{plugin}"))
         got = losses(read_jsonl_metrics(run_dir / "metrics.jsonl"))
         assert [got[s] for s in range(rec["saved_step"] + 1, MAX_STEPS + 1)] == [
             ref[s] for s in range(rec["saved_step"] + 1, MAX_STEPS + 1)
         ]
-        assert_bitwise_equal(
-            ckpt / f"step{MAX_STEPS:08d}", tmp_path / "checkpoints" / "ref" / plugin / f"step{MAX_STEPS:08d}"
-        )
+        ref_ckpt = shared_runs.checkpoint_dir(f"requeue-ref-{plugin}")
+        assert_bitwise_equal(ckpt / f"step{MAX_STEPS:08d}", ref_ckpt / f"step{MAX_STEPS:08d}")
         print(
             f"{plugin}: SIGUSR2 in step {rec['step_at_signal']}, saved step {rec['saved_step']} (0 steps lost),"
             f" requeued: {line}; MLflow {child.info.status}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import SMALL_DATA, Runner, losses
+from tests.integration.conftest import SMALL_DATA, Runner, losses, records
 
 pytestmark = pytest.mark.slow
 
@@ -53,8 +53,12 @@ def test_masked_ddp_2x2_equals_single_one_pass(tmp_path, data_cache):
         "trainer.global_batch_size=8",
         "trainer.grad_accum_steps=null",
     ]
-    runner.run("parallelism=single", "trainer.micro_batch_size=8", "run_name=one_pass", *common)
-    runner.run("parallelism=ddp", "trainer.micro_batch_size=2", "run_name=ddp", *common)
+    runs = runner.run_variants(  # one Hydra sweep per run, side by side (conftest.Runner.run_variants)
+        {
+            "one_pass": ["parallelism=single", "trainer.micro_batch_size=8", *common],
+            "ddp": ["parallelism=ddp", "trainer.micro_batch_size=2", *common],
+        }
+    )
 
     # The data does exercise uneven micro-batches: per step, the 4 micro-batches of 2 windows hold
     # different numbers of valid targets (computed here from the cache the driver built).
@@ -78,10 +82,10 @@ def test_masked_ddp_2x2_equals_single_one_pass(tmp_path, data_cache):
     counts = [[int((y != -100).sum()) for _, y, _ in batches[4 * k : 4 * k + 4]] for k in range(STEPS)]
     assert sum(len(set(c)) > 1 for c in counts) >= STEPS // 2, counts
 
-    one, ddp = losses(runner.metrics("one_pass")), losses(runner.metrics("ddp"))
+    one, ddp = losses(records(runs["one_pass"])), losses(records(runs["ddp"]))
     assert sorted(one) == list(range(1, STEPS + 1))
     for step in one:
         assert ddp[step] == pytest.approx(one[step], rel=PARITY_RTOL), step
-    val = [{r["step"]: r["val/loss"] for r in runner.metrics(n) if "val/loss" in r} for n in ("one_pass", "ddp")]
+    val = [{r["step"]: r["val/loss"] for r in records(runs[n]) if "val/loss" in r} for n in ("one_pass", "ddp")]
     assert val[0].keys() == val[1].keys() and len(val[0]) >= 2
     assert val[1] == pytest.approx(val[0], rel=PARITY_RTOL)

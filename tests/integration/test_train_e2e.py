@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from framework.base.testing.conformance import VAL_EVERY, PluginCase
 from framework.rank.module import warmup_cosine
-from tests.integration.conftest import REF_STEPS, job_runs, kill_group, losses, wait_for
+from tests.integration.conftest import REF_STEPS, job_runs, kill_group, losses, shared_run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -18,23 +18,41 @@ pytestmark = pytest.mark.slow
 PARITY_RTOL = 1e-5
 
 
-def test_gradient_accumulation_gives_the_same_losses(runner, single_ref):
+ACCUM = shared_run(
+    "accum",
+    "parallelism=single",
+    "trainer.micro_batch_size=2",
+    f"trainer.max_steps={REF_STEPS}",
+    "trainer.log_every_n_steps=1",
+    "checkpoint=none",
+    "tracking=none",
+    "trainer.global_batch_size=8",
+    "trainer.grad_accum_steps=null",
+    "trainer.val_sequences=16",
+    used_by=__name__,
+)
+FSDP3_VAL = shared_run(
+    "fsdp3-val",
+    "parallelism=fsdp",
+    "parallelism.world_size=3",
+    "trainer.global_batch_size=12",
+    "trainer.micro_batch_size=2",
+    "trainer.max_steps=5",
+    "trainer.val_every_n_steps=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.warmup_steps_excluded=1",
+    "trainer.val_sequences=16",
+    "checkpoint=none",
+    "tracking=none",
+    used_by=__name__,
+)
+
+
+def test_gradient_accumulation_gives_the_same_losses(shared_runs, single_ref):
     """`single` with 4 micro-batches of 2 against `single` with one of 8 (the session's reference run:
     tests/integration/conftest.py). ddp's and fsdp's splits of the same global batch (2 ranks x 2 x 2), their
     learning rates, bytes and model states: the conformance suite (test_conformance.py, loss_parity and bytes)."""
-    runner.run(
-        "parallelism=single",
-        "trainer.micro_batch_size=2",
-        "run_name=accum",
-        f"trainer.max_steps={REF_STEPS}",
-        "trainer.log_every_n_steps=1",
-        "checkpoint=none",
-        "tracking=none",
-        "trainer.global_batch_size=8",
-        "trainer.grad_accum_steps=null",
-        "trainer.val_sequences=16",
-    )
-    records = {"ref": single_ref, "accum": runner.metrics("accum")}
+    records = {"ref": single_ref, "accum": shared_runs.records(ACCUM)}
     ref, accum = losses(records["ref"]), losses(records["accum"])
     # The LR schedule counts optimizer steps, not micro-batches: same lr at every step for both splits.
     expected = {
@@ -50,32 +68,18 @@ def test_gradient_accumulation_gives_the_same_losses(runner, single_ref):
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_fsdp_bytes_on_steps_with_validation_equal_the_model(runner, conformance, ranks):
+def test_fsdp_bytes_on_steps_with_validation_equal_the_model(shared_runs, conformance, ranks):
     """Issue 12: the meter counts training collectives only, so a step that runs a validation pass
     (whose forwards all-gather every parameter) logs the model's bytes: at 2 ranks 22,972,416 (it
     logged 38,287,360 when validation's all-gathers were counted). At 3 ranks FSDP2 pads dim 0 to
     a multiple of 3; the model follows the parameter shapes, so bytes and model states are exact too.
-    2 ranks: the conformance suite's fsdp run (global batch 8, micro-batch 2; shared with test_conformance)."""
+    2 ranks: the conformance suite's fsdp run (global batch 8, micro-batch 2; shared with test_conformance);
+    3 ranks: a shared run of the session (global batch 12, validation every 2 steps)."""
     if ranks == 2:
         records = conformance.plugin_run(PluginCase("fsdp", select=("parallelism=fsdp",))).records
         val_steps = {VAL_EVERY, 2 * VAL_EVERY}
     else:
-        name = f"fsdp{ranks}-val"
-        runner.run(
-            "parallelism=fsdp",
-            f"parallelism.world_size={ranks}",
-            f"trainer.global_batch_size={4 * ranks}",
-            "trainer.micro_batch_size=2",
-            "trainer.max_steps=5",
-            "trainer.val_every_n_steps=2",
-            "trainer.log_every_n_steps=1",
-            "trainer.warmup_steps_excluded=1",
-            "trainer.val_sequences=16",
-            "checkpoint=none",
-            "tracking=none",
-            f"run_name={name}",
-        )
-        records = runner.metrics(name)
+        records = shared_runs.records(FSDP3_VAL)
         val_steps = {2, 4}
     comm = {int(r["step"]): r for r in records if "perf/comm_bytes" in r}
     assert {int(r["step"]) for r in records if "val/loss" in r} >= val_steps and val_steps <= set(comm)
