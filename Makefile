@@ -40,8 +40,17 @@ $(STAMP): pyproject.toml
 run: setup
 	$(PY) -m framework.train $(ARGS)
 
+# The whole suite in two tiers: the fast tier on pytest-xdist workers as in test-fast (its tests are independent
+# single-process ones), then the slow tier (drivers, ranks, sweeps) in one process: its runs size their thread pools
+# to the machine's cores (ranks x threads <= cores), so two at once would oversubscribe them. PYTEST_ARGS go to
+# both; a tier they leave empty (pytest's exit 5) is no failure, both empty is (5); exit: the first failing tier's code.
 test: setup
-	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+	@rc=0; empty=0; \
+	$(PY) -m pytest -q -m "not slow" -n auto --maxprocesses 4 $(PYTEST_ARGS) \
+		|| { r=$$?; if [ $$r = 5 ]; then empty=$$((empty + 1)); elif [ $$rc = 0 ]; then rc=$$r; fi; }; \
+	$(PY) -m pytest -q -m slow --durations=30 $(PYTEST_ARGS) \
+		|| { r=$$?; if [ $$r = 5 ]; then empty=$$((empty + 1)); elif [ $$rc = 0 ]; then rc=$$r; fi; }; \
+	if [ $$empty = 2 ]; then rc=5; fi; exit $$rc
 
 # The development tier: tests that start no process (no driver, ranks or rendezvous); docs/tests.md.
 # They are independent single-process tests: pytest-xdist runs them on one worker per core (at most
