@@ -131,8 +131,9 @@ def shared_run(name: str, *overrides: str, used_by: str) -> str:
     """Declare, when a test module is imported, an independent run (no signal, no second node, nothing started
     while it runs) whose records or checkpoints its tests read. The session runs every declared run that a
     selected test needs in one batch of Hydra sweeps (:class:`SharedRuns`), one driver and one rank server per
-    lane instead of one per run: a run started alone spends ~7 of its ~8 s starting up (the driver's and the
-    rank server's imports, measured on the 2-core machine), a job of a sweep ~1 s of it.
+    lane instead of one per run: on the 2-core machine a run of 8 steps started alone took 7.2 s to its first step
+    (the driver's and the rank server's imports) and 8.3 s in all; a job of the batch 1.5-2.7 s to its first step,
+    with the two lanes sharing the cores.
 
     ``used_by``: the declaring module's ``__name__`` or a fixture's name: the run is made when a selected test is
     in that module or uses that fixture. Returns ``name`` (unique in the session).
@@ -147,7 +148,8 @@ def shared_run(name: str, *overrides: str, used_by: str) -> str:
 
 
 class SharedRuns:
-    """The session's shared runs (:func:`shared_run`), made together on first use, in one scratch folder.
+    """The session's shared runs (:func:`shared_run`), made together, in one scratch folder, when the first test that
+    needs one sets up (so ``--durations`` shows their time as that test's ``setup``).
 
     Each run's numbers are those it gives alone (framework/base/testing/variants.py); its output and checkpoint
     folders are its sweep job's, so tests find them here, not under ``outputs/<experiment>/<run_name>``.
@@ -157,8 +159,13 @@ class SharedRuns:
         self.runner, self.wanted = runner, wanted
         self._done: dict[str, Path] | None = None
 
+    def make(self) -> None:
+        """Make every wanted run, in two lanes side by side (:meth:`Runner.run_variants`); a second call does nothing."""
+        if self._done is None:
+            self._done = self.runner.run_variants({n: list(o) for n, o in self.wanted.items()}, check=False)
+
     def run_dir(self, name: str) -> Path:
-        """The output folder of shared run ``name``; the first call makes every wanted run (two lanes).
+        """The output folder of shared run ``name`` (:meth:`make` first).
 
         Raises:
             KeyError: no selected test needs a run of that name (not declared, or ``used_by`` does not match).
@@ -166,8 +173,7 @@ class SharedRuns:
         """
         if name not in self.wanted:
             raise KeyError(f"no shared run {name!r} is declared for the selected tests: {sorted(self.wanted)}")
-        if self._done is None:
-            self._done = self.runner.run_variants({n: list(o) for n, o in self.wanted.items()}, check=False)
+        self.make()
         if name not in self._done:
             raise AssertionError(f"shared run {name} did not finish: {self.runner.why_not_finished(name)}")
         return self._done[name]
@@ -191,7 +197,9 @@ def shared_runs(request, tmp_path_factory, data_cache) -> SharedRuns:
         f for i in items for f in i.fixturenames
     }
     wanted = {name: overrides for name, (used_by, overrides) in SHARED_RUNS.items() if used_by in users}
-    return SharedRuns(Runner(tmp_path_factory.mktemp("shared_runs"), data_cache), wanted)
+    runs = SharedRuns(Runner(tmp_path_factory.mktemp("shared_runs"), data_cache), wanted)
+    runs.make()
+    return runs
 
 
 def records(run_dir: Path) -> list[dict]:
