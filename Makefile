@@ -43,13 +43,14 @@ run: setup
 # The whole suite in two tiers: the fast tier on pytest-xdist workers as in test-fast (its tests are independent
 # single-process ones), then the slow tier (drivers, ranks, sweeps) in one process: its runs size their thread pools
 # to the machine's cores (ranks x threads <= cores), so two at once would oversubscribe them. PYTEST_ARGS go to
-# both; a tier they leave empty (pytest's exit 5) is no failure, both empty is (5); exit: the first failing tier's code.
+# both tiers (so not -m or -n: run pytest itself for those). Failed tests in the first tier (exit 1) do not stop the
+# second; an interrupt (Ctrl-C: 2), an error of pytest's (3, 4) does. A tier they leave empty (5) is no failure; both empty is.
 test: setup
 	@rc=0; empty=0; \
 	$(PY) -m pytest -q -m "not slow" -n auto --maxprocesses 4 $(PYTEST_ARGS) \
-		|| { r=$$?; if [ $$r = 5 ]; then empty=$$((empty + 1)); elif [ $$rc = 0 ]; then rc=$$r; fi; }; \
+		|| { r=$$?; case $$r in 1) rc=1 ;; 5) empty=$$((empty + 1)) ;; *) exit $$r ;; esac; }; \
 	$(PY) -m pytest -q -m slow --durations=30 $(PYTEST_ARGS) \
-		|| { r=$$?; if [ $$r = 5 ]; then empty=$$((empty + 1)); elif [ $$rc = 0 ]; then rc=$$r; fi; }; \
+		|| { r=$$?; case $$r in 1) rc=1 ;; 5) empty=$$((empty + 1)) ;; *) exit $$r ;; esac; }; \
 	if [ $$empty = 2 ]; then rc=5; fi; exit $$rc
 
 # The development tier: tests that start no process (no driver, ranks or rendezvous); docs/tests.md.

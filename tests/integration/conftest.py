@@ -125,6 +125,8 @@ class Runner:
 
 SHARED_RUNS: dict[str, tuple[str, tuple[str, ...]]] = {}
 """The session's shared runs (:func:`shared_run`): name -> (who reads it, its overrides)."""
+_SWEEP_SETS = ("run_name", "experiment_name", "checkpoint.dir")
+"""Keys a shared run may not set: its sweep names the run and the experiment, and appends the job to ``checkpoint.dir``."""
 
 
 def shared_run(name: str, *overrides: str, used_by: str) -> str:
@@ -135,12 +137,16 @@ def shared_run(name: str, *overrides: str, used_by: str) -> str:
     (the driver's and the rank server's imports) and 8.3 s in all; a job of the batch 1.5-2.7 s to its first step,
     with the two lanes sharing the cores.
 
-    ``used_by``: the declaring module's ``__name__`` or a fixture's name: the run is made when a selected test is
-    in that module or uses that fixture. Returns ``name`` (unique in the session).
+    ``used_by``: the declaring module's ``__name__`` or a fixture's name: the run is made when a selected test that
+    uses the ``shared_runs`` fixture is in that module or uses that fixture. Returns ``name`` (unique in the session).
 
     Raises:
-        ValueError: ``name`` was declared already with other overrides.
+        ValueError: ``name`` was declared already with other overrides, or an override sets ``run_name``,
+            ``experiment_name`` or ``checkpoint.dir`` (the sweep sets them).
     """
+    named = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] in _SWEEP_SETS]
+    if named:
+        raise ValueError(f"shared run {name!r}: {named}: its sweep job sets {', '.join(_SWEEP_SETS)} itself")
     if SHARED_RUNS.get(name, (used_by, overrides)) != (used_by, overrides):
         raise ValueError(f"shared run {name!r} is declared twice with different overrides")
     SHARED_RUNS[name] = (used_by, overrides)
@@ -191,8 +197,9 @@ class SharedRuns:
 
 @pytest.fixture(scope="session")
 def shared_runs(request, tmp_path_factory, data_cache) -> SharedRuns:
-    """The shared runs (:func:`shared_run`) that the session's selected tests need."""
-    items = request.session.items
+    """The shared runs (:func:`shared_run`) that the session's selected tests need: those declared for the modules
+    and fixtures of the selected tests that use this fixture."""
+    items = [i for i in request.session.items if "shared_runs" in getattr(i, "fixturenames", ())]
     users = {getattr(getattr(i, "module", None), "__name__", "") for i in items} | {
         f for i in items for f in i.fixturenames
     }

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 from mlflow.tracking import MlflowClient
 
+from framework.driver.nodes import MARKER
 from tests.integration.conftest import wait_for
 from tests.integration.test_multinode import _free_port
 
@@ -30,7 +31,7 @@ def test_losing_node0_ends_node1_in_one_line_and_the_run_failed(runner):
         "trainer.threads_per_rank=1",
         f"checkpoint.dir={shared}",
         f"rendezvous.endpoint=127.0.0.1:{_free_port()}",
-        "rendezvous.timeout_s=15",  # node 1 waits it out at the end; each node starts in ~5 s on 2 cores
+        "rendezvous.timeout_s=15",
         "trainer.max_steps=300",
         "checkpoint.every_n_steps=3",
         "trainer.global_batch_size=4",
@@ -42,20 +43,23 @@ def test_losing_node0_ends_node1_in_one_line_and_the_run_failed(runner):
         "resilience=restart",
         "resilience.max_restarts=1",
     ]
-    log1 = runner.workdir / "node1.log"
-    node1 = subprocess.Popen(
-        runner.args(*two, "rendezvous.node_rank=1"),
-        cwd=node1_cwd,
-        stdout=log1.open("w"),
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
     log0 = runner.workdir / "node0.log"
     node0 = subprocess.Popen(
         runner.args(*two, "rendezvous.node_rank=0"),
         cwd=runner.workdir,
         stdout=log0.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    # node 1 starts once node 0 listens and has marked the shared folder, so rendezvous.timeout_s (15 s) bounds
+    # only node 1's start-up for node 0's rendezvous (~5 s on 2 cores) and, at the end, its wait for the lost node 0
+    wait_for(lambda: (shared / MARKER).is_file() or node0.poll() is not None, timeout=120)
+    log1 = runner.workdir / "node1.log"
+    node1 = subprocess.Popen(
+        runner.args(*two, "rendezvous.node_rank=1"),
+        cwd=node1_cwd,
+        stdout=log1.open("w"),
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,

@@ -68,7 +68,7 @@ def test_gradient_accumulation_gives_the_same_losses(shared_runs, single_ref):
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_fsdp_bytes_on_steps_with_validation_equal_the_model(shared_runs, conformance, ranks):
+def test_fsdp_bytes_on_steps_with_validation_equal_the_model(request, conformance, ranks):
     """Issue 12: the meter counts training collectives only, so a step that runs a validation pass
     (whose forwards all-gather every parameter) logs the model's bytes: at 2 ranks 22,972,416 (it
     logged 38,287,360 when validation's all-gathers were counted). At 3 ranks FSDP2 pads dim 0 to
@@ -79,7 +79,7 @@ def test_fsdp_bytes_on_steps_with_validation_equal_the_model(shared_runs, confor
         records = conformance.plugin_run(PluginCase("fsdp", select=("parallelism=fsdp",))).records
         val_steps = {VAL_EVERY, 2 * VAL_EVERY}
     else:
-        records = shared_runs.records(FSDP3_VAL)
+        records = request.getfixturevalue("shared_runs").records(FSDP3_VAL)
         val_steps = {2, 4}
     comm = {int(r["step"]): r for r in records if "perf/comm_bytes" in r}
     assert {int(r["step"]) for r in records if "val/loss" in r} >= val_steps and val_steps <= set(comm)
