@@ -134,7 +134,7 @@ def shared_run(name: str, *overrides: str, used_by: str) -> str:
     while it runs) whose records or checkpoints its tests read. The session runs every declared run that a
     selected test needs in one batch of Hydra sweeps (:class:`SharedRuns`), one driver and one rank server per
     lane instead of one per run: on the 2-core machine a run of 8 steps started alone took 7.2 s to its first step
-    (the driver's and the rank server's imports) and 8.3 s in all; a job of the batch 1.5-2.7 s to its first step,
+    (the driver's and the rank server's imports) and 8.3 s in all; a job of the batch mostly 1.5-2.7 s to its first step,
     with the two lanes sharing the cores.
 
     ``used_by``: the declaring module's ``__name__`` or a fixture's name: the run is made when a selected test that
