@@ -53,11 +53,12 @@ def test_masked_ddp_2x2_equals_single_one_pass(tmp_path, data_cache):
         "trainer.global_batch_size=8",
         "trainer.grad_accum_steps=null",
     ]
-    runs = runner.run_variants(  # one Hydra sweep per run, side by side (conftest.Runner.run_variants)
+    runs = runner.run_variants(  # one Hydra sweep of both: one driver and rank server (conftest.Runner.run_variants)
         {
             "one_pass": ["parallelism=single", "trainer.micro_batch_size=8", *common],
             "ddp": ["parallelism=ddp", "trainer.micro_batch_size=2", *common],
-        }
+        },
+        lanes=1,
     )
 
     # The data does exercise uneven micro-batches: per step, the 4 micro-batches of 2 windows hold
