@@ -52,7 +52,7 @@ class LaunchSpec:
     Attributes:
         resolved: the validated run with its layout and batch split (built by the driver).
         run_dir: the run's output folder (metrics, summary, fault log, profiles).
-        mlflow_run_id: the driver's MLflow run that rank 0 logs into; None without tracking.
+        mlflow_run_id: the driver's MLflow run that rank 0 logs into (through its outbox); None without tracking.
         resume_from: the checkpoint folder the first start of the ranks loads; None: from scratch.
         token_cache_dir: the token cache the driver built before any rank started.
         fault_schedule: the faults to inject (JSON-able events of
@@ -71,11 +71,6 @@ class LaunchSpec:
     launch_index: int = 0
     shrunk_at_step: int | None = None
     nodes: NodeSpec | None = None
-
-    @property
-    def tracking_uri(self) -> str:
-        """The MLflow tracking URI (the run's ``tracking.uri``)."""
-        return self.resolved.run.tracking.uri
 
     def replace(self, **changes: Any) -> LaunchSpec:
         """A copy with ``changes`` applied (e.g. the next launch after a shrink)."""

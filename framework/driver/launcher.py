@@ -36,11 +36,6 @@ PRELOAD_MODULES = [
 ]
 """What the forkserver imports once when ``trainer.preload_ranks`` is on (:func:`start_rank_server`)."""
 
-TRACKING_PRELOAD_MODULES = ["mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store"]
-"""What the forkserver imports as well when the run tracks to MLflow: rank 0's metric sink
-(:class:`~framework.base.tracking.MLflowMetricSink`) needs them, and importing them in rank 0 took ~2 s of
-its set-up (measured on the 2-core machine), during which rank 1 waited in the rendezvous."""
-
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -48,7 +43,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_rank_server(resolved=None, *, tracking: bool | None = None) -> None:
+def start_rank_server(resolved=None) -> None:
     """With ``trainer.preload_ranks`` (the default), start now the forkserver this node's ranks will fork from.
 
     The server imports :data:`PRELOAD_MODULES` (torch, Lightning, the worker: ~4 s of CPU on the
@@ -74,13 +69,11 @@ def start_rank_server(resolved=None, *, tracking: bool | None = None) -> None:
     ``resolved``: the validated run (:class:`~framework.base.resolved.ResolvedRun`): nothing when its
     ``trainer.preload_ranks`` is off (a server started before the config was read then idles until
     :func:`stop_rank_server`); None: start regardless.
-    ``tracking``: whether the ranks will log to MLflow, so the server imports
-    :data:`TRACKING_PRELOAD_MODULES` too; None: as ``resolved`` says (``tracking.enabled``), True without it.
+    The ranks never import MLflow (rank 0 writes an outbox the driver sends,
+    :class:`~framework.base.tracking.MetricOutbox`), so the server is the same for tracked and untracked runs.
     """
     if resolved is not None and not resolved.run.trainer.preload_ranks:
         return
-    if tracking is None:
-        tracking = resolved is None or bool(resolved.run.tracking.enabled)
     import multiprocessing
     import signal
     import threading
@@ -88,7 +81,7 @@ def start_rank_server(resolved=None, *, tracking: bool | None = None) -> None:
 
     from framework.base.faults.preemption import PREEMPT_SIGNALS
 
-    multiprocessing.set_forkserver_preload(PRELOAD_MODULES + (TRACKING_PRELOAD_MODULES if tracking else []))
+    multiprocessing.set_forkserver_preload(PRELOAD_MODULES)
     if threading.current_thread() is not threading.main_thread():  # signal dispositions are the main thread's
         forkserver.ensure_running()
         return
@@ -133,12 +126,11 @@ def _override(argv: list[str], key: str) -> str | None:
 
 DRIVER_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 """Set in the driver's environment unless given (:func:`start_rank_server_early`): fail fast on an
-unreachable MLflow server instead of minutes of retries, in the driver and in its ranks."""
+unreachable MLflow server instead of minutes of retries (the driver is the only process that talks to MLflow)."""
 
 
 def start_rank_server_early(argv: list[str]) -> None:
-    """The driver's first step, before it imports Hydra: set :data:`DRIVER_ENV_DEFAULTS` (the ranks
-    inherit them from the server) and, where :func:`preload_on_command_line` allows, start the rank
+    """The driver's first step, before it imports Hydra: set :data:`DRIVER_ENV_DEFAULTS` and, where :func:`preload_on_command_line` allows, start the rank
     server (:func:`start_rank_server`), so that its imports run on the other core while the driver
     imports Hydra, composes and validates the config (importing torch itself for the plugin class).
     Measured with ``benchmarks/run_startup.py``. Idempotent: ``python -m framework.train`` calls it
@@ -147,15 +139,7 @@ def start_rank_server_early(argv: list[str]) -> None:
     for key, value in DRIVER_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     if preload_on_command_line(argv):
-        start_rank_server(tracking=not tracking_off_on_command_line(argv))
-
-
-def tracking_off_on_command_line(argv: list[str]) -> bool:
-    """Whether the command line ``argv`` turns MLflow off (``tracking=none``, ``tracking.enabled=false``), so
-    that the early rank server need not import MLflow (:func:`start_rank_server`); a preset that turns it
-    off leaves the import unused (its cost: ~2 s on the server's core, before any rank forks)."""
-    group, enabled = _override(argv, "tracking"), _override(argv, "tracking.enabled")
-    return group == "none" or (enabled is not None and enabled.lower() in _FALSE)
+        start_rank_server()
 
 
 def stop_rank_server() -> None:

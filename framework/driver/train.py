@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def _train(
         record_preemption,
     )
     from framework.base.launch import LaunchSpec
-    from framework.base.tracking import finish_driver_run
+    from framework.base.tracking import MetricForwarder, finish_driver_run, outbox_path
     from framework.driver.faults.supervisor import supervise
     from framework.driver.slurm import SubmititHandlers, requeue_after_save
 
@@ -151,8 +152,13 @@ def _train(
         cuda=run.trainer.accelerator == "cuda",
         run_dir=run_dir,
     )  # what competes with the run
+    forwarder = (
+        MetricForwarder(tracker.client, tracker.run_id, outbox_path(run_dir, tracker.run_id))
+        if tracker is not None
+        else nullcontext()
+    )  # rank 0's metrics to the MLflow run, while the ranks run and all of them when they end
     try:
-        with early, monitor:
+        with early, monitor, forwarder:
             supervise(launch, tracker)  # launch_ranks + restarts/shrink (framework/faults)
         preempted = preemption_outcome(run_dir, resolved.checkpoint_dir, since=started_at)  # the ranks got the signal
         status = "KILLED" if preempted else "FINISHED"
@@ -256,10 +262,13 @@ def _finish_interrupted_run(resolved: ResolvedRun, model: Any, cache: Any, run_d
         _warn(f"could not read the run's MLflow status: {err}")
         return None
     from framework.base.faults.preemption import record_preemption
-    from framework.base.tracking import finish_driver_run
+    from framework.base.tracking import MetricForwarder, finish_driver_run, outbox_path
 
     started_at = time.time()
     tracker = _open_tracking(resolved, model, cache, resumed=True)
+    MetricForwarder(
+        tracker.client, tracker.run_id, outbox_path(run_dir, tracker.run_id)
+    ).forward()  # what the last driver left unsent
     record_preemption(tracker, None)
     _log_run_summary(tracker, resolved, run_dir)
     finish_driver_run(tracker, "FINISHED", run_dir=run_dir, started_at=started_at, error=None, resumed=True)

@@ -107,9 +107,9 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
         cache_dir=launch.token_cache_dir,
     )
     module = LMModule(resolved, vocab_size=vocab_size, plugin=plugin)
-    sinks, mlflow_sink = _metric_sinks(launch, rank)
+    sinks, outbox = _metric_sinks(launch, rank)
     emit = MetricEmitter(sinks, enabled=rank == 0)  # the one way this rank sends metrics
-    flops = _flops_setup(run, vocab_size, accelerator, mlflow_sink)
+    flops = _flops_setup(run, vocab_size, accelerator, outbox)
     marks = {} if marks is None else marks
     step_metrics, train_step, ckpt_plugins = _build_step(
         launch, plugin, rank, module.step_state, emit, flops, marks, log, segment
@@ -122,21 +122,22 @@ def build_trainer_and_fit(launch: LaunchSpec, marks: dict[str, float] | None = N
         summary = {**step_metrics.summary, "flops_per_token": float(flops.per_token), "peak_flops": flops.peak}
         if step_metrics.calibration_error is not None:  # MFU > 1: not logged; the peak is measured again
             summary["mfu_calibration_error"] = _recalibrate(
-                run, accelerator, flops, step_metrics.calibration_error, mlflow_sink
+                run, accelerator, flops, step_metrics.calibration_error, outbox
             )
         (launch.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def _metric_sinks(launch: LaunchSpec, rank: int) -> tuple[list, Any]:
-    """This rank's metric sinks (the run's ``metrics.jsonl``; on rank 0 also the MLflow run) and the MLflow sink or None."""
-    from framework.base.tracking import JsonlMetricSink, MLflowMetricSink
+    """This rank's metric sinks (the run's ``metrics.jsonl``; on rank 0 of a tracked run also the outbox the
+    driver sends to its MLflow run, :class:`~framework.base.tracking.MetricOutbox`) and that outbox or None."""
+    from framework.base.tracking import JsonlMetricSink, MetricOutbox, outbox_path
 
     sinks: list = [JsonlMetricSink(launch.run_dir / "metrics.jsonl")]
-    mlflow_sink = None
+    outbox = None
     if launch.mlflow_run_id and rank == 0:
-        mlflow_sink = MLflowMetricSink(launch.tracking_uri, launch.mlflow_run_id)
-        sinks.append(mlflow_sink)
-    return sinks, mlflow_sink
+        outbox = MetricOutbox(outbox_path(launch.run_dir, launch.mlflow_run_id))
+        sinks.append(outbox)
+    return sinks, outbox
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,9 @@ class _Flops:
     hardware_per_token: int
 
 
-def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) -> _Flops:
+def _flops_setup(run: Any, vocab_size: int, accelerator: str, outbox: Any) -> _Flops:
     """Peak FLOP/s of this rank's device (measured or looked up) and the configured GPT's FLOPs per token;
-    how they were obtained goes to the MLflow run's params when ``mlflow_sink`` is given."""
+    how they were obtained goes to the MLflow run's params when ``outbox`` (rank 0's) is given."""
     import torch
 
     from framework.base.metrics.flops import FLOPS_CONVENTION, peak_flops_info
@@ -170,8 +171,8 @@ def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) 
             per_token=shape.flops_per_token(run.data.seq_len),
             hardware_per_token=shape.hardware_flops_per_token(run.data.seq_len),
         )
-    if mlflow_sink is not None:
-        mlflow_sink.log_params(
+    if outbox is not None:
+        outbox.log_params(
             {
                 "mfu.peak_flops_per_device": f"{peak:.4g}",
                 "mfu.peak_flops_method": peak_method,
@@ -190,7 +191,7 @@ def _flops_setup(run: Any, vocab_size: int, accelerator: str, mlflow_sink: Any) 
     return flops
 
 
-def _recalibrate(run: Any, accelerator: str, flops: _Flops, achieved: float, mlflow_sink: Any) -> str:
+def _recalibrate(run: Any, accelerator: str, flops: _Flops, achieved: float, outbox: Any) -> str:
     """A run's achieved FLOP/s per device exceeded its peak (MFU > 1, not logged): measure the peak
     again (the cache keeps the highest) and say so on stderr and in tag ``mfu.calibration_error``;
     returns that one line."""
@@ -210,11 +211,8 @@ def _recalibrate(run: Any, accelerator: str, flops: _Flops, achieved: float, mlf
         f" {info.flops:.4g} FLOP/s"
     )
     print(f"trainlab: warning: {msg}", file=sys.stderr, flush=True)
-    if mlflow_sink is not None:
-        try:
-            mlflow_sink.client.set_tag(mlflow_sink.run_id, "mfu.calibration_error", msg)
-        except Exception:  # tracking must not fail a finished run
-            pass
+    if outbox is not None:
+        outbox.set_tags({"mfu.calibration_error": msg})  # best effort: never raises
     return msg
 
 

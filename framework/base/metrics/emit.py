@@ -2,13 +2,13 @@
 
 Every metric a rank reports (step metrics, validation, memory, checkpoint figures, the step-time
 breakdown, a plugin's own, host syncs) goes through the run's one emitter, built by the worker
-over the run's sinks (``metrics.jsonl`` and, on rank 0, the buffered MLflow sink,
+over the run's sinks (``metrics.jsonl`` and, on rank 0, the buffered MLflow outbox the driver sends,
 :mod:`framework.base.tracking`). Only rank 0 writes: figures that need every rank (a reduction over
 ranks) are reduced first, on every rank, and then emitted; on the other ranks ``emit`` does
 nothing, so callers need not test the rank.
 
 Sinks are callables ``sink(metrics, step)``; a sink that buffers (``flush()`` and
-``discard_after(step)``, :class:`~framework.base.tracking.MLflowMetricSink`) is sent by
+``discard_after(step)``, :class:`~framework.base.tracking.MetricOutbox`) is flushed by
 :meth:`MetricEmitter.flush` (the step's last phase, :class:`~framework.rank.callbacks.metric_flush.FlushMetrics`).
 """
 

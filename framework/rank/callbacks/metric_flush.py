@@ -1,18 +1,19 @@
-"""Send each logged optimizer step's metrics to the tracking server in one request.
+"""Write each logged optimizer step's metrics out of the buffering sinks as one record (rank 0's MLflow outbox).
 
 The metric callbacks (step metrics, validation, checkpoints, breakdown, plugin callbacks) each
-write a step's metrics to the buffering sinks (:class:`~framework.base.tracking.MLflowMetricSink`);
-:class:`FlushMetrics`, the step's last part (phase ``send``, :mod:`framework.rank.step`), sends them once all of them ran:
+write a step's metrics to the buffering sinks (:class:`~framework.base.tracking.MetricOutbox`, which the driver
+sends to MLflow); :class:`FlushMetrics`, the step's last part (phase ``send``, :mod:`framework.rank.step`), writes
+them out once all of them ran:
 
 - at the start of training (a fresh run's ``val/loss`` of step 0);
 - at the end of every optimizer step, except the last one, whose metrics go out at the end of
   training together with the run's summary (``train/loss_final``, ``perf/*_mean``, ...);
 - right before a checkpoint is saved (:meth:`flush`, the checkpoint callback's ``before_save``):
-  what the step wrote until then (loss, LR, validation, memory, fault figures) is sent before a
+  what the step wrote until then (loss, LR, validation, memory, fault figures) is written before a
   checkpoint covers the step, so a kill or Ctrl-C right after the save loses no point of a step
   the resumed run will not replay; the save's own figures and the rest of that step
-  (``ckpt/*``, the step-time breakdown) go out in the end-of-step request, so a checkpoint step
-  takes two requests;
+  (``ckpt/*``, the step-time breakdown) go out in the end-of-step record, so a checkpoint step
+  takes two records;
 - when training fails with a Python exception (what was written so far).
 
 A step rewound by a rollback (:func:`framework.rank.faults.guard.rewind_to_snapshot`, which runs in
@@ -38,7 +39,7 @@ class FlushMetrics(pl.Callback):
 
     Args:
         clock: the run's step clock (whether a batch closed an optimizer step).
-        emit: the run's metric emitter (its buffering sinks, e.g. ``MLflowMetricSink``, are sent).
+        emit: the run's metric emitter (its buffering sinks, e.g. ``MetricOutbox``, are flushed).
         on_time_spent: called with the seconds each flush took; None = not reported.
     """
 
