@@ -95,11 +95,13 @@ class Runner:
     def metrics(self, run_name: str, experiment: str = "default") -> list[dict]:
         return read_jsonl_metrics(self.workdir / "outputs" / experiment / run_name / "metrics.jsonl")
 
-    def run_variants(self, variants: dict[str, list[str]], lanes: int = 2, check: bool = True) -> dict[str, Path]:
+    def run_variants(
+        self, variants: dict[str, list[str]], lanes: int = 2, check: bool = True, experiment: str | None = None
+    ) -> dict[str, Path]:
         """Run independent runs (name -> overrides) as ``lanes`` Hydra sweeps, one driver and rank server per lane
         instead of per run (framework/base/testing/variants.py); returns name -> the run's output folder
         (:func:`records` reads its metrics, ``variants.checkpoint_dir`` its checkpoint folder) for the runs that
-        finished; :meth:`why_not_finished` says why another did not.
+        finished; :meth:`why_not_finished` says why another did not. ``experiment``: one lane's experiment name.
 
         Raises:
             AssertionError: with ``check``, a run did not finish (its error, or the lane's output).
@@ -107,7 +109,7 @@ class Runner:
         from framework.base.testing.variants import run_variants
 
         self._seed_mlflow_store()
-        done = run_variants(self.workdir, self.args()[3:], variants, lanes=lanes)
+        done = run_variants(self.workdir, self.args()[3:], variants, lanes=lanes, experiment=experiment)
         failed = [f"{name}: {self.why_not_finished(name)}" for name in variants if name not in done]
         assert not (check and failed), "runs that did not finish:\n" + "\n".join(failed)
         return done
@@ -118,7 +120,9 @@ class Runner:
         from framework.base.testing.variants import job_folder
 
         lane = next(p for p in self.workdir.glob("variants*-*") if (p / "variant" / f"{name}.yaml").is_file())
-        run_dir = job_folder(self.workdir, lane.name, name)
+        run_dir = job_folder(self.workdir, lane.name, name) or next(
+            (d for d in (self.workdir / "outputs").glob(f"*/*/variant={name}")), None
+        )  # a one-lane batch with its own experiment
         error = run_dir / "error.txt" if run_dir else None
         return error.read_text() if error and error.is_file() else (lane / "sweep.log").read_text()[-4000:]
 

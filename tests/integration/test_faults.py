@@ -4,19 +4,23 @@ The issue's scenarios at a smaller scale (the presets put the faults at steps 30
 runs; here the steps are scaled down with ``fault.events=[...]`` overrides): every run shares
 one small model and data slice, checkpoints every 5 steps and
 2 micro-batches per rank per step, and is compared with one uninterrupted reference run.
-All runs log into one MLflow experiment, which the compare report then puts side by side.
+The runs the selected tests need are made first, together, in one Hydra sweep (one driver and rank server for
+all of them, :func:`fr`), and log into one MLflow experiment, which the compare report then puts side by side.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from framework.base.faults.events import FaultLog
-from tests.integration.conftest import Runner, losses
+from framework.base.testing.variants import checkpoint_dir
+from tests.integration.conftest import Runner, losses, records
 from tests.integration.test_checkpoint_resume import assert_bitwise_equal
 
 pytestmark = pytest.mark.slow
@@ -36,57 +40,104 @@ COMMON = [
     "trainer.micro_batch_size=2",
     "checkpoint.every_n_steps=5",
     "checkpoint.keep_last_k=2",
-    f"experiment_name={EXPERIMENT}",
     "tracking.system_metrics_interval_s=0",
 ]
+RUNS: dict[str, tuple[str, ...]] = {
+    "hang_corrupt_crash": (
+        "resilience=restart",
+        "resilience.hang_timeout_s=6",
+        "fault.events=[{kind:hang,step:7,ranks:[1],delay_s:3600},{kind:ckpt_corrupt,step:11,ranks:[0]},"
+        "{kind:rank_crash,step:12,ranks:[1]}]",
+    ),
+    "ref": (),
+    "nan_skip": ("fault.events=[{kind:nan_grad,step:8,ranks:[1]}]", "resilience=skip_step"),
+    "skip8_ref": ("resilience=skip_step", "resilience.skip_steps=[8]"),
+    "spike_rollback": (
+        "fault.events=[{kind:loss_spike,step:8,ranks:[1],factor:10}]",
+        "resilience=rollback",
+        "checkpoint=memory",
+        "checkpoint.memory_every_n_steps=5",
+    ),
+    "shrink": (
+        "resilience=shrink",
+        "fault.events=[{kind:rank_crash,step:7,ranks:[1]},{kind:rank_crash,step:9,ranks:[1]}]",
+    ),
+    "shrink_3of4": (
+        "parallelism.world_size=4",
+        "trainer.max_steps=6",  # later overrides win over COMMON's
+        "trainer.global_batch_size=12",
+        "trainer.micro_batch_size=1",
+        "checkpoint.every_n_steps=3",
+        "resilience=shrink",
+        "resilience.max_restarts=0",
+        "resilience.shrink_to=0.75",
+        "resilience.rewarmup_steps=3",
+        "fault.events=[{kind:rank_crash,step:4,ranks:[3]}]",
+    ),
+}
+"""The module's runs: name -> overrides after ``COMMON``'s."""
+NEEDS = {
+    "test_nan_grad_skip_step_equals_a_run_without_that_update": ("nan_skip", "skip8_ref", "ref"),
+    "test_hang_corrupt_checkpoint_and_crash_restart_bitwise": ("hang_corrupt_crash", "ref"),
+    "test_loss_spike_rollback_leaves_no_spike": ("spike_rollback", "ref"),
+    "test_repeated_crash_shrinks_to_one_rank_with_the_same_global_batch": ("shrink", "ref"),
+    "test_shrink_to_three_quarters_is_recorded_in_mlflow": ("shrink_3of4",),
+    "test_compare_report_shows_recovery_side_by_side": ("nan_skip", "spike_rollback"),
+}
+"""The runs each test reads."""
 
 
 @pytest.fixture(scope="module")
-def fr(tmp_path_factory, data_cache):
-    """A runner whose runs share one work folder (one MLflow store) for the whole module."""
+def fr(request, tmp_path_factory, data_cache):
+    """The runs the selected tests of this module read (:data:`NEEDS`), made in one Hydra sweep into the
+    experiment ``faults`` (one lane: the hang run's watchdog timing is checked); ``fr.dirs``: name -> output folder."""
+    selected = {item.originalname for item in request.session.items if item.module.__name__ == __name__}
+    wanted = [name for name in RUNS if any(name in NEEDS[test] for test in selected)]
     runner = Runner(tmp_path_factory.mktemp("faults"), data_cache)
-    runner.done = {}
-
-    def run(name: str, *overrides: str):
-        if name not in runner.done:
-            runner.done[name] = runner.run(*COMMON, f"run_name={name}", *overrides)
-        return runner.done[name]
-
-    runner.go = run
+    runner.dirs = runner.run_variants({name: [*COMMON, *RUNS[name]] for name in wanted}, lanes=1, experiment=EXPERIMENT)
     return runner
 
 
 def _log(fr, name):
-    return FaultLog(fr.workdir / "outputs" / EXPERIMENT / name).read()
+    return FaultLog(fr.dirs[name]).read()
+
+
+def _metrics(fr, name) -> list[dict]:
+    return records(fr.dirs[name])
 
 
 def _losses(fr, name):
-    return losses(fr.metrics(name, experiment=EXPERIMENT))
+    return losses(_metrics(fr, name))
 
 
 def _ckpt(fr, name, step=MAX_STEPS):
-    return fr.workdir / "checkpoints" / EXPERIMENT / name / f"step{step:08d}"
+    return checkpoint_dir(fr.dirs[name], fr.workdir) / f"step{step:08d}"
 
 
-def _mlflow_metrics(fr, name) -> dict[str, float]:
+def _sweep_log(fr) -> str:
+    """The sweep's output (the driver's and its ranks' stdout and stderr)."""
+    (log,) = Path(fr.workdir).glob("variants*-0/sweep.log")
+    return log.read_text()
+
+
+def _mlflow(fr):
+    """The module's MLflow client and ``name -> the run's MLflow run`` (by the run id in its launch object)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{fr.workdir / 'mlruns.db'}")
-    exp = client.get_experiment_by_name(EXPERIMENT)
-    (run,) = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{name}'")
+    return client, lambda name: client.get_run(json.loads((fr.dirs[name] / "launch.json").read_text())["mlflow_run_id"])
+
+
+def _mlflow_metrics(fr, name) -> dict[str, float]:
+    run = _mlflow(fr)[1](name)
     assert run.info.status == "FINISHED"
     return run.data.metrics
 
 
 def _mlflow_history(fr, name, key) -> dict[int, float]:
     """step -> value of ``key`` in the run's MLflow history (asserting one point per step)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{fr.workdir / 'mlruns.db'}")
-    (run,) = client.search_runs(
-        [client.get_experiment_by_name(EXPERIMENT).experiment_id], filter_string=f"attributes.run_name = '{name}'"
-    )
-    points = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+    client, run = _mlflow(fr)
+    points = [(m.step, m.value) for m in client.get_metric_history(run(name).info.run_id, key)]
     assert len(points) == len({s for s, _ in points}), f"{key}: more than one point at a step: {sorted(points)}"
     return dict(points)
 
@@ -95,9 +146,6 @@ def test_nan_grad_skip_step_equals_a_run_without_that_update(fr):
     """(1) NaN gradients on rank 1 in step 8, ``skip_step``: every rank drops step 8's update, and the
     losses equal (exactly) a fault-free run told to drop step 8's update (``resilience.skip_steps``).
     The LR schedule does not advance in step 8, and step 8 logs the NaN grad norm (issue 13, items 1 and 3)."""
-    fr.go("nan_skip", "fault.events=[{kind:nan_grad,step:8,ranks:[1]}]", "resilience=skip_step")
-    fr.go("skip8_ref", "resilience=skip_step", "resilience.skip_steps=[8]")
-    fr.go("ref")
     log = _log(fr, "nan_skip")
     skipped = {(r["rank"], r["step"]) for r in log if r["ev"] == "skipped"}
     assert skipped == {(0, 8), (1, 8)}, "every rank skipped step 8, and only step 8"
@@ -110,8 +158,8 @@ def test_nan_grad_skip_step_equals_a_run_without_that_update(fr):
     assert_bitwise_equal(_ckpt(fr, "nan_skip"), _ckpt(fr, "skip8_ref"))
     # Issue 13 (1): the LR schedule counts applied updates: from step 9 on each step has the LR the fault-free
     # run had one step earlier; both counters are logged. (3): the logged grad norm of step 8 is rank 1's NaN.
-    rec = {int(r["step"]): r for r in fr.metrics("nan_skip", experiment=EXPERIMENT) if "train/lr" in r}
-    ref_lr = {int(r["step"]): r["train/lr"] for r in fr.metrics("ref", experiment=EXPERIMENT) if "train/lr" in r}
+    rec = {int(r["step"]): r for r in _metrics(fr, "nan_skip") if "train/lr" in r}
+    ref_lr = {int(r["step"]): r["train/lr"] for r in _metrics(fr, "ref") if "train/lr" in r}
     assert [rec[s]["train/lr"] for s in range(1, MAX_STEPS + 1)] == [
         ref_lr[s - (s > 8)] for s in range(1, MAX_STEPS + 1)
     ]
@@ -136,14 +184,6 @@ def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
     (2) rank 1 crashes in step 12 -> the restart skips checkpoint 10 (checksum) and resumes from 5:
     6 steps recomputed. Final weights, optimizer and RNG states bitwise-identical to an
     uninterrupted run; the driver logged it all into the same MLflow run."""
-    proc = fr.go(
-        "hang_corrupt_crash",
-        "resilience=restart",
-        "resilience.hang_timeout_s=6",
-        "fault.events=[{kind:hang,step:7,ranks:[1],delay_s:3600},{kind:ckpt_corrupt,step:11,ranks:[0]},"
-        "{kind:rank_crash,step:12,ranks:[1]}]",
-    )
-    fr.go("ref")
     log = _log(fr, "hang_corrupt_crash")
     starts = [r for r in log if r["ev"] == "start"]
     assert [(s["restart"], s["step"]) for s in starts] == [(0, 0), (1, 5), (2, 5)]
@@ -157,7 +197,7 @@ def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
     first = min(h["t"] for h in hangs)
     assert 0.0 < first - hang_inj["t"] <= 6.0 + 1.5 + 2.0, "detected within the timeout (+ poll + slack)"
     (corrupt,) = [r for r in log if r["ev"] == "resume_skipped_corrupt"]
-    assert "step00000010" in corrupt["detail"] and "skipping corrupt checkpoint" in proc.stderr
+    assert "step00000010" in corrupt["detail"] and "skipping corrupt checkpoint" in _sweep_log(fr)
     assert [r["kind"] for r in log if r["ev"] == "injected"] == ["hang", "ckpt_corrupt", "rank_crash"], (
         "each fired once"
     )
@@ -184,22 +224,10 @@ def test_hang_corrupt_checkpoint_and_crash_restart_bitwise(fr):
 def test_loss_spike_rollback_leaves_no_spike(fr):
     """(6) rank 1's loss x10 in step 8, ``rollback`` to the in-memory snapshot of step 5: steps 6-8
     are replayed, the spike is gone from the final loss history, which equals the uninterrupted run's."""
-    fr.go(
-        "spike_rollback",
-        "fault.events=[{kind:loss_spike,step:8,ranks:[1],factor:10}]",
-        "resilience=rollback",
-        "checkpoint=memory",
-        "checkpoint.memory_every_n_steps=5",
-    )
-    fr.go("ref")
     log = _log(fr, "spike_rollback")
     (rb,) = [r for r in log if r["ev"] == "rollback"]
     assert (rb["from_step"], rb["to_step"]) == (8, 5)
-    spike = [
-        r["train/loss"]
-        for r in fr.metrics("spike_rollback", experiment=EXPERIMENT)
-        if r["step"] == 8 and "train/loss" in r
-    ]
+    spike = [r["train/loss"] for r in _metrics(fr, "spike_rollback") if r["step"] == 8 and "train/loss" in r]
     ref = _losses(fr, "ref")
     assert len(spike) == 2 and spike[0] > 3 * ref[8], "the spike was logged, then replaced by the replay"
     final = _losses(fr, "spike_rollback")
@@ -216,12 +244,6 @@ def test_repeated_crash_shrinks_to_one_rank_with_the_same_global_batch(fr):
     used up (``max_restarts=1``), the driver relaunches on 1 rank, global batch 8 kept with
     grad_accum_steps 2 -> 4, resumed from the 2-rank checkpoint of step 5. Losses match the
     uninterrupted 2-rank run within rel 1e-5 (fp32; only the summation order differs)."""
-    fr.go(
-        "shrink",
-        "resilience=shrink",
-        "fault.events=[{kind:rank_crash,step:7,ranks:[1]},{kind:rank_crash,step:9,ranks:[1]}]",
-    )
-    fr.go("ref")
     log = _log(fr, "shrink")
     starts = [
         (s["launch"], s["restart"], s["world_size"], s["grad_accum_steps"], s["step"])
@@ -248,30 +270,13 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
     and after its save)."""
     import math
 
-    from mlflow.tracking import MlflowClient
-
     from framework.rank.module import warmup_cosine
 
-    fr.go(
-        "shrink_3of4",
-        "parallelism.world_size=4",
-        "trainer.max_steps=6",  # later overrides win over COMMON's
-        "trainer.global_batch_size=12",
-        "trainer.micro_batch_size=1",
-        "checkpoint.every_n_steps=3",
-        "resilience=shrink",
-        "resilience.max_restarts=0",
-        "resilience.shrink_to=0.75",
-        "resilience.rewarmup_steps=3",
-        "fault.events=[{kind:rank_crash,step:4,ranks:[3]}]",
-    )
     log = _log(fr, "shrink_3of4")
     starts = [(s["launch"], s["world_size"], s["grad_accum_steps"], s["step"]) for s in log if s["ev"] == "start"]
     assert starts == [(0, 4, 3, 0), (1, 3, 4, 3)]
-    client = MlflowClient(tracking_uri=f"sqlite:///{fr.workdir / 'mlruns.db'}")
-    (run,) = client.search_runs(
-        [client.get_experiment_by_name(EXPERIMENT).experiment_id], filter_string="attributes.run_name = 'shrink_3of4'"
-    )
+    client, mlflow_run = _mlflow(fr)
+    run = mlflow_run("shrink_3of4")
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert (tags["world_size"], tags["layout"], tags["elastic.shrinks"]) == ("3", "dp3-tp1-pp1", "1")
@@ -311,14 +316,6 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
 
 def test_compare_report_shows_recovery_side_by_side(fr):
     """(7) The compare report of the experiment holds one recovery row per faulty run."""
-    fr.go("nan_skip", "fault.events=[{kind:nan_grad,step:8,ranks:[1]}]", "resilience=skip_step")  # no-ops when
-    fr.go(
-        "spike_rollback",
-        "fault.events=[{kind:loss_spike,step:8,ranks:[1],factor:10}]",  # the tests above ran
-        "resilience=rollback",
-        "checkpoint=memory",
-        "checkpoint.memory_every_n_steps=5",
-    )
     out = fr.workdir / "report"
     proc = subprocess.run(
         [
@@ -343,7 +340,7 @@ def test_compare_report_shows_recovery_side_by_side(fr):
     import csv
 
     rows = {r["run"]: r for r in csv.DictReader(open(out / "compare_recovery.csv"))}
-    assert len(rows) == len([n for n in fr.done if n != "ref"])  # every run with a policy or faults; not ref
+    assert len(rows) == len([n for n in fr.dirs if n != "ref"])  # every run with a policy or faults; not ref
     by_kinds = {(r["faults"], r["resilience"]): r for r in rows.values()}
     rb = by_kinds["loss_spike", "rollback"]
     assert float(rb["rollbacks"]) == 1 and float(rb["recomputed_steps"]) == 3 and float(rb["injected"]) == 1

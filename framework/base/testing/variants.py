@@ -56,6 +56,7 @@ def run_variants(
     *,
     lanes: int = 2,
     timeout: float = 1800,
+    experiment: str | None = None,
 ) -> dict[str, Path]:
     """Run ``variants`` (run name -> its overrides) with the overrides ``fixed`` common to all, as ``lanes``
     Hydra sweeps at once (each takes every ``lanes``-th run, in order), with ``cwd`` = ``workdir``.
@@ -65,7 +66,11 @@ def run_variants(
     ``outputs/<experiment>/<sweep>/variant=<name>`` (``<experiment>``: ``variants<k>-<lane>``, new for each
     call) and an explicit ``checkpoint.dir`` gets ``<sweep>/variant=<name>`` appended (:func:`checkpoint_dir`
     reads the one it used). A lane's output is kept in ``variants<k>-<lane>/sweep.log``. ``lanes`` > 1 runs
-    lanes side by side: use 1 where a run's timing is what is checked.
+    lanes side by side: use 1 where a run's timing is what is checked. ``experiment``: the MLflow experiment (and
+    ``outputs/`` folder) of a one-lane batch instead of ``variants<k>-0``, for tests that read the experiment whole.
+
+    Raises:
+        ValueError: ``experiment`` with more than one lane (each lane's sweep needs its own experiment).
 
     Returns:
         run name -> output folder, for the runs that FINISHED (a refused or failed run is left out: its
@@ -75,6 +80,8 @@ def run_variants(
     if not names:
         return {}
     lanes = max(1, min(lanes, len(names)))
+    if experiment is not None and lanes > 1:
+        raise ValueError(f"experiment={experiment!r} needs lanes=1 (got {lanes}): each lane's sweep has its own")
     k = len(list(Path(workdir).glob("variants*-0")))
     done: dict[str, Path] = {}
 
@@ -91,14 +98,14 @@ def run_variants(
             "framework.train",
             "-m",
             *fixed,
-            f"experiment_name={folder.name}",
+            f"experiment_name={experiment or folder.name}",
             f"hydra.searchpath=[file://{folder}]",
             f"+variant=choice({','.join(mine)})",  # a sweep even of one run (its folder: variant=<name>)
         ]
         proc = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=timeout)
         (folder / "sweep.log").write_text(proc.stdout + proc.stderr)
         for name in mine:
-            run_dir = job_folder(workdir, folder.name, name)
+            run_dir = job_folder(workdir, experiment or folder.name, name)
             outcome = run_dir / "sweep_outcome.json" if run_dir else None
             if outcome and outcome.is_file() and json.loads(outcome.read_text()).get("status") == "FINISHED":
                 done[name] = run_dir
