@@ -381,7 +381,8 @@ class MetricOutbox:
     and ``{"tags": {...}}`` lines.
 
     The file outlives the ranks and the driver: what a killed driver had not sent yet, the next driver
-    of the same run sends (:class:`MetricForwarder` drops the points MLflow holds already).
+    of the same run sends (:class:`MetricForwarder` drops the points MLflow holds already). A line cut by
+    a killed rank 0 is ended when the next rank 0 opens the file, and the forwarder skips it.
     Warns once on a write error and never raises (training goes on without MLflow).
 
     Args:
@@ -392,6 +393,19 @@ class MetricOutbox:
         self.path = Path(path)
         self._warned = False
         self._pending: dict[int, dict[str, float]] = {}  # step -> key -> value
+        self._end_a_cut_line()
+
+    def _end_a_cut_line(self) -> None:
+        """End the line an earlier rank 0 was killed in the middle of, so that it stays one unreadable line (the
+        forwarder skips it) instead of swallowing this rank's first record."""
+        try:
+            with open(self.path, "rb+") as f:
+                if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                    f.write(b"\n")
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            self._warn(err)
 
     def __call__(self, metrics: Mapping[str, float], step: int) -> None:
         bucket = self._pending.setdefault(int(step), {})
@@ -424,9 +438,12 @@ class MetricOutbox:
             with open(self.path, "a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in records))
         except OSError as err:  # tracking must never stop training
-            if not self._warned:
-                log.warning("MLflow outbox not writable (training goes on; further errors are silent): %s", err)
-                self._warned = True
+            self._warn(err)
+
+    def _warn(self, err: BaseException) -> None:
+        if not self._warned:
+            log.warning("MLflow outbox not writable (training goes on; further errors are silent): %s", err)
+            self._warned = True
 
 
 class MetricForwarder:
@@ -504,10 +521,10 @@ class MetricForwarder:
                     self._call(self.client.log_param, self.run_id, k, v, quiet=True)  # an existing key keeps its value
                 for k, v in r.get("tags", {}).items():
                     self._call(self.client.set_tag, self.run_id, k, v)
-                step = r.get("step")
-                for k, v in r.get("metrics", {}).items():
+                step, ts = r.get("step"), r.get("ts", 0)
+                for k, v in r.get("metrics", {}).items() if isinstance(step, int) else ():
                     if step > self._newest.get(k, -1):
-                        batch.append(Metric(k, v, r["ts"], step))
+                        batch.append(Metric(k, v, ts, step))
                         self._newest[k] = step
             for i in range(0, len(batch), self.MAX_METRICS_PER_REQUEST):
                 self._call(self.client.log_batch, self.run_id, metrics=batch[i : i + self.MAX_METRICS_PER_REQUEST])
@@ -522,7 +539,15 @@ class MetricForwarder:
             return []
         end = data.rfind(b"\n") + 1  # a line rank 0 is still writing waits for the next poll
         self._offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        records = []
+        for line in data[:end].splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by a killed rank 0 (its next incarnation ended it, MetricOutbox)
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
 
     def _read_newest(self) -> dict[str, int]:
         """Newest step of each metric the run already holds (from an earlier attempt); {} if unreadable."""

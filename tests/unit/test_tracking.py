@@ -168,6 +168,24 @@ def test_the_forwarder_keeps_a_line_being_written_for_its_next_poll_and_rank_0s_
     assert stamps == [3000, 3000]  # rank 0's flush time, not the forwarder's
 
 
+def test_a_line_cut_by_a_killed_rank_0_is_skipped_and_the_next_rank_0s_records_are_sent(tmp_path):
+    path = outbox_path(tmp_path, "run")
+    first = MetricOutbox(path)
+    first({"train/loss": 1.0}, 1)
+    first.flush()
+    with open(path, "a") as f:
+        f.write('{"step": 2, "ts": 2000, "metrics": {"train/lo')  # SIGKILL in the middle of a write
+    client = CountingClient()
+    forwarder = MetricForwarder(client, "run", path)
+    assert forwarder.forward() == 1, "step 1; the cut line waits"
+    restarted = MetricOutbox(path)  # the restarted rank 0 ends the cut line first
+    restarted({"train/loss": 2.0}, 2)
+    restarted.flush()
+    assert forwarder.forward() == 1
+    assert client.requests == [[("train/loss", 1, 1.0)], [("train/loss", 2, 2.0)]]
+    assert len(path.read_text().splitlines()) == 3, "the cut line stays, alone on its line"
+
+
 def test_params_keep_their_first_value_tags_are_set_and_errors_warn_once(tmp_path, caplog):
     outbox = MetricOutbox(outbox_path(tmp_path, "run"))
     outbox.log_params({"mfu.peak_flops_method": "measured"})
