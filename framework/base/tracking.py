@@ -453,22 +453,26 @@ class MetricForwarder:
 
     **One point per step.** MLflow keeps every point it is sent and cannot delete one, so a step run
     again after a resume (or an elastic restart) must not be sent twice: a point whose step is at or
-    below the newest step MLflow holds for its key is dropped. The newest step of each key is read once
+    below the newest step MLflow holds for its key is dropped. The newest step of each key is read
     from the run (one ``get_run``) before the first request, so a resumed run continues each key's
     history where it ended; MLflow therefore holds the *first* completed execution of a replayed step
     (exact resume makes it equal to the replay; after a shrink the replayed steps ran at the new world
-    size, docs/metrics.md); ``metrics.jsonl`` keeps every execution in order. The outbox is read from its
-    start, so points a killed driver left unsent are sent by the next one.
+    size, docs/metrics.md); ``metrics.jsonl`` keeps every execution in order.
 
-    Every poll sends its new points in one ``log_batch`` (more only past MLflow's 1000 metrics per
-    request), with the timestamps rank 0 wrote. Warns once on a tracking error and never raises: the
-    points of a failed request are not sent again (best effort, as training goes on without MLflow).
+    **Nothing lost, nothing sent twice.** How far the outbox was sent is kept next to it
+    (``<outbox>.sent``: a byte offset, advanced only after MLflow accepted the lines before it), so the
+    next driver of the run (after a kill, or with nothing left to train) starts there and sends what was
+    left. A failed request (or ``get_run``) sends nothing more in this poll and is tried again at the next;
+    the final drain stops at its first failure, so a hung tracking server delays the driver's end by one
+    request's timeout at most (what is left goes with the next driver). Every poll sends its new points in
+    one ``log_batch`` (more only past MLflow's 1000 metrics per request), with the timestamps rank 0 wrote.
+    Warns once on a tracking error and never raises.
 
     Args:
         client: an ``MlflowClient`` (tests pass a stand-in with ``get_run``, ``log_batch``,
             ``log_param``, ``set_tag``).
         run_id: the driver's run.
-        path: the outbox file; it need not exist yet.
+        path: the outbox file (:func:`outbox_path`); it need not exist yet.
         interval_s: seconds between polls of the file (> 0).
     """
 
@@ -480,8 +484,9 @@ class MetricForwarder:
         self.client = client
         self.run_id = run_id
         self.path = Path(path)
+        self.sent_path = self.path.with_name(self.path.name + ".sent")
         self.interval_s = interval_s
-        self._offset = 0  # bytes of the file read so far (whole lines only)
+        self._offset = self._read_sent()  # bytes of the file MLflow holds (whole lines only)
         self._newest: dict[str, int] | None = None  # key -> newest step MLflow holds (None: not read yet)
         self._warned = False
         self._lock = threading.Lock()
@@ -506,39 +511,60 @@ class MetricForwarder:
             self.forward()
 
     def forward(self) -> int:
-        """Send the outbox's lines not read before (complete lines only); returns the points sent."""
+        """Send the outbox's complete lines not sent before, up to the first failed request; returns the
+        points sent."""
         with self._lock:
-            records = self._read_new()
+            records, end = self._read_new()
             if not records:
+                self._commit(end)
                 return 0
             from mlflow.entities import Metric
 
             if self._newest is None:
-                self._newest = self._read_newest()
+                try:
+                    self._newest = {
+                        m.key: int(m.step) for m in self.client.get_run(self.run_id).data.to_proto().metrics
+                    }
+                except Exception as err:  # tried again at the next poll
+                    self._warn(err)
+                    return 0
+            newest = dict(self._newest)
             batch = []
             for r in records:
                 for k, v in r.get("params", {}).items():
-                    self._call(self.client.log_param, self.run_id, k, v, quiet=True)  # an existing key keeps its value
+                    try:  # an existing key keeps its value (MLflow refuses another)
+                        self.client.log_param(self.run_id, k, v)
+                    except Exception:
+                        pass
                 for k, v in r.get("tags", {}).items():
-                    self._call(self.client.set_tag, self.run_id, k, v)
+                    if not self._call(self.client.set_tag, self.run_id, k, v):
+                        return 0
                 step, ts = r.get("step"), r.get("ts", 0)
                 for k, v in r.get("metrics", {}).items() if isinstance(step, int) else ():
-                    if step > self._newest.get(k, -1):
+                    if step > newest.get(k, -1):
                         batch.append(Metric(k, v, ts, step))
-                        self._newest[k] = step
+                        newest[k] = step
+            sent = 0
             for i in range(0, len(batch), self.MAX_METRICS_PER_REQUEST):
-                self._call(self.client.log_batch, self.run_id, metrics=batch[i : i + self.MAX_METRICS_PER_REQUEST])
-            return len(batch)
+                chunk = batch[i : i + self.MAX_METRICS_PER_REQUEST]
+                if not self._call(self.client.log_batch, self.run_id, metrics=chunk):
+                    return sent  # the offset stays: the next poll sends the rest (the points sent are dropped then)
+                for m in chunk:
+                    self._newest[m.key] = max(self._newest.get(m.key, -1), m.step)
+                sent += len(chunk)
+            self._commit(end)
+            return sent
 
-    def _read_new(self) -> list[dict]:
+    def _read_new(self) -> tuple[list[dict], int]:
+        """The complete lines after the sent offset (lines that are not JSON, cut by a killed rank 0, left out)
+        and the offset after them."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:
-            return []
+            return [], self._offset
         end = data.rfind(b"\n") + 1  # a line rank 0 is still writing waits for the next poll
-        self._offset += end
         records = []
         for line in data[:end].splitlines():
             try:
@@ -547,22 +573,29 @@ class MetricForwarder:
                 continue
             if isinstance(record, dict):
                 records.append(record)
-        return records
+        return records, self._offset + end
 
-    def _read_newest(self) -> dict[str, int]:
-        """Newest step of each metric the run already holds (from an earlier attempt); {} if unreadable."""
+    def _read_sent(self) -> int:
         try:
-            return {m.key: int(m.step) for m in self.client.get_run(self.run_id).data.to_proto().metrics}
-        except Exception as err:
-            self._warn(err)
-            return {}
+            return int(self.sent_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
 
-    def _call(self, fn: Any, *args: Any, quiet: bool = False, **kwargs: Any) -> None:
+    def _commit(self, end: int) -> None:
+        if end != self._offset:
+            self._offset = end
+            try:
+                self.sent_path.write_text(str(end))
+            except OSError as err:  # the next driver re-reads more (its newest steps drop what MLflow holds)
+                self._warn(err)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> bool:
         try:
             fn(*args, **kwargs)
+            return True
         except Exception as err:  # tracking must never stop training
-            if not quiet:
-                self._warn(err)
+            self._warn(err)
+            return False
 
     def _warn(self, err: BaseException) -> None:
         if not self._warned:

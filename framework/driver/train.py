@@ -244,10 +244,13 @@ def _finish_interrupted_run(resolved: ResolvedRun, model: Any, cache: Any, run_d
     """With nothing left to train, end the run's MLflow run FINISHED when it was left KILLED: the Ctrl-C or
     preemption came after the save at ``trainer.max_steps``, while the ranks were exiting, and the driver
     said "run the same command again". Logs the run's summary, clears the preempted tag, prints one line.
+    Whatever the run's status, first sends rank 0's points that the last driver left in the outbox.
     Returns that run's id, or None (tracking off, no such run, any other status); never raises."""
     run = resolved.run
     if not run.tracking.enabled:
         return None
+    from framework.base.tracking import MetricForwarder, outbox_path
+
     try:
         from mlflow import MlflowClient
 
@@ -256,19 +259,20 @@ def _finish_interrupted_run(resolved: ResolvedRun, model: Any, cache: Any, run_d
         client = MlflowClient(tracking_uri=run.tracking.uri)
         exp = client.get_experiment_by_name(run.experiment_name)  # None: never tracked (not created here)
         found = exp and find_run(client, exp.experiment_id, f"{run.experiment_name}/{run.run_name}")
-        if not found or found.info.status != "KILLED":
+        if not found:
+            return None
+        # rank 0's points the last driver left unsent (it was killed, or stopped during its final drain)
+        MetricForwarder(client, found.info.run_id, outbox_path(run_dir, found.info.run_id)).forward()
+        if found.info.status != "KILLED":
             return None
     except Exception as err:  # tracking must not fail a finished run
         _warn(f"could not read the run's MLflow status: {err}")
         return None
     from framework.base.faults.preemption import record_preemption
-    from framework.base.tracking import MetricForwarder, finish_driver_run, outbox_path
+    from framework.base.tracking import finish_driver_run
 
     started_at = time.time()
     tracker = _open_tracking(resolved, model, cache, resumed=True)
-    MetricForwarder(
-        tracker.client, tracker.run_id, outbox_path(run_dir, tracker.run_id)
-    ).forward()  # what the last driver left unsent
     record_preemption(tracker, None)
     _log_run_summary(tracker, resolved, run_dir)
     finish_driver_run(tracker, "FINISHED", run_dir=run_dir, started_at=started_at, error=None, resumed=True)

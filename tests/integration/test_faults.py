@@ -94,16 +94,25 @@ def fr(request, tmp_path_factory, data_cache):
     selected = {item.originalname for item in request.session.items if item.module.__name__ == __name__}
     wanted = [name for name in RUNS if any(name in NEEDS[test] for test in selected)]
     runner = Runner(tmp_path_factory.mktemp("faults"), data_cache)
-    runner.dirs = runner.run_variants({name: [*COMMON, *RUNS[name]] for name in wanted}, lanes=1, experiment=EXPERIMENT)
+    runner.dirs = runner.run_variants(
+        {name: [*COMMON, *RUNS[name]] for name in wanted}, lanes=1, check=False, experiment=EXPERIMENT
+    )
     return runner
 
 
+def _dir(fr, name) -> Path:
+    """Run ``name``'s output folder; fails (only) the tests that read a run that did not finish, with its error."""
+    if name not in fr.dirs:
+        pytest.fail(f"run {name} did not finish: {fr.why_not_finished(name)}")
+    return fr.dirs[name]
+
+
 def _log(fr, name):
-    return FaultLog(fr.dirs[name]).read()
+    return FaultLog(_dir(fr, name)).read()
 
 
 def _metrics(fr, name) -> list[dict]:
-    return records(fr.dirs[name])
+    return records(_dir(fr, name))
 
 
 def _losses(fr, name):
@@ -111,7 +120,7 @@ def _losses(fr, name):
 
 
 def _ckpt(fr, name, step=MAX_STEPS):
-    return checkpoint_dir(fr.dirs[name], fr.workdir) / f"step{step:08d}"
+    return checkpoint_dir(_dir(fr, name), fr.workdir) / f"step{step:08d}"
 
 
 def _sweep_log(fr) -> str:
@@ -125,7 +134,16 @@ def _mlflow(fr):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{fr.workdir / 'mlruns.db'}")
-    return client, lambda name: client.get_run(json.loads((fr.dirs[name] / "launch.json").read_text())["mlflow_run_id"])
+
+    def run(name):
+        found = client.get_run(json.loads((_dir(fr, name) / "launch.json").read_text())["mlflow_run_id"])
+        same_name = client.search_runs(
+            [found.info.experiment_id], filter_string=f"attributes.run_name = '{found.info.run_name}'"
+        )
+        assert len(same_name) == 1, f"one MLflow run for {name}: {[r.info.run_id for r in same_name]}"
+        return found
+
+    return client, run
 
 
 def _mlflow_metrics(fr, name) -> dict[str, float]:
@@ -266,8 +284,8 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
     with no restarts left, ``resilience.shrink_to=0.75`` relaunches on 3 ranks from checkpoint 3 with the
     global batch of 12 kept (micro-batch 1: grad_accum_steps 3 -> 4) and the LR re-warmed over 3 steps.
     MLflow: the tags name the launch in force, ``elastic/*`` show the change at step 4, ``train/lr`` is the
-    schedule x 1/3, 2/3, 3/3, the fault log is an artifact, and each step is one request (one timestamp), a checkpoint step two (before
-    and after its save)."""
+    schedule x 1/3, 2/3, 3/3, the fault log is an artifact, and each step is one record of rank 0 (one timestamp), a checkpoint step two
+    (before and after its save)."""
     import math
 
     from framework.rank.module import warmup_cosine
@@ -300,8 +318,8 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
             for m in client.get_metric_history(run.info.run_id, key):
                 stamps.setdefault(m.step, {}).setdefault(m.timestamp, set()).add(key)
     assert sorted(stamps) == [0, 1, 2, 3, 4, 5, 6]
-    # One request per step; a checkpoint step (3, and 6: the last save) two: what the step logged before
-    # the save goes out before it (train/loss among it), the save's own figures after it.
+    # One record per step; a checkpoint step (3, and 6: the last save) two: what the step logged before
+    # the save is written before it (train/loss among it), the save's own figures after it.
     for step, requests in stamps.items():
         if step not in (3, 6):
             assert len(requests) == 1, (step, requests)

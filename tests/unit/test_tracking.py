@@ -186,6 +186,38 @@ def test_a_line_cut_by_a_killed_rank_0_is_skipped_and_the_next_rank_0s_records_a
     assert len(path.read_text().splitlines()) == 3, "the cut line stays, alone on its line"
 
 
+def test_a_failed_request_is_sent_again_at_the_next_poll_and_nothing_twice(tmp_path):
+    from mlflow.entities import Metric, RunData
+
+    outbox = MetricOutbox(outbox_path(tmp_path, "run"))
+    client = CountingClient(newest={"train/loss": 2})  # a resumed run: MLflow holds steps 1-2
+    forwarder = MetricForwarder(client, "run", outbox.path)
+    forwarder.MAX_METRICS_PER_REQUEST = 2
+    _drive(outbox, range(1, 6), accum=1, max_steps=8)  # rank 0 replays 1-2, then 3-5
+    get_run, client.get_run = client.get_run, lambda run_id: (_ for _ in ()).throw(ConnectionError("down"))
+    assert forwarder.forward() == 0, "without the run's newest steps nothing is sent"
+    client.get_run = get_run
+    real_log_batch, calls = client.log_batch, []
+
+    def second_request_fails(run_id, metrics=()):
+        calls.append(len(metrics))
+        if len(calls) == 2:
+            raise ConnectionError("timeout")
+        real_log_batch(run_id, metrics)
+
+    client.log_batch = second_request_fails
+    assert forwarder.forward() == 2, "the first request went, the second failed"
+    client.log_batch = real_log_batch
+    forwarder.forward()  # the next poll: the rest
+    loss = [s for k, s in _sent(client) if k == "train/loss"]
+    assert loss == [3, 4, 5] and len(_sent(client)) == len(set(_sent(client)))
+    assert forwarder.forward() == 0
+    client.run.data = RunData(metrics=[Metric(k, 0.0, 0, s) for k, s in _sent(client)])
+    again = MetricForwarder(client, "run", outbox.path)  # the next driver starts where this one's sending ended
+    assert again._read_new() == ([], outbox.path.stat().st_size)
+    assert int(outbox.path.with_name(outbox.path.name + ".sent").read_text()) == outbox.path.stat().st_size
+
+
 def test_params_keep_their_first_value_tags_are_set_and_errors_warn_once(tmp_path, caplog):
     outbox = MetricOutbox(outbox_path(tmp_path, "run"))
     outbox.log_params({"mfu.peak_flops_method": "measured"})
