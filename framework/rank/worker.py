@@ -45,6 +45,27 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _release_the_servers_lifeline() -> None:
+    """Close this rank's copy of the forkserver's "alive" pipe, so that the server, and with it this rank
+    (:func:`_die_with_parent`), ends when the driver dies.
+
+    The forkserver exits when its alive pipe has no writer left, but every process it forks inherits the
+    write end (Python's ``multiprocessing.forkserver``, ``_forkserver_alive_fd``), so a SIGKILL of the driver
+    alone left the server and its ranks training on. A rank starts no process through the forkserver, the
+    only use of that fd in a child.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        server._forkserver_alive_fd = None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _quiet_libraries() -> None:
     # Lightning explains its own choices at length on every rank; keep warnings and errors only.
     # (Called after importing Lightning, which sets its loggers to INFO at import time.)
@@ -404,6 +425,7 @@ def run_rank(launch_file: str) -> int:
     marks = {"t_proc": process_start_time(), "t_main": time.time()}
     faulthandler.enable(all_threads=True)
     _die_with_parent()
+    _release_the_servers_lifeline()
     from framework.base.distributed import kill_daemonic_children
     from framework.rank.callbacks.preemption import install_handlers
 

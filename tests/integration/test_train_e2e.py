@@ -164,6 +164,40 @@ def test_ctrl_c_run_resumes_to_the_same_losses(runner):
     assert same.info.end_time == done.info.end_time
 
 
+def test_a_driver_sigkilled_alone_takes_its_rank_server_and_ranks_with_it(runner):
+    """SIGKILL of the driver process only (not its group): the rank server and the ranks it forked end too,
+    instead of training on beside the run that replaces them (framework/rank/worker.py)."""
+    import os
+
+    import psutil
+
+    from framework.base.tracking import read_jsonl_metrics
+
+    proc = runner.start(
+        "parallelism=ddp",
+        "trainer.max_steps=100000",
+        "trainer.log_every_n_steps=1",
+        "checkpoint=none",
+        "run_name=alone",
+    )
+    metrics = runner.workdir / "outputs" / "default" / "alone" / "metrics.jsonl"
+    wait_for(lambda: len(losses(read_jsonl_metrics(metrics))) >= 2, timeout=300, proc=proc)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    ranks = [p for p in family if p.ppid() != proc.pid]  # forked by the rank server
+    assert len(ranks) >= 2, [p.cmdline() for p in family]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    try:
+        _, alive = psutil.wait_procs(family, timeout=20)
+        assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    finally:
+        for p in family:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
 def test_bad_input_fails_before_any_rank_with_one_line(runner):
     proc = runner.run("parallelism.name=nope", check=False)
     assert proc.returncode == 2
