@@ -130,9 +130,10 @@ unreachable MLflow server instead of minutes of retries (the driver is the only 
 
 
 def start_rank_server_early(argv: list[str]) -> None:
-    """The driver's first step, before it imports Hydra: set :data:`DRIVER_ENV_DEFAULTS` and, where :func:`preload_on_command_line` allows, start the rank
-    server (:func:`start_rank_server`), so that its imports run on the other core while the driver
-    imports Hydra, composes and validates the config (importing torch itself for the plugin class).
+    """The driver's first step, before it imports Hydra: set :data:`DRIVER_ENV_DEFAULTS` and, where
+    :func:`preload_on_command_line` allows, start the rank server (:func:`start_rank_server`), so that its
+    imports run on the other core while the driver imports Hydra, composes and validates the config
+    (importing torch itself for the plugin class).
     Measured with ``benchmarks/run_startup.py``. Idempotent: ``python -m framework.train`` calls it
     before importing the driver, :func:`framework.driver.cli.main` again.
     """

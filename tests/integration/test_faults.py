@@ -284,8 +284,8 @@ def test_shrink_to_three_quarters_is_recorded_in_mlflow(fr):
     with no restarts left, ``resilience.shrink_to=0.75`` relaunches on 3 ranks from checkpoint 3 with the
     global batch of 12 kept (micro-batch 1: grad_accum_steps 3 -> 4) and the LR re-warmed over 3 steps.
     MLflow: the tags name the launch in force, ``elastic/*`` show the change at step 4, ``train/lr`` is the
-    schedule x 1/3, 2/3, 3/3, the fault log is an artifact, and each step is one record of rank 0 (one timestamp), a checkpoint step two
-    (before and after its save)."""
+    schedule x 1/3, 2/3, 3/3, the fault log is an artifact, and each step is one record of rank 0 (one
+    timestamp), a checkpoint step two (before and after its save)."""
     import math
 
     from framework.rank.module import warmup_cosine
