@@ -415,6 +415,18 @@ def _shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _keep_mlflow_out() -> None:
+    """Mark MLflow absent in this rank: ``import mlflow`` raises ImportError from here on.
+
+    A rank never talks to MLflow (rank 0 writes an outbox the driver sends,
+    :class:`~framework.base.tracking.MetricOutbox`), but ``import deepspeed`` imports it when it is
+    installed (its autotuner, which catches the ImportError): ~1 s of CPU per DeepSpeed rank on the
+    2-core machine (``python -X importtime``), before the rendezvous. Any other import of it in a
+    rank now fails loudly instead of adding that cost unseen.
+    """
+    sys.modules.setdefault("mlflow", None)
+
+
 def run_rank(launch_file: str) -> int:
     """Entry point of one rank as a function (``trainer.preload_ranks``: forked from a forkserver
     that already imported :data:`framework.driver.launcher.PRELOAD_MODULES`); returns 0, the value the elastic agent waits
@@ -426,6 +438,7 @@ def run_rank(launch_file: str) -> int:
     faulthandler.enable(all_threads=True)
     _die_with_parent()
     _release_the_servers_lifeline()
+    _keep_mlflow_out()
     from framework.base.distributed import kill_daemonic_children
     from framework.rank.callbacks.preemption import install_handlers
 
@@ -451,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     # thread's Python stack to stderr first; the elastic agent reports only the signal.
     faulthandler.enable(all_threads=True)
     _die_with_parent()
+    _keep_mlflow_out()
     from framework.rank.callbacks.preemption import install_handlers
 
     install_handlers()  # a preemption during start-up stops the rank after its first step
