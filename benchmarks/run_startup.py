@@ -6,7 +6,9 @@ the driver's start-up changes. Given one or more source trees (``--tree``, defau
 runs the same short command from each, interleaved, ``--repeats`` times, in a scratch folder per tree
 with a token cache built once beforehand, and prints each tree's median wall time with a 95% bootstrap
 interval and the verdict of each tree against the first (framework/base/stats.py; a difference is a
-finding only when its interval excludes 0).
+finding only when its interval excludes 0). On Linux it also prints the CPU seconds each run kept the
+machine busy (all processes, from ``/proc/stat``: the driver, its rank server and ranks, anything else
+running), the cost that the 2-core test suite pays, which drifts less than the wall time.
 
     python benchmarks/run_startup.py --repeats 5
     python benchmarks/run_startup.py --tree /path/to/old/checkout --tree . --repeats 7 -- parallelism=single
@@ -35,16 +37,28 @@ from framework.base.testing.conformance import SMALL_DATA  # noqa: E402
 RUN = ["parallelism=ddp", "trainer.max_steps=3", "tracking=none", "checkpoint=none", "trainer.progress_bar=false"]
 
 
-def one_run(tree: Path, work: Path, cache: Path, extra: list[str], name: str) -> float:
-    """Seconds from starting the driver to its exit (raises on a non-zero exit)."""
+def busy_seconds() -> float | None:
+    """CPU seconds the machine has been busy since boot, all cores (user, nice, system, irq, softirq, steal:
+    ``/proc/stat``'s first line less idle and iowait); None where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(tree: Path, work: Path, cache: Path, extra: list[str], name: str) -> tuple[float, float | None]:
+    """``(wall, cpu)``: seconds from starting the driver to its exit, and the machine's busy CPU seconds
+    meanwhile (:func:`busy_seconds`; None without ``/proc/stat``). Raises SystemExit on a non-zero exit."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "framework.train", *SMALL_DATA, f"data.cache_dir={cache}", *RUN, *extra]
-    t0 = time.perf_counter()
+    b0, t0 = busy_seconds(), time.perf_counter()
     proc = subprocess.run([*cmd, f"run_name={name}"], cwd=work, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, b1 = time.perf_counter() - t0, busy_seconds()
     if proc.returncode != 0:
         raise SystemExit(f"run_startup: {tree} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return wall
+    return wall, (None if b0 is None or b1 is None else b1 - b0)
 
 
 def main() -> None:
@@ -63,19 +77,32 @@ def main() -> None:
         for t in trees:  # one unmeasured run per tree: the token cache, and each folder's MLflow store (its schema)
             one_run(t, works[t], cache, args.extra, "warmup")
         walls: dict[Path, list[float]] = {t: [] for t in trees}
+        cpus: dict[Path, list[float]] = {t: [] for t in trees}
         for r in range(args.repeats):
             for t in trees if r % 2 == 0 else reversed(trees):
-                walls[t].append(one_run(t, works[t], cache, args.extra, f"r{r}"))
-                print(f"  repeat {r}: {t}: {walls[t][-1]:.2f} s", flush=True)
+                wall, cpu = one_run(t, works[t], cache, args.extra, f"r{r}")
+                walls[t].append(wall)
+                if cpu is not None:
+                    cpus[t].append(cpu)
+                print(
+                    f"  repeat {r}: {t}: {wall:.2f} s" + (f", {cpu:.2f} CPU-s" if cpu is not None else ""), flush=True
+                )
+    print(f"\nper run ({args.repeats} repeats, interleaved): {' '.join(RUN + args.extra)}")
+    _report("wall seconds", walls, trees, ("faster", "slower"))
+    if all(cpus.values()):
+        _report("busy CPU seconds (all cores)", cpus, trees, ("less", "more"))
+
+
+def _report(what: str, values: dict[Path, list[float]], trees: list[Path], words: tuple[str, str]) -> None:
+    """Each tree's median, min and max of ``values`` (lower is better), and its verdict against the first tree's."""
     import numpy as np
 
     ref = trees[0]
-    print(f"\nwall seconds per run ({args.repeats} repeats, interleaved): {' '.join(RUN + args.extra)}")
+    print(what)
     for t in trees:
-        med = float(np.median(walls[t]))
-        line = f"  {med:6.2f} s median  (min {min(walls[t]):.2f}, max {max(walls[t]):.2f})  {t}"
+        line = f"  {float(np.median(values[t])):6.2f} median  (min {min(values[t]):.2f}, max {max(values[t]):.2f})  {t}"
         if t != ref:
-            v = compare_to(walls[t], walls[ref], maximize=False, other=str(ref), words=("faster", "slower"))
+            v = compare_to(values[t], values[ref], maximize=False, other=str(ref), words=words)
             line += f"\n         {v}"
         print(line)
 
