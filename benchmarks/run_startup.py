@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from framework.base.load_monitor import read_cpu_jiffies  # noqa: E402
 from framework.base.stats import compare_to  # noqa: E402
 from framework.base.testing.conformance import SMALL_DATA  # noqa: E402
 
@@ -38,14 +39,10 @@ RUN = ["parallelism=ddp", "trainer.max_steps=3", "tracking=none", "checkpoint=no
 
 
 def busy_seconds() -> float | None:
-    """CPU seconds the machine has been busy since boot, all cores (user, nice, system, irq, softirq, steal:
-    ``/proc/stat``'s first line less idle and iowait); None where there is no ``/proc/stat``."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds the machine has been busy since boot, all cores (the busy jiffies of
+    :func:`~framework.base.load_monitor.read_cpu_jiffies`); None where there is no ``/proc/stat``."""
+    jiffies = read_cpu_jiffies()
+    return None if jiffies is None else jiffies[0] / os.sysconf("SC_CLK_TCK")
 
 
 def one_run(tree: Path, work: Path, cache: Path, extra: list[str], name: str) -> tuple[float, float | None]:
