@@ -12,6 +12,7 @@ running), the cost that the 2-core test suite pays, which drifts less than the w
 
     python benchmarks/run_startup.py --repeats 5
     python benchmarks/run_startup.py --tree /path/to/old/checkout --tree . --repeats 7 -- parallelism=single
+    python benchmarks/run_startup.py --tree /path/to/old/checkout --tree . -- -m trainer.seed=1,2,3,4  # a sweep
 
 Extra arguments after ``--`` are overrides added to the default run
 (``parallelism=ddp trainer.max_steps=3 tracking=none checkpoint=none``, the small corpus slice of the
@@ -49,9 +50,12 @@ def one_run(tree: Path, work: Path, cache: Path, extra: list[str], name: str) ->
     """``(wall, cpu)``: seconds from starting the driver to its exit, and the machine's busy CPU seconds
     meanwhile (:func:`busy_seconds`; None without ``/proc/stat``). Raises SystemExit on a non-zero exit."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, "-m", "framework.train", *SMALL_DATA, f"data.cache_dir={cache}", *RUN, *extra]
+    flags = [e for e in extra if e.startswith("-")]  # Hydra's flags (-m) precede the overrides
+    overrides = [e for e in extra if not e.startswith("-")]
+    cmd = [sys.executable, "-m", "framework.train", *flags, *SMALL_DATA, f"data.cache_dir={cache}", *RUN, *overrides]
     b0, t0 = busy_seconds(), time.perf_counter()
-    proc = subprocess.run([*cmd, f"run_name={name}"], cwd=work, env=env, capture_output=True, text=True)
+    named = f"experiment_name={name}" if flags else f"run_name={name}"  # a sweep names its jobs itself
+    proc = subprocess.run([*cmd, named], cwd=work, env=env, capture_output=True, text=True)
     wall, b1 = time.perf_counter() - t0, busy_seconds()
     if proc.returncode != 0:
         raise SystemExit(f"run_startup: {tree} exited {proc.returncode}:\n{proc.stderr[-3000:]}")

@@ -33,6 +33,7 @@ PRELOAD_MODULES = [
     "framework.rank.callbacks.goodput",
     "framework.rank.faults.guard",
     "framework.rank.checkpoint.policy",
+    "framework.rank.preloaded",  # last: freezes the objects of the imports above (copy-on-write in the ranks)
 ]
 """What the forkserver imports once when ``trainer.preload_ranks`` is on (:func:`start_rank_server`)."""
 
