@@ -344,7 +344,7 @@ def main(app: Callable[[], None]) -> None:
     """Console entry point: run the Hydra ``app`` once per call (``-m``: once per sweep point).
 
     ``app`` is the driver's ``@hydra.main`` function (:mod:`framework.driver.train`; its module names
-    the Hydra job). Ends the process through :func:`framework.base.distributed.exit_process` (no
+    the Hydra job). Ends the process through :func:`framework.base.process_exit.exit_process` (no
     interpreter finalization) with the exit status the jobs asked for: 0, 1 (training failed;
     in a sweep: at least one job failed, after every job has run), 2 (bad input), 75
     (preempted), 130 (interrupted).
@@ -374,7 +374,7 @@ def main(app: Callable[[], None]) -> None:
             code = 1
     except KeyboardInterrupt:  # Ctrl-C before the ranks start (while composing, tokenizing, importing)
         print("trainlab: interrupted before training started", file=sys.stderr)
-        code = 130
+        code, cause = 130, None
     except SystemExit as done:
         if done.code is None or isinstance(done.code, int):
             code = done.code or 0
@@ -390,7 +390,7 @@ def main(app: Callable[[], None]) -> None:
     else:
         cause = None
     _close_open_sweep(code, cause)
-    from framework.base.distributed import exit_process
+    from framework.base.process_exit import exit_process
     from framework.driver.launcher import stop_rank_server
 
     stop_rank_server()

@@ -439,7 +439,7 @@ def run_rank(launch_file: str) -> int:
     _die_with_parent()
     _release_the_servers_lifeline()
     _keep_mlflow_out()
-    from framework.base.distributed import kill_daemonic_children
+    from framework.base.process_exit import kill_daemonic_children
     from framework.rank.callbacks.preemption import install_handlers
 
     install_handlers()  # a preemption during start-up stops the rank after its first step
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     _quiet_libraries()
     build_trainer_and_fit(LaunchSpec.read(argv[0]), marks)
     _shutdown_process_group()
-    from framework.base.distributed import exit_process
+    from framework.base.process_exit import exit_process
 
     exit_process(0)
 

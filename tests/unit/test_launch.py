@@ -87,7 +87,7 @@ def test_a_process_exits_although_a_daemonic_child_ignores_sigterm(tmp_path):
     script.write_text(
         textwrap.dedent("""
         import multiprocessing, signal, time
-        from framework.base.distributed import exit_process
+        from framework.base.process_exit import exit_process
 
         def idle():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
